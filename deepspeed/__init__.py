@@ -1,0 +1,52 @@
+# compat: the public `deepspeed` namespace. Names resolve lazily so that `import deepspeed`
+# stays cheap (no pydantic, no engine) until a script actually uses them.
+"""A pure-Python reimplementation of the DeepSpeed training runtime on PyTorch."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .version import __version__, git_branch, git_hash, version
+
+__version_major__, __version_minor__, __version_patch__ = (int(x) for x in __version__.split("+")[0].split(".")[:3])
+
+# name -> (module, attribute or None for the module itself)
+_LAZY = {
+    "initialize": ("deepspeed.runtime.builder", "initialize"),
+    "add_config_arguments": ("deepspeed.runtime.builder", "add_config_arguments"),
+    "default_inference_config": ("deepspeed.runtime.builder", "default_inference_config"),
+    "init_distributed": ("deepspeed.comm.comm", "init_distributed"),
+    "DeepSpeedEngine": ("deepspeed.runtime.engine", "DeepSpeedEngine"),
+    "DeepSpeedConfig": ("deepspeed.runtime.config", "DeepSpeedConfig"),
+    "DeepSpeedConfigError": ("deepspeed.runtime.config", "DeepSpeedConfigError"),
+    "DeepSpeedDataLoader": ("deepspeed.runtime.dataloader", "DeepSpeedDataLoader"),
+    "DeepSpeedOptimizer": ("deepspeed.runtime.base_optimizer", "DeepSpeedOptimizer"),
+    "get_accelerator": ("deepspeed.accelerator", "get_accelerator"),
+    "logger": ("deepspeed.utils.logging", "logger"),
+    "log_dist": ("deepspeed.utils.logging", "log_dist"),
+    "comm": ("deepspeed.comm", None),
+    "accelerator": ("deepspeed.accelerator", None),
+    "ops": ("deepspeed.ops", None),
+    "runtime": ("deepspeed.runtime", None),
+    "utils": ("deepspeed.utils", None),
+    "launcher": ("deepspeed.launcher", None),
+    "config": ("deepspeed.config", None),
+}
+
+__all__ = ["__version__", "version", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'deepspeed' has no attribute {name!r}") from None
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
