@@ -1,0 +1,4 @@
+# compat: `import deepspeed.comm as dist` — the upstream function API.
+from .comm import *  # noqa: F401,F403
+from .comm import ReduceOp, comms_counter, configure, init_distributed, mpi_discovery  # noqa: F401
+from .counting import CommsCounter  # noqa: F401

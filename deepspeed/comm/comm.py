@@ -1,0 +1,223 @@
+"""`deepspeed.comm`: the upstream function API over torch.distributed.
+
+This is the only module of the runtime that calls torch.distributed collectives, so every
+call is counted (see counting.py) and, with the `comms_logger` config section, logged.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as _tdist
+from torch.distributed import ReduceOp
+
+from ..utils.logging import logger
+from .counting import comms_counter
+
+default_pg_timeout = datetime.timedelta(minutes=30)
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+
+
+class _CommsLogConfig:
+    """State of the `comms_logger` section; one owner, set by `configure()`."""
+
+    enabled = False
+    verbose = False
+    prof_all = True
+    prof_ops: list[str] = []
+    debug = False
+
+
+_LOG = _CommsLogConfig()
+
+
+def configure(deepspeed_config: Any = None, enabled: bool | None = None, prof_all: bool | None = None,
+              prof_ops: list[str] | None = None, verbose: bool | None = None, debug: bool | None = None) -> None:
+    """Apply the `comms_logger` config section (or explicit overrides)."""
+    section = getattr(getattr(deepspeed_config, "model", None), "comms_logger", None)
+    for name, value in (("enabled", enabled), ("prof_all", prof_all), ("prof_ops", prof_ops),
+                        ("verbose", verbose), ("debug", debug)):
+        if value is None and section is not None:
+            value = getattr(section, name, None)
+        if value is not None:
+            setattr(_LOG, name, value)
+
+
+def _group_size(group: Any) -> int:
+    return _tdist.get_world_size(group) if _tdist.is_initialized() else 1
+
+
+def _timed(op: str, tensor: torch.Tensor | None, group: Any, fn: Callable[[], Any], nbytes: int | None = None) -> Any:
+    """Run one collective, count it, and log it when the comms logger asks for it."""
+    start = time.perf_counter()
+    result = fn()
+    elapsed = time.perf_counter() - start
+    numel = tensor.numel() if tensor is not None else 0
+    size = nbytes if nbytes is not None else (numel * tensor.element_size() if tensor is not None else 0)
+    dtype = str(tensor.dtype) if tensor is not None else "-"
+    comms_counter.record(op, numel, size, dtype, _group_size(group), elapsed)
+    if _LOG.enabled and _LOG.verbose and (_LOG.prof_all or op in _LOG.prof_ops):
+        logger.info(f"comm op: {op} | time (ms): {elapsed * 1e3:.2f} | msg size: {size} B | dtype: {dtype}")
+    return result
+
+
+# --- process group state ------------------------------------------------------------------
+def is_available() -> bool:
+    return _tdist.is_available()
+
+
+def is_initialized() -> bool:
+    return _tdist.is_available() and _tdist.is_initialized()
+
+
+def get_rank(group: Any = None) -> int:
+    return _tdist.get_rank(group) if is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def get_world_size(group: Any = None) -> int:
+    return _tdist.get_world_size(group) if is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
+    return _tdist.get_global_rank(group, group_rank) if group is not None else group_rank
+
+
+def get_world_group() -> Any:
+    return _tdist.group.WORLD
+
+
+def get_backend(group: Any = None) -> str:
+    return _tdist.get_backend(group)
+
+
+def new_group(ranks: list[int] | None = None, **kwargs: Any) -> Any:
+    return _tdist.new_group(ranks, **kwargs)
+
+
+def destroy_process_group(group: Any = None) -> None:
+    if is_initialized():
+        _tdist.destroy_process_group(group)
+
+
+# --- collectives -------------------------------------------------------------------------
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+    return _timed("all_reduce", tensor, group, lambda: _tdist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+
+
+def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None) -> Any:
+    return all_reduce(tensor, op=op, group=group)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+    return _timed("reduce", tensor, group, lambda: _tdist.reduce(tensor, dst, op=op, group=group, async_op=async_op))
+
+
+def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
+                          async_op: bool = False) -> Any:
+    return _timed("reduce_scatter_tensor", tensor, group,
+                  lambda: _tdist.reduce_scatter_tensor(output, tensor, op=op, group=group, async_op=async_op))
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM, group: Any = None,
+                   async_op: bool = False) -> Any:
+    nbytes = sum(t.numel() * t.element_size() for t in input_list)
+    return _timed("reduce_scatter", output, group,
+                  lambda: _tdist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op), nbytes)
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group: Any = None,
+                           async_op: bool = False) -> Any:
+    return _timed("all_gather_into_tensor", output_tensor, group,
+                  lambda: _tdist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op))
+
+
+def allgather_fn(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
+                 async_op: bool = False, debug: Any = None) -> Any:
+    return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    nbytes = sum(t.numel() * t.element_size() for t in tensor_list)
+    return _timed("all_gather", tensor, group,
+                  lambda: _tdist.all_gather(tensor_list, tensor, group=group, async_op=async_op), nbytes)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
+    return _timed("broadcast", tensor, group, lambda: _tdist.broadcast(tensor, src, group=group, async_op=async_op))
+
+
+def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes: Any = None,
+                      input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
+    return _timed("all_to_all_single", tensor, group, lambda: _tdist.all_to_all_single(
+        output, tensor, output_split_sizes, input_split_sizes, group=group, async_op=async_op))
+
+
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0, group: Any = None,
+           async_op: bool = False) -> Any:
+    return _timed("gather", tensor, group,
+                  lambda: _tdist.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op))
+
+
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, group: Any = None,
+            async_op: bool = False) -> Any:
+    return _timed("scatter", tensor, group,
+                  lambda: _tdist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op))
+
+
+def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Any:
+    return _timed("send", tensor, group, lambda: _tdist.send(tensor, dst, group=group, tag=tag))
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> Any:
+    return _timed("recv", tensor, group, lambda: _tdist.recv(tensor, src, group=group, tag=tag))
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Any:
+    return _timed("isend", tensor, group, lambda: _tdist.isend(tensor, dst, group=group, tag=tag))
+
+
+def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> Any:
+    return _timed("irecv", tensor, group, lambda: _tdist.irecv(tensor, src, group=group, tag=tag))
+
+
+def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
+    return _timed("barrier", None, group, lambda: _tdist.barrier(group=group, async_op=async_op))
+
+
+def monitored_barrier(group: Any = None, timeout: datetime.timedelta | None = None,
+                      wait_all_ranks: bool = False) -> Any:
+    return _timed("monitored_barrier", None, group,
+                  lambda: _tdist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks))
+
+
+def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> Any:
+    return _timed("all_gather_object", None, group, lambda: _tdist.all_gather_object(object_list, obj, group=group))
+
+
+def broadcast_object_list(object_list: list[Any], src: int = 0, group: Any = None, device: Any = None) -> Any:
+    return _timed("broadcast_object_list", None, group,
+                  lambda: _tdist.broadcast_object_list(object_list, src=src, group=group, device=device))
+
+
+def log_summary(show_straggler: bool = False) -> None:
+    """Print the per-op tally (upstream prints its comms-logger table here)."""
+    if get_rank() != 0:
+        return
+    lines = [f"{'op':<24}{'count':>8}{'MB':>12}{'wire MB':>12}{'time ms':>12}"]
+    for op, s in sorted(comms_counter.summary().items()):
+        lines.append(f"{op:<24}{s['count']:>8}{s['bytes'] / 2**20:>12.2f}{s['wire_bytes'] / 2**20:>12.2f}"
+                     f"{s['time_s'] * 1e3:>12.1f}")
+    print("\n".join(lines), flush=True)
+
+
+# --- initialisation ----------------------------------------------------------------------
+from .init import init_distributed, mpi_discovery  # noqa: E402  (uses the names above)

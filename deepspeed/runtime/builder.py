@@ -1,0 +1,84 @@
+"""`deepspeed.initialize` and `deepspeed.add_config_arguments`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+import torch
+
+from ..utils.logging import log_dist
+from ..version import __version__
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add `--deepspeed`, `--deepspeed_config` (and the deprecated `--deepscale*`) to `parser`."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="Deprecated enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="Deprecated DeepSpeed json configuration file.")
+    return parser
+
+
+def _config_from_args(args: Any, config: Any, config_params: Any) -> Any:
+    """Pick the one config source among `config`, `config_params` and `args.deepspeed_config`."""
+    if config is None and config_params is not None:
+        config = config_params
+    if args is not None and getattr(args, "deepscale_config", None) is not None:
+        if getattr(args, "deepspeed_config", None) is not None:
+            raise ValueError("Both --deepscale_config (deprecated) and --deepspeed_config were given; use only "
+                             "--deepspeed_config")
+        args.deepspeed_config, args.deepscale_config = args.deepscale_config, None
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is not None:
+        if config is not None:
+            raise ValueError("deepspeed.initialize: a config was given both as --deepspeed_config "
+                             f"({from_args!r}) and as the `config` argument; pass only one")
+        config = from_args
+    if config is None:
+        raise ValueError("deepspeed.initialize: no DeepSpeed config; pass `config=` (dict or JSON path) or "
+                         "--deepspeed_config on the command line (see deepspeed.add_config_arguments)")
+    return config
+
+
+def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Callable | None = None, config: Any = None, mesh_param: Any = None,
+               config_params: Any = None) -> tuple:
+    """Build the training engine.
+
+    Returns `(engine, optimizer, training_dataloader, lr_scheduler)`: the engine wraps `model`;
+    `optimizer` is the client's or the config's (None when neither), `training_dataloader` is a
+    DeepSpeedDataLoader over `training_data` (or None), `lr_scheduler` the client's or the
+    config's (or None). The config is validated on every rank before any collective.
+    """
+    from .. import comm as dist
+    from .config import DeepSpeedConfig, load_config_dict
+    from .engine import DeepSpeedEngine
+
+    if model is None:
+        raise ValueError("deepspeed.initialize requires a model (got model=None)")
+    if mesh_param is not None:
+        raise NotImplementedError("deepspeed.initialize: mesh_param (sequence/data-parallel meshes) is not "
+                                  "supported by this implementation")
+    raw = load_config_dict(_config_from_args(args, config, config_params))
+    # Validate before the process group exists: a bad config fails alike on every rank, no hang.
+    world_size = mpu.get_data_parallel_world_size() if mpu is not None else dist.get_world_size()
+    config_class = DeepSpeedConfig(raw, world_size=world_size)
+    dist.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
+                          verbose=False)
+    log_dist(f"DeepSpeed info: version={__version__} (pure-Python)", ranks=[0])
+    engine = DeepSpeedEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                             training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                             dist_init_required=dist_init_required, collate_fn=collate_fn, config=raw,
+                             config_class=config_class)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def default_inference_config() -> dict:
+    return {}

@@ -1,0 +1,306 @@
+"""DeepSpeedEngine: forward, backward, step and gradient accumulation over a user's model.
+
+The engine wires plan and runtime objects together and delegates: gradient averaging to
+GradBucketReducer, optimizer/scheduler construction to optimizers.py / lr_schedules.py,
+legacy accessors to engine_accessors.py. State it owns: the micro/global step counters.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .. import comm as dist
+from ..accelerator import get_accelerator
+from ..utils.logging import log_dist, logger
+from ..utils.timer import SynchronizedWallClockTimer, ThroughputTimer
+from .dataloader import DeepSpeedDataLoader
+from .engine_accessors import EngineAccessors
+from .engine_setup import (broadcast_module_states, build_lr_scheduler, build_optimizer_for_engine,
+                           build_reducer, check_supported, resolve_device)
+from .grad_accum import is_boundary
+
+FORWARD_TIMER, BACKWARD_TIMER, STEP_TIMER = "fwd", "bwd", "step"
+
+
+class DeepSpeedEngine(EngineAccessors, nn.Module):
+    """Wraps a model for data-parallel training with DeepSpeed's API.
+
+    The constructor keeps upstream's signature: frameworks subclass and call it that way.
+    """
+
+    def __init__(self, args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
+                 model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+                 mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
+                 config: Any = None, config_class: Any = None, dont_change_device: bool = False) -> None:
+        super().__init__()
+        if model is None:
+            raise ValueError("deepspeed.initialize: `model` is required (got None)")
+        check_supported(config_class)
+        self._config = config_class
+        self.config = config if isinstance(config, dict) else dict(config_class.raw)
+        self.mpu = mpu
+        self.module = model
+        self.global_rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if args is not None and hasattr(args, "local_rank"):
+            args.local_rank = self.local_rank
+        self.data_parallel_group = mpu.get_data_parallel_group() if mpu is not None else None
+        self.dp_world_size = mpu.get_data_parallel_world_size() if mpu is not None else self.world_size
+        self.device = resolve_device(self.local_rank)
+        if not dont_change_device:
+            self.module.to(self.device)
+        broadcast_module_states(self.module, self.data_parallel_group)
+
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._is_gradient_accumulation_boundary: bool | None = None
+        self._global_grad_norm: float | None = None
+        self._losses: list[torch.Tensor] = []
+        self._reduced_this_boundary = False
+        self.inside_no_sync_ctxt = False
+        self.enable_backward_allreduce = True
+        self.timers = SynchronizedWallClockTimer()
+        self.tput_timer = ThroughputTimer(batch_size=self.train_batch_size(),
+                                          steps_per_output=self.steps_per_print())
+
+        self.client_optimizer, self.client_lr_scheduler = optimizer, lr_scheduler
+        self.basic_optimizer = build_optimizer_for_engine(self, optimizer, model_parameters)
+        self.optimizer = self.basic_optimizer
+        self.lr_scheduler = build_lr_scheduler(self, lr_scheduler)
+        self._reducer = build_reducer(self)
+        self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
+            if training_data is not None else None
+        dist.configure(config_class)
+        if self.dump_state():
+            config_class.print_config()
+
+    # --- attribute pass-through -------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the engine does not define come from the wrapped module (upstream does this)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None and hasattr(module, name):
+                return getattr(module, name)
+            raise
+
+    # --- forward ----------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module's forward."""
+        if self.wall_clock_breakdown():
+            self.timers(FORWARD_TIMER).start()
+        if self.training and self.tput_timer is not None:
+            self.tput_timer.start()
+        loss = self.module(*inputs, **kwargs)
+        if self.wall_clock_breakdown():
+            self.timers(FORWARD_TIMER).stop()
+        return loss
+
+    # --- backward ---------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward on `loss` (divided by gradient_accumulation_steps unless scale_wrt_gas=False).
+
+        At an accumulation boundary the gradients are averaged across data-parallel ranks,
+        bucket by bucket while backward still runs. Returns the scaled loss.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("engine.backward() needs an optimizer: pass `optimizer` or an `optimizer` "
+                               "section in the config to deepspeed.initialize")
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError("engine.backward(loss): loss must be a scalar tensor; for non-scalar outputs call "
+                             "output.backward(gradient) directly")
+        if self.wall_clock_breakdown():
+            self.timers(BACKWARD_TIMER).start()
+        self._losses.append(loss.detach())
+        scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+        self._backward_prologue()
+        scaled.backward(retain_graph=retain_graph)
+        self._backward_epilogue()
+        if self.wall_clock_breakdown():
+            self.timers(BACKWARD_TIMER).stop()
+        return scaled
+
+    def _reduce_now(self) -> bool:
+        return (self._reducer is not None and self.enable_backward_allreduce and not self.inside_no_sync_ctxt
+                and self.is_gradient_accumulation_boundary())
+
+    def _backward_prologue(self) -> None:
+        if self._reduce_now():
+            self._reducer.arm()
+
+    def _backward_epilogue(self) -> None:
+        """Wait for this backward's gradient reductions (public-by-use name, see seed 000)."""
+        if self._reducer is not None and self._reducer.armed:
+            self._reducer.finish()
+            self._reduced_this_boundary = True
+
+    def allreduce_gradients(self, bucket_size: int | None = None) -> None:
+        """Average gradients now (used when backward ran outside engine.backward)."""
+        if self._reducer is not None and not self._reduced_this_boundary:
+            self._reducer.arm()
+            self._reducer.finish()
+            self._reduced_this_boundary = True
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient averaging for backward passes inside the block (they only accumulate)."""
+        if self.inside_no_sync_ctxt:
+            raise RuntimeError("no_sync context manager reentry is unsupported")
+        self.inside_no_sync_ctxt = True
+        try:
+            yield
+        finally:
+            self.inside_no_sync_ctxt = False
+
+    # --- accumulation boundary ----------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the current micro-batch ends an accumulation window (reduce + step)."""
+        return is_boundary(self.micro_steps, self.gradient_accumulation_steps(),
+                           self._is_gradient_accumulation_boundary)
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the boundary for the next backward (Hugging Face Accelerate drives it this way)."""
+        self._is_gradient_accumulation_boundary = bool(is_boundary)
+
+    # --- step ---------------------------------------------------------------------------------
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """At an accumulation boundary: clip, optimizer step, LR schedule, zero grads. Always counts."""
+        if self.inside_no_sync_ctxt:
+            raise RuntimeError("It is illegal to call engine.step() inside the no_sync context manager")
+        if self.optimizer is None:
+            raise RuntimeError("engine.step() needs an optimizer: pass `optimizer` or an `optimizer` "
+                               "section in the config to deepspeed.initialize")
+        if self.wall_clock_breakdown():
+            self.timers(STEP_TIMER).start()
+        self._step_applied = False
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            self._take_model_step(lr_kwargs)
+        self.tput_timer.stop(global_step=boundary)
+        if self.wall_clock_breakdown():
+            self.timers(STEP_TIMER).stop()
+            if boundary and self._should_print():
+                self.timers.log([FORWARD_TIMER, BACKWARD_TIMER, STEP_TIMER])
+        self.micro_steps += 1
+
+    def _take_model_step(self, lr_kwargs: dict | None) -> None:
+        if not self._reduced_this_boundary and not self.inside_no_sync_ctxt:
+            self.allreduce_gradients()  # backward ran outside engine.backward: reduce now
+        clip = self.gradient_clipping()
+        if clip > 0.0:
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip, foreach=True) if params else None
+            self._global_grad_norm = float(norm) if norm is not None else None
+        self.optimizer.step()
+        self.zero_grad()
+        self._step_applied = True
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self._reduced_this_boundary = False
+        if self._should_print():
+            self._report_progress(self.global_steps)
+        self._losses = []
+
+    def _should_print(self) -> bool:
+        every = self.steps_per_print()
+        return bool(every) and self.global_steps > 0 and self.global_steps % every == 0
+
+    def _report_progress(self, step: int) -> None:
+        loss = torch.stack(self._losses).float().mean().item() if self._losses else float("nan")
+        log_dist(f"step={step}, skipped={self.skipped_steps}, lr={self.get_lr()}, mom={self.get_mom()}, "
+                 f"loss={loss:.4f}, samples/sec={self.tput_timer.avg_samples_per_sec():.1f}", ranks=[0])
+
+    def zero_grad(self) -> None:
+        """Zero parameter gradients (kept as bucket views under data parallelism)."""
+        if self._reducer is not None:
+            self._reducer.zero_grad()
+        else:
+            for p in self.module.parameters():
+                p.grad = None
+
+    # --- accessors ----------------------------------------------------------------------------
+    def _get_optimizer_param(self, name: str) -> list:
+        if self.optimizer is None:
+            return []
+        return [group[name] for group in self.optimizer.param_groups if name in group]
+
+    def get_lr(self) -> list[float]:
+        return self._get_optimizer_param("lr")
+
+    def get_mom(self) -> list:
+        name = (self.optimizer_name() or "").lower()
+        return self._get_optimizer_param("momentum" if name in ("sgd", "rmsprop") else "betas")
+
+    def get_type(self) -> list:
+        return self._get_optimizer_param("type")
+
+    def get_global_grad_norm(self) -> float | None:
+        """Norm of the averaged gradients at the last step (computed when clipping is on)."""
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch by changing gradient_accumulation_steps (micro batch fixed)."""
+        per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if train_batch_size % per_step != 0:
+            raise ValueError(f"train_batch_size ({train_batch_size}) must be divisible by "
+                             f"train_micro_batch_size_per_gpu * data-parallel world size ({per_step})")
+        self._config.set_batch(train_batch_size, train_batch_size // per_step)
+        self.tput_timer.batch_size = train_batch_size
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        gas = self.gradient_accumulation_steps()
+        self._config.set_batch(micro_batch_size * gas * self.dp_world_size, gas, micro_batch_size)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.data_parallel_group)
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
+
+    def get_wall_clock_timers(self) -> dict[str, float]:
+        return {name: t.elapsed(reset=False) for name, t in self.timers.get_timers().items()}
+
+    @property
+    def communication_data_type(self) -> torch.dtype | None:
+        return self._config.communication_dtype
+
+    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train",
+                     pin_memory: bool = True, data_sampler: Any = None, collate_fn: Any = None,
+                     num_local_io_workers: int | None = None) -> DeepSpeedDataLoader:
+        """A DataLoader that gives each data-parallel rank its share of `dataset`."""
+        if not isinstance(dataset, torch.utils.data.Dataset):
+            raise ValueError(f"training_data must be a torch.utils.data.Dataset, got {type(dataset).__name__}")
+        return DeepSpeedDataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                                   pin_memory=pin_memory and self.device.type == "cuda",
+                                   tput_timer=None, collate_fn=collate_fn,
+                                   num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
+                                   data_parallel_world_size=self.dp_world_size,
+                                   data_parallel_rank=self.get_data_parallel_rank(),
+                                   dataloader_drop_last=self.dataloader_drop_last())
+
+    def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict:
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def destroy(self) -> None:
+        """Remove the engine's hooks so the module can be reused or freed."""
+        if self._reducer is not None:
+            self._reducer.remove_hooks()
+            self._reducer = None
+
+    def __repr__(self) -> str:
+        return f"DeepSpeedEngine(stage=0, dp_world_size={self.dp_world_size}, module={self.module!r})"

@@ -1,0 +1,84 @@
+"""Legacy engine accessors (`engine.fp16_enabled()`, `engine.zero_optimization_stage()`, ...).
+
+Downstream code (Hugging Face, Accelerate, Lightning, Megatron) calls these names; the runtime
+itself reads the typed config. Each accessor is one row of a table instead of one method.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+# accessor name -> function of the DeepSpeedConfig
+_ACCESSORS: dict[str, Callable[[Any], Any]] = {
+    "train_batch_size": lambda c: c.train_batch_size,
+    "train_micro_batch_size_per_gpu": lambda c: c.train_micro_batch_size_per_gpu,
+    "gradient_accumulation_steps": lambda c: c.gradient_accumulation_steps,
+    "gradient_clipping": lambda c: c.model.gradient_clipping,
+    "steps_per_print": lambda c: c.model.steps_per_print,
+    "wall_clock_breakdown": lambda c: c.model.wall_clock_breakdown,
+    "memory_breakdown": lambda c: c.model.memory_breakdown,
+    "dump_state": lambda c: c.model.dump_state,
+    "fp16_enabled": lambda c: c.model.fp16.enabled,
+    "bfloat16_enabled": lambda c: c.model.bf16.enabled,
+    "fp16_auto_cast": lambda c: c.model.fp16.auto_cast,
+    "amp_enabled": lambda c: False,
+    "torch_autocast_enabled": lambda c: c.model.torch_autocast.enabled,
+    "dynamic_loss_scale": lambda c: c.model.fp16.enabled and c.model.fp16.loss_scale == 0,
+    "loss_scale": lambda c: c.model.fp16.loss_scale,
+    "initial_dynamic_scale": lambda c: 2 ** c.model.fp16.initial_scale_power,
+    "postscale_gradients": lambda c: not c.model.prescale_gradients,
+    "gradient_predivide_factor": lambda c: c.model.gradient_predivide_factor,
+    "zero_optimization": lambda c: c.model.zero_optimization.stage > 0,
+    "zero_optimization_stage": lambda c: c.model.zero_optimization.stage,
+    "zero_optimization_partition_gradients": lambda c: c.model.zero_optimization.stage >= 2,
+    "zero_optimization_partition_weights": lambda c: c.model.zero_optimization.stage >= 3,
+    "zero_reduce_bucket_size": lambda c: c.model.zero_optimization.reduce_bucket_size,
+    "zero_allgather_bucket_size": lambda c: c.model.zero_optimization.allgather_bucket_size,
+    "zero_overlap_comm": lambda c: c.model.zero_optimization.overlap_comm,
+    "zero_contiguous_gradients": lambda c: c.model.zero_optimization.contiguous_gradients,
+    "zero_allow_untested_optimizer": lambda c: c.model.zero_allow_untested_optimizer,
+    "zero_force_ds_cpu_optimizer": lambda c: c.model.zero_force_ds_cpu_optimizer,
+    "zero_ignore_unused_parameters": lambda c: c.model.zero_optimization.ignore_unused_parameters,
+    "zero_offload_optimizer": lambda c: _offload_device(c.model.zero_optimization.offload_optimizer),
+    "zero_offload_param": lambda c: _offload_device(c.model.zero_optimization.offload_param),
+    "zero_cpu_offload": lambda c: _offload_device(c.model.zero_optimization.offload_optimizer) == "cpu",
+    "zero_gather_16bit_weights_on_model_save":
+        lambda c: c.model.zero_optimization.stage3_gather_16bit_weights_on_model_save,
+    "optimizer_name": lambda c: c.model.optimizer.type if c.model.optimizer else None,
+    "optimizer_params": lambda c: dict(c.model.optimizer.params) if c.model.optimizer else None,
+    "scheduler_name": lambda c: c.model.scheduler.type if c.model.scheduler else None,
+    "scheduler_params": lambda c: dict(c.model.scheduler.params) if c.model.scheduler else None,
+    "dataloader_drop_last": lambda c: c.model.dataloader_drop_last,
+    "pipeline_parallelism": lambda c: False,
+    "sparse_gradients_enabled": lambda c: getattr(c.model, "sparse_gradients", False),
+    "checkpoint_tag_validation_enabled": lambda c: _tag_validation(c) != "ignore",
+    "checkpoint_tag_validation_fail": lambda c: _tag_validation(c) == "fail",
+}
+
+
+def _offload_device(section: Any) -> Any:
+    device = getattr(section, "device", None) if section is not None else None
+    value = getattr(device, "value", device)
+    return None if value in (None, "none") else value
+
+
+def _tag_validation(config: Any) -> str:
+    value = getattr(config.model.checkpoint, "tag_validation", "Warn")
+    return str(getattr(value, "value", value)).lower()
+
+
+def _make(name: str, getter: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def accessor(self: Any) -> Any:
+        return getter(self._config)
+
+    accessor.__name__ = name
+    accessor.__doc__ = f"Config value `{name}` (legacy accessor)."
+    return accessor
+
+
+class EngineAccessors:
+    """Mixin: one method per row of `_ACCESSORS`, reading `self._config`."""
+
+
+for _name, _getter in _ACCESSORS.items():
+    setattr(EngineAccessors, _name, _make(_name, _getter))

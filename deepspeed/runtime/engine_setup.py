@@ -1,0 +1,137 @@
+"""Construction steps of the engine, as plain functions: device, broadcast, optimizer, scheduler, reducer."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .. import comm as dist
+from ..accelerator import get_accelerator
+from ..utils.logging import log_dist, logger
+from .grad_reducer import GradBucketReducer, ReducePolicy
+
+# DDP's default bucket (25 MiB of fp32) when the user leaves reduce_bucket_size at its default:
+# DeepSpeed's 5e8-element default would make one bucket and remove all overlap with backward.
+_DEFAULT_DP_BUCKET_BYTES = 25 * 2**20
+_FIRST_BUCKET_BYTES = 1 * 2**20
+
+
+class NotSupportedYet(NotImplementedError):
+    """A config feature this implementation parses but does not run yet."""
+
+
+def check_supported(config: Any) -> None:
+    """Fail early, on every rank, for config features the engine does not run yet."""
+    model = config.model
+    unsupported = []
+    if model.zero_optimization.stage > 0:
+        unsupported.append(f"zero_optimization.stage={model.zero_optimization.stage} (ZeRO stages 1-3)")
+    if model.fp16.enabled:
+        unsupported.append("fp16.enabled=true (fp16 mixed precision)")
+    if model.bf16.enabled:
+        unsupported.append("bf16.enabled=true (bf16 mixed precision)")
+    if model.torch_autocast.enabled:
+        unsupported.append("torch_autocast.enabled=true")
+    if unsupported:
+        raise NotSupportedYet("Not implemented yet in this build of deepspeed: " + "; ".join(unsupported) +
+                              ". See README.md, 'Features', for what is available.")
+
+
+def resolve_device(local_rank: int) -> torch.device:
+    accel = get_accelerator()
+    if accel.device_name() == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def broadcast_module_states(module: nn.Module, group: Any) -> None:
+    """Make every replica start from rank 0's parameters and buffers, one broadcast per dtype."""
+    if dist.get_world_size(group) <= 1:
+        return
+    tensors = [p.data for p in module.parameters()] + [b for b in module.buffers()]
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_key.setdefault((t.dtype, t.device), []).append(t)
+    src = dist.get_global_rank(group, 0)
+    for members in by_key.values():
+        flat = torch.cat([t.reshape(-1) for t in members])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for t in members:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def _trainable(model_parameters: Any, module: nn.Module) -> Any:
+    if model_parameters is None:
+        return [p for p in module.parameters() if p.requires_grad]
+    params = list(model_parameters)  # generators are consumed once: materialise
+    return params
+
+
+def build_optimizer_for_engine(engine: Any, client_optimizer: Any, model_parameters: Any) -> Any:
+    """The client optimizer (instance or callable), else one built from the config, else None."""
+    from .optimizers import build_optimizer
+
+    config = engine._config.model
+    params = _trainable(model_parameters, engine.module)
+    if client_optimizer is not None:
+        if config.optimizer is not None:
+            logger.warning("deepspeed.initialize: both a client optimizer and an `optimizer` config section were "
+                           "given; using the client optimizer and ignoring `optimizer` in the config")
+        if isinstance(client_optimizer, torch.optim.Optimizer):
+            optimizer = client_optimizer
+        elif callable(client_optimizer):
+            optimizer = client_optimizer(params)
+        else:
+            raise TypeError(f"deepspeed.initialize: optimizer must be a torch.optim.Optimizer or a callable taking "
+                            f"the model parameters, got {type(client_optimizer).__name__}")
+    elif config.optimizer is not None:
+        optimizer = build_optimizer(config.optimizer.type, dict(config.optimizer.params), params)
+    else:
+        return None
+    optimizer.param_groups[:] = [g for g in optimizer.param_groups if len(g["params"]) > 0]
+    log_dist(f"DeepSpeed Basic Optimizer = {type(optimizer).__name__}", ranks=[0])
+    return optimizer
+
+
+def build_lr_scheduler(engine: Any, client_scheduler: Any) -> Any:
+    """The client scheduler (instance or callable taking the optimizer), else the config's, else None."""
+    from .lr_schedules import build_scheduler
+
+    if client_scheduler is not None:
+        if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
+            return client_scheduler(engine.basic_optimizer)
+        return client_scheduler
+    section = engine._config.model.scheduler
+    if section is None:
+        return None
+    if engine.basic_optimizer is None:
+        raise ValueError(f"scheduler.type={section.type!r} needs an optimizer, but none was configured")
+    return build_scheduler(section.type, dict(section.params), engine.basic_optimizer)
+
+
+def _comm_dtype_fn(engine: Any) -> Callable[[nn.Parameter], torch.dtype]:
+    forced = engine._config.communication_dtype
+    return lambda p: forced if forced is not None else p.dtype
+
+
+def build_reducer(engine: Any) -> GradBucketReducer | None:
+    """Gradient averaging for data parallelism; None for a single replica or inference."""
+    if engine.dp_world_size <= 1 or engine.basic_optimizer is None:
+        return None
+    config = engine._config
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    if config.is_set("zero_optimization.reduce_bucket_size"):
+        bucket_numel, first = config.model.zero_optimization.reduce_bucket_size, None
+    else:
+        itemsize = params[0].element_size() if params else 4
+        bucket_numel, first = _DEFAULT_DP_BUCKET_BYTES // itemsize, _FIRST_BUCKET_BYTES // itemsize
+    policy = ReducePolicy(world_size=engine.dp_world_size,
+                          prescale_gradients=config.model.prescale_gradients,
+                          gradient_predivide_factor=config.model.gradient_predivide_factor)
+    return GradBucketReducer(params, policy, bucket_numel, _comm_dtype_fn(engine),
+                             group=engine.data_parallel_group, first_bucket_numel=first)

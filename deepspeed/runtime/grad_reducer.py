@@ -1,0 +1,190 @@
+"""Data-parallel gradient averaging in buckets, overlapped with backward (ZeRO stage 0).
+
+[Note: gradients as bucket views]
+Every trainable parameter's `.grad` is a view into one flat buffer per bucket, so a bucket is
+reduced in place with one collective and no copy. Autograd accumulates into an existing
+`.grad` in place, so gradient accumulation across micro-steps also lands in the buffer. When
+user code replaces `.grad` (for example `optimizer.zero_grad(set_to_none=True)`), the
+post-accumulate hook copies the new gradient into its view and re-binds `.grad`.
+
+[Note: bucket launch order]
+Asynchronous collectives must be issued in the same order on every rank. Buckets are
+therefore launched strictly in index order (bucket k only after buckets < k), like DDP; a
+bucket becomes ready when each of its parameters reported a gradient, and `finish()`
+launches whatever is left (parameters that got no gradient on this rank contribute zeros,
+as DeepSpeed's stage 0 does), so ranks whose graphs differ still issue identical sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .. import comm as dist
+
+
+@dataclass(frozen=True)
+class ReducePolicy:
+    """How gradients are averaged (DeepSpeed's prescale/predivide semantics)."""
+
+    world_size: int
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+
+    def before(self) -> float:
+        if self.prescale_gradients:
+            return 1.0 / self.world_size
+        return 1.0 / self.gradient_predivide_factor
+
+    def after(self) -> float:
+        if self.prescale_gradients:
+            return 1.0
+        return self.gradient_predivide_factor / self.world_size
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    flat: torch.Tensor                      # 1D, dtype of the parameters
+    views: list[torch.Tensor]               # ND views of `flat`, one per param
+    comm_dtype: torch.dtype
+    pending: set[int] = field(default_factory=set)
+    work: Any = None
+    comm_buffer: torch.Tensor | None = None
+
+
+def plan_buckets(numels: list[int], bucket_numel: int, first_bucket_numel: int | None = None) -> list[list[int]]:
+    """Group parameter indices (already in reduction order) into buckets of about `bucket_numel`.
+
+    A parameter larger than a bucket gets a bucket of its own. The first bucket may be smaller
+    so that communication starts early in backward (DDP does the same).
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    cap = first_bucket_numel or bucket_numel
+    for index, numel in enumerate(numels):
+        if current and size + numel > cap:
+            buckets.append(current)
+            current, size, cap = [], 0, bucket_numel
+        current.append(index)
+        size += numel
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class GradBucketReducer:
+    """Owns the gradient buffers of a replicated model and averages them across ranks."""
+
+    def __init__(self, params: list[torch.nn.Parameter], policy: ReducePolicy, bucket_numel: int,
+                 comm_dtype_of: Callable[[torch.nn.Parameter], torch.dtype], group: Any = None,
+                 first_bucket_numel: int | None = None) -> None:
+        # Reverse registration order approximates the order gradients become ready.
+        ordered = [p for p in reversed(params) if p.requires_grad]
+        self.policy = policy
+        self.group = group
+        self.buckets: list[_Bucket] = []
+        self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket index, position)
+        groups = plan_buckets([p.numel() for p in ordered], bucket_numel, first_bucket_numel)
+        for indices in groups:
+            self._add_buckets([ordered[i] for i in indices], comm_dtype_of)
+        self._next_launch = 0
+        self._armed = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in ordered]
+
+    def _add_buckets(self, params: list[torch.nn.Parameter], comm_dtype_of: Callable) -> None:
+        """One bucket per (dtype, device, comm dtype) run inside a planned group."""
+        by_key: dict[tuple, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_key.setdefault((p.dtype, p.device, comm_dtype_of(p)), []).append(p)
+        for (dtype, device, comm_dtype), members in by_key.items():
+            flat = torch.zeros(sum(p.numel() for p in members), dtype=dtype, device=device)
+            views, offset = [], 0
+            for position, p in enumerate(members):
+                views.append(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+                self._where[id(p)] = (len(self.buckets), position)
+                p.grad = views[-1]
+            self.buckets.append(_Bucket(members, flat, views, comm_dtype))
+
+    # --- backward-time -----------------------------------------------------------------
+    def arm(self) -> None:
+        """Reduce during the coming backward (called at accumulation boundaries only)."""
+        if self._armed:
+            return
+        self._armed = True
+        self._next_launch = 0
+        for bucket in self.buckets:
+            bucket.pending = set(range(len(bucket.params)))
+
+    @property
+    def armed(self) -> bool:
+        return self._armed
+
+    def _bind(self, bucket: _Bucket, position: int) -> None:
+        """Make `param.grad` the bucket view again; see [Note: gradients as bucket views]."""
+        param, view = bucket.params[position], bucket.views[position]
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+        else:
+            return
+        param.grad = view
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        bucket_index, position = self._where[id(param)]
+        bucket = self.buckets[bucket_index]
+        self._bind(bucket, position)
+        if not self._armed:
+            return
+        bucket.pending.discard(position)
+        while self._next_launch < len(self.buckets) and not self.buckets[self._next_launch].pending:
+            self._launch(self._next_launch)
+
+    def _launch(self, index: int) -> None:
+        """Start the asynchronous all-reduce of bucket `index` (see [Note: bucket launch order])."""
+        bucket = self.buckets[index]
+        for position in range(len(bucket.params)):
+            self._bind(bucket, position)
+        buffer = bucket.flat if bucket.comm_dtype == bucket.flat.dtype else bucket.flat.to(bucket.comm_dtype)
+        scale = self.policy.before()
+        if scale != 1.0:
+            buffer.mul_(scale)
+        bucket.comm_buffer = buffer
+        bucket.work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        self._next_launch = index + 1
+
+    def finish(self) -> None:
+        """Launch what is left, wait for every bucket, and apply the post-scale."""
+        if not self._armed:
+            return
+        while self._next_launch < len(self.buckets):
+            self._launch(self._next_launch)
+        scale = self.policy.after()
+        for bucket in self.buckets:
+            bucket.work.wait()
+            buffer = bucket.comm_buffer
+            if scale != 1.0:
+                buffer.mul_(scale)
+            if buffer is not bucket.flat:
+                bucket.flat.copy_(buffer)
+            bucket.work, bucket.comm_buffer = None, None
+        self._armed = False
+
+    # --- step-time -----------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Zero the buffers and keep `.grad` bound to them (no reallocation per step)."""
+        for bucket in self.buckets:
+            bucket.flat.zero_()
+            for position in range(len(bucket.params)):
+                self._bind(bucket, position)
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []

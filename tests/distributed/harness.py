@@ -1,0 +1,153 @@
+"""Persistent multi-process workers for distributed tests (gloo on CPU, real processes).
+
+`run_distributed(world_size, fn, *args)` runs the module-level function `fn` on every rank of
+a pool of `world_size` processes and returns the per-rank results. Pools start once per world
+size and are reused across tests, so the suite pays process start-up and torch import once.
+An exception on any rank is re-raised here with every failing rank's traceback; a pool whose
+ranks failed or timed out is torn down (its ranks may be stuck in a collective) and rebuilt
+on next use, so one failure cannot hang or poison later tests.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import sys
+import traceback
+from typing import Any, Callable
+
+_CALL_TIMEOUT_S = float(os.environ.get("DS_TEST_TIMEOUT", 240))
+_GLOO_TIMEOUT_S = 90
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolve(module_name: str, module_file: str, qualname: str) -> Callable:
+    if module_name not in sys.modules:
+        directory = os.path.dirname(module_file)
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
+        importlib.import_module(module_name)
+    obj: Any = sys.modules[module_name]
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _worker_main(rank: int, world_size: int, port: int, conn: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      DS_ACCELERATOR="cpu")
+    import datetime
+
+    import torch
+
+    torch.set_num_threads(1)  # world sizes up to 4 on a 2-core machine: avoid oversubscription
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False,
+                               timeout=datetime.timedelta(seconds=_GLOO_TIMEOUT_S))
+    conn.send(("ready", None))
+    while True:
+        message = conn.recv()
+        if message is None:
+            break
+        module_name, module_file, qualname, args, kwargs = message
+        try:
+            fn = _resolve(module_name, module_file, qualname)
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:  # report everything, including assertion errors
+            conn.send(("error", traceback.format_exc()))
+    import torch.distributed as tdist
+
+    tdist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.world_size = world_size
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(120):
+                self.close(force=True)
+                raise RuntimeError(f"worker rank {rank} of world size {world_size} did not start")
+            conn.recv()
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        module = sys.modules[fn.__module__]
+        message = (fn.__module__, module.__file__, fn.__qualname__, args, kwargs)
+        for conn in self.conns:
+            conn.send(message)
+        results: list[Any] = [None] * self.world_size
+        errors: dict[int, str] = {}
+        for rank, conn in enumerate(self.conns):
+            # After a first failure the other ranks get a short grace period (they may be stuck).
+            wait = timeout if not errors else 15
+            if not conn.poll(wait):
+                errors[rank] = f"rank {rank} did not answer within {wait:.0f} s (stuck in a collective?)"
+                continue
+            status, value = conn.recv()
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors[rank] = value
+        if errors:
+            raise DistributedTestError(fn.__qualname__, self.world_size, errors)
+        return results
+
+    def close(self, force: bool = False) -> None:
+        for conn in self.conns:
+            try:
+                if not force:
+                    conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=0 if force else 5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+class DistributedTestError(AssertionError):
+    def __init__(self, name: str, world_size: int, errors: dict[int, str]) -> None:
+        text = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+        super().__init__(f"{name} failed on {len(errors)}/{world_size} ranks:\n{text}")
+
+
+_POOLS: dict[int, WorkerPool] = {}
+
+
+def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = _CALL_TIMEOUT_S,
+                    **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on ranks 0..world_size-1 and return their results by rank."""
+    pool = _POOLS.get(world_size)
+    if pool is None:
+        pool = _POOLS[world_size] = WorkerPool(world_size)
+    try:
+        return pool.run(fn, args, kwargs, timeout)
+    except DistributedTestError:
+        _POOLS.pop(world_size).close(force=True)
+        raise
+
+
+@atexit.register
+def _shutdown() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()

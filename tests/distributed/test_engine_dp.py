@@ -1,0 +1,173 @@
+"""Data-parallel engine (ZeRO stage 0) against a plain-PyTorch reference on the same global batch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from harness import run_distributed
+from models import SometimesUnused, TinyMLP, global_batches, make_model, micro_slice, reference_training
+
+STEPS = 4
+
+
+def _config(micro: int = 2, gas: int = 1, opt: str = "AdamW", **extra) -> dict:
+    params = {"lr": 1e-2, "weight_decay": 0.01} if opt == "AdamW" else {"lr": 0.1, "momentum": 0.9}
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+           "optimizer": {"type": opt, "params": params}, "gradient_clipping": 0.0, "steps_per_print": 1000}
+    cfg.update(extra)
+    return cfg
+
+
+def train_engine(config: dict, steps: int, style: str = "engine", model_cls: type = TinyMLP) -> dict:
+    """Runs on every rank; returns global-mean losses and final parameters."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine, _, _, _ = deepspeed.initialize(model=make_model(cls=model_cls), config=copy.deepcopy(config))
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    dist.comms_counter.reset()
+    losses = []
+    for x, y in global_batches(steps, micro * gas * world):
+        total = 0.0
+        for k in range(gas):
+            xb, yb = micro_slice(x, micro, k, rank, world), micro_slice(y, micro, k, rank, world)
+            loss = engine(xb, yb)
+            total += loss.item()
+            if style == "engine":
+                engine.backward(loss)
+                engine.step()
+            elif style == "accelerate":  # boundary set before every backward, loss pre-divided, step at boundary
+                engine.set_gradient_accumulation_boundary(k == gas - 1)
+                engine.backward(loss / gas, scale_wrt_gas=False)
+                if k == gas - 1:
+                    engine.step()
+            elif style == "torch":  # loss.backward() directly, the engine reduces in step()
+                (loss / gas).backward()
+                engine.step()
+        mean = torch.tensor([total / gas])
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    comm = dist.comms_counter.summary()
+    state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return {"losses": losses, "state": state, "comm": comm, "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples, "micro_steps": engine.micro_steps,
+            "grad_norm": engine.get_global_grad_norm()}
+
+
+def _assert_matches_reference(results: list[dict], config: dict, world: int, clip: float | None = None,
+                              model_cls: type = TinyMLP, rtol: float = 1e-6, atol: float = 1e-6) -> None:
+    ref_losses, ref_state = reference_training(config, STEPS, world, model_cls=model_cls, clip=clip)
+    for rank_result in results:
+        torch.testing.assert_close(torch.tensor(rank_result["losses"]), torch.tensor(ref_losses),
+                                   rtol=rtol, atol=atol)
+        for name, ref in ref_state.items():
+            torch.testing.assert_close(rank_result["state"][name], ref, rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("gas", [1, 2, 4])
+def test_parity_with_plain_pytorch(world: int, gas: int) -> None:
+    config = _config(micro=2, gas=gas)
+    results = run_distributed(world, train_engine, config, STEPS)
+    _assert_matches_reference(results, config, world)
+    assert results[0]["global_steps"] == STEPS
+    assert results[0]["micro_steps"] == STEPS * gas
+    assert results[0]["global_samples"] == STEPS * 2 * gas * world
+
+
+def test_parity_world_4_sgd_momentum() -> None:
+    config = _config(micro=1, gas=2, opt="SGD")
+    _assert_matches_reference(run_distributed(4, train_engine, config, STEPS), config, 4)
+
+
+@pytest.mark.parametrize("style", ["accelerate", "torch"])
+def test_other_accumulation_drivers(style: str) -> None:
+    config = _config(micro=2, gas=2)
+    _assert_matches_reference(run_distributed(2, train_engine, config, STEPS, style), config, 2)
+
+
+def test_gradient_clipping_by_global_norm() -> None:
+    config = _config(micro=2, gas=2, gradient_clipping=0.05)
+    results = run_distributed(2, train_engine, config, STEPS)
+    _assert_matches_reference(results, config, 2, clip=0.05)
+    assert results[0]["grad_norm"] is not None and results[0]["grad_norm"] > 0.05  # clipping was active
+
+
+@pytest.mark.parametrize("extra", [{"prescale_gradients": True}, {"gradient_predivide_factor": 2.0},
+                                   {"gradient_predivide_factor": 8.0}])
+def test_prescale_and_predivide_average_the_same(extra: dict) -> None:
+    config = _config(micro=2, gas=1, **extra)
+    _assert_matches_reference(run_distributed(2, train_engine, config, STEPS), config, 2, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_bytes_equal_ddp_and_one_reduction_per_boundary() -> None:
+    config = _config(micro=2, gas=4)
+    results = run_distributed(2, train_engine, config, STEPS)
+    numel = sum(p.numel() for p in make_model().parameters())
+    comm = results[0]["comm"]["all_reduce"]
+    # The test's own loss all_reduce (one float per step) is the only other all_reduce.
+    assert comm["bytes"] == STEPS * (numel * 4 + 4)
+    assert comm["count"] == STEPS * 2  # one bucket (tiny model) + the loss, once per boundary only
+
+
+def test_communication_data_type_halves_bytes() -> None:
+    config = _config(micro=2, gas=1, communication_data_type="bf16")
+    results = run_distributed(2, train_engine, config, STEPS)
+    numel = sum(p.numel() for p in make_model().parameters())
+    assert results[0]["comm"]["all_reduce"]["bytes"] == STEPS * (numel * 2 + 4)
+    _assert_matches_reference(results, config, 2, rtol=2e-2, atol=2e-3)
+
+
+def test_buckets_bound_collectives_and_overlap_order() -> None:
+    config = _config(micro=2, gas=1, zero_optimization={"stage": 0, "reduce_bucket_size": 600})
+    results = run_distributed(2, train_engine, config, STEPS)
+    _assert_matches_reference(results, config, 2)
+    sizes = [p.numel() for p in make_model().parameters()]
+    count = results[0]["comm"]["all_reduce"]["count"] // STEPS - 1
+    assert 2 <= count <= len(sizes)  # several buckets, never more than one per tensor
+
+
+def unused_on_some_ranks(steps: int) -> dict:
+    import deepspeed
+    import deepspeed.comm as dist
+
+    rank = dist.get_rank()
+    engine, *_ = deepspeed.initialize(model=make_model(cls=SometimesUnused), config=_config(micro=2))
+    for step in range(steps):
+        x = torch.randn(2, 16)
+        y = torch.tensor([rank + step, 1])  # rank parity decides whether `extra` runs
+        engine.backward(engine(x, y))
+        engine.step()
+    return {k: v.clone() for k, v in engine.module.state_dict().items()}
+
+
+def test_parameter_unused_on_one_rank_does_not_hang() -> None:
+    results = run_distributed(2, unused_on_some_ranks, 3, timeout=60)
+    for name in results[0]:
+        torch.testing.assert_close(results[0][name], results[1][name])  # replicas stay identical
+
+
+def no_sync_behaviour() -> dict:
+    import deepspeed
+    import deepspeed.comm as dist
+
+    engine, *_ = deepspeed.initialize(model=make_model(), config=_config(micro=2))
+    x, y = torch.randn(2, 16) * (dist.get_rank() + 1), torch.tensor([0, 1])
+    dist.comms_counter.reset()
+    with engine.no_sync():
+        engine.backward(engine(x, y))
+        with pytest.raises(RuntimeError, match="no_sync"):
+            engine.step()
+    grads_local = [p.grad.clone() for p in engine.module.parameters()]
+    reduced = dist.comms_counter.summary().get("all_reduce", {}).get("count", 0)
+    return {"reduced": reduced, "grad": grads_local[0]}
+
+
+def test_no_sync_skips_reduction() -> None:
+    results = run_distributed(2, no_sync_behaviour)
+    assert results[0]["reduced"] == 0
+    assert not torch.allclose(results[0]["grad"], results[1]["grad"])  # still local, not averaged
