@@ -1,0 +1,71 @@
+"""The frozen public import surface: every path here must keep importing (libraries rely on them)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+from packaging.version import Version
+
+SURFACE = [
+    "deepspeed.initialize", "deepspeed.add_config_arguments", "deepspeed.init_distributed",
+    "deepspeed.DeepSpeedEngine", "deepspeed.DeepSpeedConfig", "deepspeed.DeepSpeedConfigError",
+    "deepspeed.runtime.engine.DeepSpeedEngine", "deepspeed.runtime.config.DeepSpeedConfig",
+    "deepspeed.runtime.dataloader.DeepSpeedDataLoader", "deepspeed.runtime.dataloader.RepeatingLoader",
+    "deepspeed.utils.RepeatingLoader", "deepspeed.utils.logger", "deepspeed.utils.log_dist",
+    "deepspeed.utils.logging.logger",
+    "deepspeed.runtime.base_optimizer.DeepSpeedOptimizer", "deepspeed.runtime.base_optimizer.ZeROOptimizer",
+    "deepspeed.accelerator.get_accelerator",
+    "deepspeed.comm.init_distributed", "deepspeed.comm.get_rank", "deepspeed.comm.get_world_size",
+    "deepspeed.comm.get_local_rank", "deepspeed.comm.barrier", "deepspeed.comm.all_reduce",
+    "deepspeed.comm.all_gather_into_tensor", "deepspeed.comm.reduce_scatter_tensor", "deepspeed.comm.broadcast",
+    "deepspeed.comm.all_gather_object", "deepspeed.comm.is_initialized", "deepspeed.comm.new_group",
+    "deepspeed.comm.ReduceOp", "deepspeed.comm.log_summary", "deepspeed.comm.comms_counter",
+    "deepspeed.ops.adam.FusedAdam", "deepspeed.ops.adam.DeepSpeedCPUAdam",
+    "deepspeed.runtime.lr_schedules.WarmupLR", "deepspeed.runtime.lr_schedules.WarmupDecayLR",
+    "deepspeed.runtime.lr_schedules.WarmupCosineLR", "deepspeed.runtime.lr_schedules.OneCycle",
+    "deepspeed.runtime.lr_schedules.LRRangeTest",
+    "deepspeed.config.Config", "deepspeed.config.TrainingConfig", "deepspeed.config.BatchConfig",
+    "deepspeed.config.FP16Config",
+    "deepspeed.launcher.runner.main", "deepspeed.env_report.cli_main",
+]
+
+
+def _resolve(path: str):
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(path)
+
+
+@pytest.mark.parametrize("path", SURFACE)
+def test_public_name_imports(path: str) -> None:
+    assert _resolve(path) is not None
+
+
+def test_distribution_metadata_and_version() -> None:
+    import deepspeed
+
+    installed = importlib.metadata.version("deepspeed")  # HF checks the distribution, not the import
+    assert installed == deepspeed.__version__
+    v = Version(deepspeed.__version__)
+    assert v >= Version("0.9.3") and v.local is not None and v.local.startswith("pure")
+    assert (deepspeed.__version_major__, deepspeed.__version_minor__) == (v.major, v.minor)
+
+
+def test_import_is_cheap() -> None:
+    code = ("import sys, time, torch; before = set(sys.modules); t = time.perf_counter(); import deepspeed; "
+            "dt = time.perf_counter() - t; new = set(sys.modules) - before; "
+            "heavy = [m for m in ('pydantic', 'deepspeed.runtime.engine', 'tqdm') if m in new]; print(dt, heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(" ", 1)
+    assert float(out[0]) < 1.0
+    assert out[1].strip() == "[]"
