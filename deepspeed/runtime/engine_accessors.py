@@ -44,13 +44,13 @@ _ACCESSORS: dict[str, Callable[[Any], Any]] = {
     "zero_cpu_offload": lambda c: _offload_device(c.model.zero_optimization.offload_optimizer) == "cpu",
     "zero_gather_16bit_weights_on_model_save":
         lambda c: c.model.zero_optimization.stage3_gather_16bit_weights_on_model_save,
-    "optimizer_name": lambda c: c.model.optimizer.type if c.model.optimizer else None,
+    "optimizer_name": lambda c: c.model.optimizer.name if c.model.optimizer else None,
     "optimizer_params": lambda c: dict(c.model.optimizer.params) if c.model.optimizer else None,
     "scheduler_name": lambda c: c.model.scheduler.type if c.model.scheduler else None,
     "scheduler_params": lambda c: dict(c.model.scheduler.params) if c.model.scheduler else None,
     "dataloader_drop_last": lambda c: c.model.dataloader_drop_last,
     "pipeline_parallelism": lambda c: False,
-    "sparse_gradients_enabled": lambda c: getattr(c.model, "sparse_gradients", False),
+    "sparse_gradients_enabled": lambda c: bool(getattr(c.model, "sparse_gradients", False)),
     "checkpoint_tag_validation_enabled": lambda c: _tag_validation(c) != "ignore",
     "checkpoint_tag_validation_fail": lambda c: _tag_validation(c) == "fail",
 }
@@ -63,7 +63,7 @@ def _offload_device(section: Any) -> Any:
 
 
 def _tag_validation(config: Any) -> str:
-    value = getattr(config.model.checkpoint, "tag_validation", "Warn")
+    value = getattr(config.model.checkpoint, "tag_validation", "WARN")
     return str(getattr(value, "value", value)).lower()
 
 

@@ -1,0 +1,23 @@
+"""Typed DeepSpeed config (upstream path: deepspeed.runtime.config.DeepSpeedConfig).
+
+    cfg = DeepSpeedConfig(config, mpu=None, world_size=None, strict=None)
+    cfg.model.zero_optimization.stage, cfg.train_batch_size, cfg.raw, cfg.to_dict(), cfg.is_set("fp16.enabled")
+
+See docs/config.md for what is validated and how errors read.
+"""
+
+from .batch import BatchSizes, resolve_batch
+from .ds_config import DeepSpeedConfig, data_parallel_world_size
+from .errors import DeepSpeedConfigError
+from .loader import load_config_dict
+from .root import RootConfig
+
+__all__ = [
+    "BatchSizes",
+    "DeepSpeedConfig",
+    "DeepSpeedConfigError",
+    "RootConfig",
+    "data_parallel_world_size",
+    "load_config_dict",
+    "resolve_batch",
+]

@@ -1,0 +1,84 @@
+"""`zero_optimization.offload_param` / `offload_optimizer`: where ZeRO keeps parameters and
+optimizer state. Defaults are DeepSpeed 0.19.8's (runtime/zero/offload_config.py).
+
+Only `device: "none"` and `device: "cpu"` are provided here; NVMe offload needs the native
+async-I/O library and is rejected with a clear error.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Literal, Optional
+
+from pydantic import Field, field_validator
+
+from .base import DSModel, Float, Int, Problem, not_supported
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class _OffloadCommon(DSModel):
+    device: OffloadDevice = "none"
+    """Where to offload: "none", "cpu" or "nvme"."""
+    nvme_path: Optional[str] = None
+    """Filesystem path for NVMe offload (unused otherwise; null is fine)."""
+    pin_memory: bool = True
+    """Use page-locked CPU memory, needed for asynchronous full-bandwidth copies."""
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device_lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+    def _problems(self) -> Iterator[Problem]:
+        if self.device == "nvme":
+            yield "device", not_supported('NVMe offload (device: "nvme")', 'use device "cpu" or "none"')
+
+
+class OffloadParamConfig(_OffloadCommon):
+    """Parameter offload; valid only with ZeRO stage 3."""
+
+    buffer_count: Int = Field(5, ge=0)
+    """NVMe only: buffers in the parameter swap pool."""
+    buffer_size: Int = Field(100_000_000, ge=0)
+    """NVMe only: elements per swap buffer."""
+    max_in_cpu: Int = Field(1_000_000_000, ge=0)
+    """NVMe only: parameter elements kept in CPU memory."""
+
+
+class OffloadOptimizerConfig(_OffloadCommon):
+    """Optimizer-state offload (the optimizer step then runs on the CPU); ZeRO stages 1-3."""
+
+    buffer_count: Int = Field(4, ge=0)
+    """NVMe only: buffers in the optimizer-state swap pool."""
+    pipeline_read: bool = False
+    """NVMe only: overlap reading the next tile with the current tile's step."""
+    pipeline_write: bool = False
+    """NVMe only: overlap writing the previous tile with the current tile's step."""
+    fast_init: bool = False
+    """NVMe only: fast optimizer initialisation."""
+    ratio: Float = Field(1.0, ge=0.0, le=1.0)
+    """Fraction of optimizer state offloaded (upstream: partial offload is stage 3 only)."""
+    super_offload: bool = False
+    """SuperOffload for Superchips (upstream: stage 3 only)."""
+    cpuadam_cores_perc: Float = Field(0.8, ge=0.0, le=1.0)
+    """SuperOffload only: share of CPU cores used by CPU Adam."""
+
+    @property
+    def pipeline(self) -> bool:
+        return self.pipeline_read or self.pipeline_write
+
+    def _problems(self) -> Iterator[Problem]:
+        yield from super()._problems()
+        if self.ratio < 1.0:
+            yield "ratio", not_supported(f"partial optimizer offload (ratio {self.ratio})", "set ratio to 1.0")
+        if self.super_offload:
+            yield "super_offload", not_supported("SuperOffload", "set super_offload: false")
+
+
+# Upstream class names.
+DeepSpeedZeroOffloadParamConfig = OffloadParamConfig
+DeepSpeedZeroOffloadOptimizerConfig = OffloadOptimizerConfig
