@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 from typing import Any, Callable
 
@@ -18,6 +17,8 @@ from torch.distributed import ReduceOp
 
 from ..utils.logging import logger
 from .counting import comms_counter
+
+__all__ = ["ReduceOp", "default_pg_timeout", "TORCH_DISTRIBUTED_DEFAULT_PORT", "configure", "is_available", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_global_rank", "get_world_group", "get_backend", "new_group", "destroy_process_group", "all_reduce", "inference_all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "allgather_fn", "all_gather", "broadcast", "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv", "barrier", "monitored_barrier", "all_gather_object", "broadcast_object_list", "log_summary", "init_distributed", "mpi_discovery", "comms_counter"]
 
 default_pg_timeout = datetime.timedelta(minutes=30)
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500

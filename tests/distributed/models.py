@@ -56,7 +56,7 @@ def micro_slice(x: torch.Tensor, micro: int, gas_index: int, rank: int, world: i
 
 
 def reference_training(config: dict, steps: int, world: int, model_cls: type = TinyMLP,
-                       clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+                       clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Plain PyTorch on the whole global batch: the ground truth for engine parity tests."""
     micro = config["train_micro_batch_size_per_gpu"]
     gas = config.get("gradient_accumulation_steps", 1)
@@ -68,13 +68,16 @@ def reference_training(config: dict, steps: int, world: int, model_cls: type = T
                                 betas=tuple(params.get("betas", (0.9, 0.999))), eps=params.get("eps", 1e-8))
     else:
         opt = torch.optim.SGD(model.parameters(), lr=params["lr"], momentum=params.get("momentum", 0.0))
-    losses = []
+    losses, first_grads = [], None
     for x, y in global_batches(steps, micro * gas * world):
         loss = model(x, y)
         loss.backward()
+        if first_grads is None:
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, state, first_grads

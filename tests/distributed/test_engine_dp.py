@@ -30,7 +30,7 @@ def train_engine(config: dict, steps: int, style: str = "engine", model_cls: typ
     engine, _, _, _ = deepspeed.initialize(model=make_model(cls=model_cls), config=copy.deepcopy(config))
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     dist.comms_counter.reset()
-    losses = []
+    losses, first_grads = [], None
     for x, y in global_batches(steps, micro * gas * world):
         total = 0.0
         for k in range(gas):
@@ -39,6 +39,8 @@ def train_engine(config: dict, steps: int, style: str = "engine", model_cls: typ
             total += loss.item()
             if style == "engine":
                 engine.backward(loss)
+                if first_grads is None and engine.is_gradient_accumulation_boundary():
+                    first_grads = {n: p.grad.clone() for n, p in engine.module.named_parameters()}
                 engine.step()
             elif style == "accelerate":  # boundary set before every backward, loss pre-divided, step at boundary
                 engine.set_gradient_accumulation_boundary(k == gas - 1)
@@ -53,15 +55,19 @@ def train_engine(config: dict, steps: int, style: str = "engine", model_cls: typ
         losses.append(mean.item() / world)
     comm = dist.comms_counter.summary()
     state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    return {"losses": losses, "state": state, "comm": comm, "global_steps": engine.global_steps,
+    return {"losses": losses, "state": state, "first_grads": first_grads, "comm": comm, "global_steps": engine.global_steps,
             "global_samples": engine.global_samples, "micro_steps": engine.micro_steps,
             "grad_norm": engine.get_global_grad_norm()}
 
 
 def _assert_matches_reference(results: list[dict], config: dict, world: int, clip: float | None = None,
                               model_cls: type = TinyMLP, rtol: float = 1e-6, atol: float = 1e-6) -> None:
-    ref_losses, ref_state = reference_training(config, STEPS, world, model_cls=model_cls, clip=clip)
+    ref_losses, ref_state, ref_grads = reference_training(config, STEPS, world, model_cls=model_cls, clip=clip)
     for rank_result in results:
+        if rank_result["first_grads"] is not None:  # averaged gradients, before any optimizer math
+            for name, ref in ref_grads.items():
+                torch.testing.assert_close(rank_result["first_grads"][name], ref, rtol=rtol, atol=atol / 10,
+                                           msg=name)
         torch.testing.assert_close(torch.tensor(rank_result["losses"]), torch.tensor(ref_losses),
                                    rtol=rtol, atol=atol)
         for name, ref in ref_state.items():
