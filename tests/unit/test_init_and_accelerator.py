@@ -1,0 +1,56 @@
+"""init_distributed's rank discovery and the accelerator facade (no process group needed)."""
+
+import os
+
+import pytest
+import torch
+
+from deepspeed.accelerator import get_accelerator
+from deepspeed.comm.init import mpi_discovery
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID",
+                "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_LAUNCH_NODE_IPADDR", "PMIX_RANK", "PMIX_SIZE",
+                "MPI_LOCALRANKID"):
+        monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
+def test_openmpi_discovery(clean_env):
+    clean_env.setenv("OMPI_COMM_WORLD_RANK", "3")
+    clean_env.setenv("OMPI_COMM_WORLD_SIZE", "8")
+    clean_env.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    assert mpi_discovery(distributed_port=29555, verbose=False)
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "8", "1")
+    assert os.environ["MASTER_PORT"] == "29555"
+
+
+def test_slurm_discovery_uses_launch_node_address(clean_env):
+    clean_env.setenv("SLURM_PROCID", "1")
+    clean_env.setenv("SLURM_NTASKS", "2")
+    clean_env.setenv("SLURM_LOCALID", "1")
+    clean_env.setenv("SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3")
+    assert mpi_discovery(verbose=False)
+    assert os.environ["MASTER_ADDR"] == "10.1.2.3" and os.environ["RANK"] == "1"
+
+
+def test_no_launcher_variables_found(clean_env):
+    assert not mpi_discovery(verbose=False)
+    assert "RANK" not in os.environ
+
+
+def test_cpu_accelerator_surface():
+    accel = get_accelerator()
+    if torch.cuda.is_available():
+        pytest.skip("CPU facade only")
+    assert accel.device_name() == "cpu" and accel.communication_backend_name() == "gloo"
+    assert accel.device_name(0) == "cpu:0" and accel.device_count() == 1
+    state = accel.get_rng_state()
+    a = torch.rand(3)
+    accel.set_rng_state(state)
+    assert torch.equal(a, torch.rand(3))
+    assert accel.memory_allocated() > 0 and accel.total_memory() > accel.available_memory() > 0
+    assert accel.is_bf16_supported() and torch.bfloat16 in accel.supported_dtypes()
