@@ -1,0 +1,1 @@
+# compat: upstream package deepspeed.runtime.fp16; the scalers live in deepspeed.runtime.precision.

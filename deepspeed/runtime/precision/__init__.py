@@ -1,0 +1,7 @@
+"""Mixed precision: loss scalers (this package owns the fp16 loss scale)."""
+
+from .loss_scaler import (BaseScaler, DynamicScaler, LossScaleAtMinimumError, NoScaler, StaticScaler, make_scaler,
+                          scaler_from_state_dict)
+
+__all__ = ["BaseScaler", "DynamicScaler", "LossScaleAtMinimumError", "NoScaler", "StaticScaler", "make_scaler",
+           "scaler_from_state_dict"]
