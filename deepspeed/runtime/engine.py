@@ -18,11 +18,14 @@ from .. import comm as dist
 from ..accelerator import get_accelerator
 from ..utils.logging import log_dist, logger
 from ..utils.timer import SynchronizedWallClockTimer, ThroughputTimer
+from .base_optimizer import DeepSpeedOptimizer
 from .dataloader import DeepSpeedDataLoader
 from .engine_accessors import EngineAccessors
+from .backward_hooks import BackwardState, output_tensors, queue_autograd_callback
 from .engine_setup import (broadcast_module_states, build_lr_scheduler, build_optimizer_for_engine,
-                           build_reducer, check_supported, resolve_device)
+                           build_reducer, check_supported, prepare_module, resolve_device, wrap_optimizer)
 from .grad_accum import is_boundary
+from .precision.policy import PrecisionPolicy
 
 FORWARD_TIMER, BACKWARD_TIMER, STEP_TIMER = "fwd", "bwd", "step"
 
@@ -53,9 +56,12 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         self.data_parallel_group = mpu.get_data_parallel_group() if mpu is not None else None
         self.dp_world_size = mpu.get_data_parallel_world_size() if mpu is not None else self.world_size
         self.device = resolve_device(self.local_rank)
+        self.precision = PrecisionPolicy.from_config(config_class)
         if not dont_change_device:
             self.module.to(self.device)
+        prepare_module(self)
         broadcast_module_states(self.module, self.data_parallel_group)
+        self._bstate = BackwardState()
 
         self.micro_steps = 0
         self.global_steps = 0
@@ -74,9 +80,9 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
 
         self.client_optimizer, self.client_lr_scheduler = optimizer, lr_scheduler
         self.basic_optimizer = build_optimizer_for_engine(self, optimizer, model_parameters)
-        self.optimizer = self.basic_optimizer
-        self.lr_scheduler = build_lr_scheduler(self, lr_scheduler)
         self._reducer = build_reducer(self)
+        self.optimizer = wrap_optimizer(self)
+        self.lr_scheduler = build_lr_scheduler(self, lr_scheduler)
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
             if training_data is not None else None
         dist.configure(config_class)
@@ -96,15 +102,38 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
 
     # --- forward ----------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module's forward."""
+        """Run the wrapped module's forward (under torch.autocast when configured).
+
+        Outputs that need grad get a hook that makes `output.backward()` behave like
+        engine.backward; see [Note: PyTorch-compatible backward] in backward_hooks.py.
+        """
         if self.wall_clock_breakdown():
             self.timers(FORWARD_TIMER).start()
         if self.training and self.tput_timer is not None:
             self.tput_timer.start()
-        loss = self.module(*inputs, **kwargs)
+        inputs, kwargs = self.precision.cast_input(inputs), self.precision.cast_input(kwargs)
+        with self.precision.forward_context(self.device.type):
+            output = self.module(*inputs, **kwargs)
+        if self.optimizer is not None and torch.is_grad_enabled():
+            for tensor in output_tensors(output):
+                tensor.register_hook(self._output_grad_hook)
         if self.wall_clock_breakdown():
             self.timers(FORWARD_TIMER).stop()
-        return loss
+        return output
+
+    def _output_grad_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        if self._bstate.begin():
+            self._backward_prologue()
+            if not queue_autograd_callback(self._backward_epilogue):
+                self._bstate.end()
+                raise RuntimeError("tensor.backward() on engine outputs needs torch's autograd queue_callback API, "
+                                   "which this torch build lacks; call engine.backward(loss) instead")
+        if self._bstate.engine_driven:
+            return grad
+        factor = 1.0 / self.gradient_accumulation_steps()
+        if not self._bstate.loss_prescaled:
+            factor *= self.loss_scale_value()
+        return grad * factor if factor != 1.0 else grad
 
     # --- backward ---------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -123,8 +152,14 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
             self.timers(BACKWARD_TIMER).start()
         self._losses.append(loss.detach())
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
-        self._backward_prologue()
-        scaled.backward(retain_graph=retain_graph)
+        if self._bstate.begin():
+            self._backward_prologue()
+        self._bstate.engine_driven = True
+        try:
+            to_backward = scaled * self.loss_scale_value() if self.precision.needs_scaler else scaled
+            to_backward.backward(retain_graph=retain_graph)
+        finally:
+            self._bstate.engine_driven = False
         self._backward_epilogue()
         if self.wall_clock_breakdown():
             self.timers(BACKWARD_TIMER).stop()
@@ -139,10 +174,45 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
             self._reducer.arm()
 
     def _backward_epilogue(self) -> None:
-        """Wait for this backward's gradient reductions (public-by-use name, see seed 000)."""
+        """Finish this backward once: wait for its gradient reductions, run post hooks.
+
+        Runs from the autograd callback or engine.backward; calling it again (as the
+        multi-model recipe of the docs does after loss.backward()) is a no-op.
+        """
+        if not self._bstate.end():
+            return
         if self._reducer is not None and self._reducer.armed:
             self._reducer.finish()
             self._reduced_this_boundary = True
+        self._bstate.run_post_hooks()
+
+    def register_grad_acc_post_hook(self, hook: Any) -> None:
+        """Run `hook()` at the end of every backward of this engine (after gradient reduction)."""
+        self._bstate.post_hooks.append(hook)
+
+    def needs_scaler(self) -> bool:
+        """True when backward needs loss scaling (fp16, torch_autocast in float16)."""
+        return self.precision.needs_scaler
+
+    def loss_scale_value(self) -> float:
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        return scaler.loss_scale if scaler is not None else 1.0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """Apply the loss scale for a manual `scale(loss).backward()` (upstream API); the output
+        hooks then still divide by gradient_accumulation_steps but do not scale again."""
+        if self.optimizer is None:
+            raise RuntimeError("engine.scale() needs an optimizer")
+        if not self.precision.needs_scaler:
+            return loss
+        scaled = loss * self.loss_scale_value()
+        if scaled.requires_grad:
+            scaled.register_hook(self._mark_prescaled)
+        return scaled
+
+    def _mark_prescaled(self, grad: torch.Tensor) -> torch.Tensor:
+        self._bstate.loss_prescaled = True
+        return grad
 
     def allreduce_gradients(self, bucket_size: int | None = None) -> None:
         """Average gradients now (used when backward ran outside engine.backward)."""
@@ -196,15 +266,22 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
         if not self._reduced_this_boundary and not self.inside_no_sync_ctxt:
             self.allreduce_gradients()  # backward ran outside engine.backward: reduce now
-        clip = self.gradient_clipping()
-        if clip > 0.0:
-            params = [p for p in self.module.parameters() if p.grad is not None]
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip, foreach=True) if params else None
-            self._global_grad_norm = float(norm) if norm is not None else None
-        self.optimizer.step()
+        if isinstance(self.optimizer, DeepSpeedOptimizer):  # unscale, overflow skip and clip live there
+            applied = self.optimizer.step()
+            self._global_grad_norm = self.optimizer._global_grad_norm
+        else:
+            clip = self.gradient_clipping()
+            if clip > 0.0:
+                params = [p for p in self.module.parameters() if p.grad is not None]
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip, foreach=True) if params else None
+                self._global_grad_norm = float(norm) if norm is not None else None
+            self.optimizer.step()
+            applied = True
         self.zero_grad()
-        self._step_applied = True
-        if self.lr_scheduler is not None:
+        self._step_applied = applied
+        if not applied:
+            self.skipped_steps += 1
+        elif self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.global_steps += 1
         self.global_samples += self.train_batch_size()

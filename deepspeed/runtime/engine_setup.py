@@ -28,12 +28,10 @@ def check_supported(config: Any) -> None:
     unsupported = []
     if model.zero_optimization.stage > 0:
         unsupported.append(f"zero_optimization.stage={model.zero_optimization.stage} (ZeRO stages 1-3)")
-    if model.fp16.enabled:
-        unsupported.append("fp16.enabled=true (fp16 mixed precision)")
-    if model.bf16.enabled:
-        unsupported.append("bf16.enabled=true (bf16 mixed precision)")
-    if model.torch_autocast.enabled:
-        unsupported.append("torch_autocast.enabled=true")
+    if model.fp16.fp16_master_weights_and_grads:
+        unsupported.append("fp16.fp16_master_weights_and_grads=true (needs ZeRO with CPU offload)")
+    if model.bf16.bf16_master_weights_and_grads:
+        unsupported.append("bf16.bf16_master_weights_and_grads=true (needs ZeRO stages 1-3)")
     if unsupported:
         raise NotSupportedYet("Not implemented yet in this build of deepspeed: " + "; ".join(unsupported) +
                               ". See README.md, 'Features', for what is available.")
@@ -114,24 +112,53 @@ def build_lr_scheduler(engine: Any, client_scheduler: Any) -> Any:
     return build_scheduler(section.type, dict(section.params), engine.basic_optimizer)
 
 
-def _comm_dtype_fn(engine: Any) -> Callable[[nn.Parameter], torch.dtype]:
-    forced = engine._config.communication_dtype
-    return lambda p: forced if forced is not None else p.dtype
-
-
 def build_reducer(engine: Any) -> GradBucketReducer | None:
-    """Gradient averaging for data parallelism; None for a single replica or inference."""
-    if engine.dp_world_size <= 1 or engine.basic_optimizer is None:
+    """Gradient buckets: averaged across ranks, and/or accumulated in another dtype.
+
+    None for plain single-replica fp32 training (gradients stay ordinary `.grad` tensors) and
+    for inference (no optimizer).
+    """
+    policy = engine.precision
+    if engine.basic_optimizer is None or (engine.dp_world_size <= 1 and not policy.is_mixed):
         return None
     config = engine._config
     params = [p for p in engine.module.parameters() if p.requires_grad]
     if config.is_set("zero_optimization.reduce_bucket_size"):
         bucket_numel, first = config.model.zero_optimization.reduce_bucket_size, None
     else:
-        itemsize = params[0].element_size() if params else 4
+        itemsize = torch.finfo(policy.grad_accum_dtype).bits // 8
         bucket_numel, first = _DEFAULT_DP_BUCKET_BYTES // itemsize, _FIRST_BUCKET_BYTES // itemsize
-    policy = ReducePolicy(world_size=engine.dp_world_size,
+    reduce = ReducePolicy(world_size=engine.dp_world_size,
                           prescale_gradients=config.model.prescale_gradients,
                           gradient_predivide_factor=config.model.gradient_predivide_factor)
-    return GradBucketReducer(params, policy, bucket_numel, _comm_dtype_fn(engine),
-                             group=engine.data_parallel_group, first_bucket_numel=first)
+    reducer = GradBucketReducer(params, reduce, bucket_numel, policy.comm_dtype_fn(),
+                                group=engine.data_parallel_group, first_bucket_numel=first,
+                                accum_dtype=policy.grad_accum_dtype)
+    reducer.names = {id(p): name for name, p in engine.module.named_parameters()}
+    return reducer
+
+
+def wrap_optimizer(engine: Any) -> Any:
+    """Mixed precision wraps the base optimizer so it updates master weights; fp32 keeps it bare
+    (as DeepSpeed returns the torch optimizer itself at stage 0 in fp32)."""
+    from .precision.mixed_optimizer import MixedPrecisionOptimizer
+
+    policy = engine.precision
+    if engine.basic_optimizer is None or not policy.is_mixed:
+        return engine.basic_optimizer
+    names = {id(p): name for name, p in engine.module.named_parameters()}
+    return MixedPrecisionOptimizer(engine.basic_optimizer, engine._reducer, policy.make_scaler(),
+                                   policy.master_dtype, engine.gradient_clipping(), names,
+                                   group=engine.data_parallel_group)
+
+
+def prepare_module(engine: Any) -> None:
+    """Cast the module to the compute dtype and mark torch_autocast's lower-precision params."""
+    policy = engine.precision
+    if policy.param_dtype != torch.float32:
+        engine.module.to(policy.param_dtype)
+    if policy.autocast_dtype is not None:
+        from .torch_autocast import init_autocast_params
+
+        init_autocast_params(engine.module, policy.autocast_dtype,
+                             list(policy.autocast_safe_modules) if policy.autocast_safe_modules else None)

@@ -1,4 +1,10 @@
-"""Data-parallel gradient averaging in buckets, overlapped with backward (ZeRO stage 0).
+"""Gradient buffers in buckets and their data-parallel averaging, overlapped with backward.
+
+The reducer owns where gradients live between backward and step. In "bound" mode (the
+accumulation dtype is the parameters' dtype, e.g. fp32 training) `param.grad` is a view of a
+bucket. In "detached" mode (mixed precision: bf16/fp16 params, fp32 accumulation) every
+backward's low-precision gradient is added into the fp32 bucket and `param.grad` is freed;
+the optimizer reads the buckets through `grad_view(param)`.
 
 [Note: gradients as bucket views]
 Every trainable parameter's `.grad` is a view into one flat buffer per bucket, so a bucket is
@@ -81,11 +87,14 @@ class GradBucketReducer:
 
     def __init__(self, params: list[torch.nn.Parameter], policy: ReducePolicy, bucket_numel: int,
                  comm_dtype_of: Callable[[torch.nn.Parameter], torch.dtype], group: Any = None,
-                 first_bucket_numel: int | None = None) -> None:
+                 first_bucket_numel: int | None = None, accum_dtype: torch.dtype | None = None) -> None:
         # Reverse registration order approximates the order gradients become ready.
         ordered = [p for p in reversed(params) if p.requires_grad]
         self.policy = policy
         self.group = group
+        self.reduces = policy.world_size > 1
+        self.accum_dtype = accum_dtype
+        self.names: dict[int, str] = {}
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket index, position)
         groups = plan_buckets([p.numel() for p in ordered], bucket_numel, first_bucket_numel)
@@ -101,13 +110,13 @@ class GradBucketReducer:
         for p in params:
             by_key.setdefault((p.dtype, p.device, comm_dtype_of(p)), []).append(p)
         for (dtype, device, comm_dtype), members in by_key.items():
-            flat = torch.zeros(sum(p.numel() for p in members), dtype=dtype, device=device)
+            flat = torch.zeros(sum(p.numel() for p in members), dtype=self.accum_dtype or dtype, device=device)
             views, offset = [], 0
             for position, p in enumerate(members):
                 views.append(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
                 self._where[id(p)] = (len(self.buckets), position)
-                p.grad = views[-1]
+                p.grad = views[-1] if flat.dtype == p.dtype else None
             self.buckets.append(_Bucket(members, flat, views, comm_dtype))
 
     # --- backward-time -----------------------------------------------------------------
@@ -125,9 +134,17 @@ class GradBucketReducer:
         return self._armed
 
     def _bind(self, bucket: _Bucket, position: int) -> None:
-        """Make `param.grad` the bucket view again; see [Note: gradients as bucket views]."""
+        """Make `param.grad` the bucket view again; see [Note: gradients as bucket views].
+
+        Detached mode (buffer dtype differs): add the new gradient into the buffer, free it.
+        """
         param, view = bucket.params[position], bucket.views[position]
         grad = param.grad
+        if view.dtype != param.dtype:
+            if grad is not None:
+                view.add_(grad)
+                param.grad = None
+            return
         if grad is None:
             view.zero_()
         elif grad.data_ptr() != view.data_ptr():
@@ -142,6 +159,11 @@ class GradBucketReducer:
         self._bind(bucket, position)
         if not self._armed:
             return
+        if bucket_index < self._next_launch:
+            name = self.names.get(id(param), f"shape {tuple(param.shape)}")
+            raise RuntimeError(f"gradient of parameter {name} arrived after its bucket was already reduced: the "
+                               "parameter took part in two backward phases (e.g. shared by a reentrant activation-"
+                               "checkpointed region and the rest of the model); use non-reentrant checkpointing")
         bucket.pending.discard(position)
         while self._next_launch < len(self.buckets) and not self.buckets[self._next_launch].pending:
             self._launch(self._next_launch)
@@ -151,13 +173,15 @@ class GradBucketReducer:
         bucket = self.buckets[index]
         for position in range(len(bucket.params)):
             self._bind(bucket, position)
+        self._next_launch = index + 1
+        if not self.reduces:
+            return
         buffer = bucket.flat if bucket.comm_dtype == bucket.flat.dtype else bucket.flat.to(bucket.comm_dtype)
         scale = self.policy.before()
         if scale != 1.0:
             buffer.mul_(scale)
         bucket.comm_buffer = buffer
         bucket.work = dist.all_reduce(buffer, group=self.group, async_op=True)
-        self._next_launch = index + 1
 
     def finish(self) -> None:
         """Launch what is left, wait for every bucket, and apply the post-scale."""
@@ -167,6 +191,8 @@ class GradBucketReducer:
             self._launch(self._next_launch)
         scale = self.policy.after()
         for bucket in self.buckets:
+            if bucket.work is None:
+                continue
             bucket.work.wait()
             buffer = bucket.comm_buffer
             if scale != 1.0:
@@ -177,12 +203,23 @@ class GradBucketReducer:
         self._armed = False
 
     # --- step-time -----------------------------------------------------------------------
+    def grad_view(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The buffer slice holding `param`'s accumulated (and, after finish(), averaged) gradient."""
+        bucket_index, position = self._where[id(param)]
+        return self.buckets[bucket_index].views[position]
+
+    def flat_buffers(self) -> list[torch.Tensor]:
+        return [bucket.flat for bucket in self.buckets]
+
     def zero_grad(self) -> None:
         """Zero the buffers and keep `.grad` bound to them (no reallocation per step)."""
         for bucket in self.buckets:
             bucket.flat.zero_()
-            for position in range(len(bucket.params)):
-                self._bind(bucket, position)
+            for position, param in enumerate(bucket.params):
+                if bucket.flat.dtype != param.dtype:
+                    param.grad = None  # detached mode: the buffer is the only gradient
+                else:
+                    self._bind(bucket, position)
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

@@ -47,8 +47,14 @@ def train_engine(config: dict, steps: int, style: str = "engine", model_cls: typ
                 engine.backward(loss / gas, scale_wrt_gas=False)
                 if k == gas - 1:
                     engine.step()
-            elif style == "torch":  # loss.backward() directly, the engine reduces in step()
-                (loss / gas).backward()
+            elif style == "torch":  # loss.backward() directly: the engine's output hooks scale by 1/gas
+                loss.backward()
+                engine.step()
+            elif style == "nonscalar":  # out.backward(dloss/dout) on a non-scalar output
+                out = engine(xb)
+                probs = torch.softmax(out.detach(), dim=-1)
+                grad = (probs - torch.nn.functional.one_hot(yb, probs.shape[-1]).float()) / yb.numel()
+                out.backward(grad)
                 engine.step()
         mean = torch.tensor([total / gas])
         dist.all_reduce(mean)
@@ -90,7 +96,7 @@ def test_parity_world_4_sgd_momentum() -> None:
     _assert_matches_reference(run_distributed(4, train_engine, config, STEPS), config, 4)
 
 
-@pytest.mark.parametrize("style", ["accelerate", "torch"])
+@pytest.mark.parametrize("style", ["accelerate", "torch", "nonscalar"])
 def test_other_accumulation_drivers(style: str) -> None:
     config = _config(micro=2, gas=2)
     _assert_matches_reference(run_distributed(2, train_engine, config, STEPS, style), config, 2)

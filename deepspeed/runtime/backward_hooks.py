@@ -1,0 +1,85 @@
+"""The backward state machine: one prologue and one epilogue per backward, however it is started.
+
+[Note: PyTorch-compatible backward]
+`engine.backward(loss)`, `loss.backward()` and `out.backward(grad)` must give the same
+gradients. The engine registers a tensor hook on every floating output of its forward; the
+first one to receive a gradient runs the prologue (arm gradient reduction at an accumulation
+boundary) and queues the epilogue as a callback on the autograd engine, which runs when the
+whole graph task ends. The hook also divides the incoming gradient by
+gradient_accumulation_steps and multiplies it by the loss scale, unless engine.backward
+(which scales the loss itself) or engine.scale(loss) already did.
+
+Why a callback and not hook counting: with reentrant activation checkpointing, gradient hooks
+fire in phases, the later ones inside nested backward calls; the outer graph task ends only
+after all of them, so the epilogue cannot run after phase 1. A custom autograd Function that
+calls torch.autograd.backward from its forward never reaches the engine's outputs, so it
+cannot start a prologue and cannot trigger the epilogue.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def queue_autograd_callback(fn: Callable[[], None]) -> bool:
+    """Queue `fn` to run when the current autograd graph task finishes; False if impossible."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is None or not hasattr(engine, "queue_callback"):
+        return False
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    if current is None or current() == -1:
+        return False
+    engine.queue_callback(fn)
+    return True
+
+
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """Floating tensors that need grad inside a forward's (nested) output."""
+    found: list[torch.Tensor] = []
+    stack = [output]
+    while stack:
+        item = stack.pop()
+        if torch.is_tensor(item):
+            if item.requires_grad and item.is_floating_point():
+                found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif hasattr(item, "__dataclass_fields__"):
+            stack.extend(getattr(item, name) for name in item.__dataclass_fields__)
+    return found
+
+
+class BackwardState:
+    """Whether this engine is inside a backward, and what that backward still has to do."""
+
+    def __init__(self) -> None:
+        self.active = False              # a prologue ran and its epilogue did not yet
+        self.engine_driven = False       # engine.backward is running: the loss is already scaled
+        self.loss_prescaled = False      # engine.scale(loss) applied the loss scale in this backward
+        self.callback_queued = False
+        self.post_hooks: list[Callable[[], None]] = []
+
+    def begin(self) -> bool:
+        """Enter a backward; True if this call started it (so the caller runs the prologue)."""
+        if self.active:
+            return False
+        self.active = True
+        self.callback_queued = False
+        return True
+
+    def end(self) -> bool:
+        """Leave the backward; True if it was active (so the caller runs the epilogue once)."""
+        if not self.active:
+            return False
+        self.active = False
+        self.loss_prescaled = False
+        self.callback_queued = False
+        return True
+
+    def run_post_hooks(self) -> None:
+        for hook in self.post_hooks:
+            hook()

@@ -1,0 +1,125 @@
+"""MixedPrecisionOptimizer: master weights, loss-scale unscaling, overflow skip and clipping (stage 0).
+
+The wrapped torch optimizer updates master tensors (fp32 copies of fp16/bf16 parameters, or
+the parameters themselves under torch_autocast); their gradients are views of the engine's
+gradient buckets. One `step()`:
+
+1. unscale the buckets by the loss scale and look for inf/nan (one all-reduce of a flag, so
+   every rank takes the same decision);
+2. on overflow: skip the update, lower the scale, log the first parameter that overflowed;
+3. else clip by the global norm, step the base optimizer, copy masters back into the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ... import comm as dist
+from ...utils.logging import log_dist
+from ..base_optimizer import DeepSpeedOptimizer
+from .loss_scaler import BaseScaler
+
+
+class MixedPrecisionOptimizer(DeepSpeedOptimizer):
+    """Wraps `optimizer` (built on the model's params) so that it updates master weights."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, grads: Any, scaler: BaseScaler, master_dtype: torch.dtype,
+                 clip: float, names: dict[int, str], group: Any = None) -> None:
+        self.optimizer = optimizer
+        self.grads = grads
+        self.loss_scaler = scaler
+        self.clip = clip
+        self.group = group
+        self.overflow = False
+        self._global_grad_norm: float | None = None
+        self._names = names
+        self._pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # (model param, master)
+        for group_ in optimizer.param_groups:
+            masters = []
+            for p in group_["params"]:
+                master = p if p.dtype == master_dtype else p.detach().to(master_dtype).clone()
+                if master is not p:
+                    master = torch.nn.Parameter(master, requires_grad=False)
+                    self._pairs.append((p, master))
+                master.grad = grads.grad_view(p)
+                masters.append(master)
+                self._names.setdefault(id(master), names.get(id(p), "?"))
+            group_["params"] = masters
+        optimizer.state.clear()  # state was keyed by the model params it no longer sees
+
+    # --- torch.optim.Optimizer-like surface (schedulers and users read these) ---------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    cur_scale = loss_scale
+
+    def master_params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.grads.zero_grad()
+
+    # --- the step ---------------------------------------------------------------------------
+    def _found_overflow(self) -> bool:
+        reduce = (lambda flag: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)) \
+            if dist.get_world_size(self.group) > 1 else None
+        return self.loss_scaler.unscale_and_check(self.grads.flat_buffers(), all_reduce=reduce)
+
+    def _first_bad_parameter(self) -> str:
+        for p in self.master_params():
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                return self._names.get(id(p), "?")
+        return "(none on this rank)"
+
+    def step(self, closure: Any = None) -> bool:
+        """Returns True when the update was applied, False when skipped for overflow."""
+        self.overflow = self._found_overflow()
+        if self.overflow:
+            bad = self._first_bad_parameter()
+            scale = self.loss_scaler.loss_scale
+            self.loss_scaler.update_scale(True)
+            log_dist(f"Overflow: gradients have inf/nan (first: {bad}); skipping step, loss scale "
+                     f"{scale} -> {self.loss_scaler.loss_scale}", ranks=[0], level=logging.WARNING)
+            self._global_grad_norm = None
+            return False
+        masters = [p for p in self.master_params() if p.grad is not None]
+        if self.clip > 0.0 and masters:
+            norm = torch.nn.utils.clip_grad_norm_(masters, max_norm=self.clip, foreach=True)
+            self._global_grad_norm = float(norm)
+        self.optimizer.step()
+        if self._pairs:
+            torch._foreach_copy_([p.data for p, _ in self._pairs], [m.data for _, m in self._pairs])
+        self.loss_scaler.update_scale(False)
+        return True
+
+    def state_dict(self) -> dict:
+        return {"optimizer_state_dict": self.optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict(),
+                "fp32_groups": [[m.detach().clone() for m in g["params"]] for g in self.optimizer.param_groups]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer_state_dict"])
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
+        for group_, saved in zip(self.optimizer.param_groups, state["fp32_groups"]):
+            for master, value in zip(group_["params"], saved):
+                master.data.copy_(value)
+        if self._pairs:
+            torch._foreach_copy_([p.data for p, _ in self._pairs], [m.data for _, m in self._pairs])
+
+    def __repr__(self) -> str:
+        return f"MixedPrecisionOptimizer({type(self.optimizer).__name__}, scaler={self.loss_scaler!r})"
