@@ -37,6 +37,7 @@ class MixedPrecisionOptimizer(DeepSpeedOptimizer):
         self._global_grad_norm: float | None = None
         self._names = names
         self._pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # (model param, master)
+        self._grad_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (master grad, bucket view)
         for group_ in optimizer.param_groups:
             masters = []
             for p in group_["params"]:
@@ -44,7 +45,12 @@ class MixedPrecisionOptimizer(DeepSpeedOptimizer):
                 if master is not p:
                     master = torch.nn.Parameter(master, requires_grad=False)
                     self._pairs.append((p, master))
-                master.grad = grads.grad_view(p)
+                view = grads.grad_view(p)
+                if view.dtype == master.dtype:
+                    master.grad = view
+                else:  # e.g. data_types.grad_accum_dtype=bf16: copied up to the master dtype at step
+                    master.grad = torch.zeros_like(master)
+                    self._grad_copies.append((master.grad, view))
                 masters.append(master)
                 self._names.setdefault(id(master), names.get(id(p), "?"))
             group_["params"] = masters
@@ -79,7 +85,10 @@ class MixedPrecisionOptimizer(DeepSpeedOptimizer):
     def _found_overflow(self) -> bool:
         reduce = (lambda flag: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)) \
             if dist.get_world_size(self.group) > 1 else None
-        return self.loss_scaler.unscale_and_check(self.grads.flat_buffers(), all_reduce=reduce)
+        if self._grad_copies:
+            torch._foreach_copy_([m for m, _ in self._grad_copies], [v for _, v in self._grad_copies])
+        grads = [p.grad for p in self.master_params() if p.grad is not None]
+        return self.loss_scaler.unscale_and_check(grads, all_reduce=reduce)
 
     def _first_bad_parameter(self) -> str:
         for p in self.master_params():
