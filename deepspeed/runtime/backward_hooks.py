@@ -53,6 +53,34 @@ def output_tensors(output: Any) -> list[torch.Tensor]:
     return found
 
 
+def derived_outputs(tensors: list[torch.Tensor], max_nodes: int = 256) -> dict[int, list[int]]:
+    """For each output index, the indices of other outputs it is computed from.
+
+    A model returning `(loss, logits)` (Hugging Face's ModelOutput) makes `loss.backward()`
+    reach the logits' hook with a gradient the loss's hook already scaled; the logits' hook
+    must then not scale again. The walk is bounded: such a loss sits a few nodes above its
+    logits, and independent outputs need not be told apart exhaustively.
+    """
+    if len(tensors) < 2:
+        return {}
+    node_of = {t.grad_fn: i for i, t in enumerate(tensors) if t.grad_fn is not None}
+    found: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        seen, frontier, hits = set(), [t.grad_fn], []
+        while frontier and len(seen) < max_nodes:
+            node = frontier.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if node in node_of and node_of[node] != i:
+                hits.append(node_of[node])
+                continue
+            frontier.extend(fn for fn, _ in node.next_functions)
+        if hits:
+            found[i] = hits
+    return found
+
+
 class BackwardState:
     """Whether this engine is inside a backward, and what that backward still has to do."""
 
@@ -61,6 +89,7 @@ class BackwardState:
         self.engine_driven = False       # engine.backward is running: the loss is already scaled
         self.loss_prescaled = False      # engine.scale(loss) applied the loss scale in this backward
         self.callback_queued = False
+        self.scaled_upstream: set[int] = set()  # ids of outputs whose gradient arrives already scaled
         self.post_hooks: list[Callable[[], None]] = []
 
     def begin(self) -> bool:
@@ -78,6 +107,7 @@ class BackwardState:
         self.active = False
         self.loss_prescaled = False
         self.callback_queued = False
+        self.scaled_upstream.clear()
         return True
 
     def run_post_hooks(self) -> None:

@@ -7,8 +7,10 @@ legacy accessors to engine_accessors.py. State it owns: the micro/global step co
 
 from __future__ import annotations
 
+import itertools
 import os
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Iterator
 
 import torch
@@ -21,11 +23,12 @@ from ..utils.timer import SynchronizedWallClockTimer, ThroughputTimer
 from .base_optimizer import DeepSpeedOptimizer
 from .dataloader import DeepSpeedDataLoader
 from .engine_accessors import EngineAccessors
-from .backward_hooks import BackwardState, output_tensors, queue_autograd_callback
+from .backward_hooks import BackwardState, derived_outputs, output_tensors, queue_autograd_callback
 from .engine_setup import (broadcast_module_states, build_lr_scheduler, build_optimizer_for_engine,
                            build_reducer, check_supported, prepare_module, resolve_device, wrap_optimizer)
 from .grad_accum import is_boundary
 from .precision.policy import PrecisionPolicy
+from .zero.stages import STAGES
 
 FORWARD_TIMER, BACKWARD_TIMER, STEP_TIMER = "fwd", "bwd", "step"
 
@@ -57,11 +60,13 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         self.dp_world_size = mpu.get_data_parallel_world_size() if mpu is not None else self.world_size
         self.device = resolve_device(self.local_rank)
         self.precision = PrecisionPolicy.from_config(config_class)
+        self.stage = STAGES[config_class.model.zero_optimization.stage]
         if not dont_change_device:
             self.module.to(self.device)
         prepare_module(self)
         broadcast_module_states(self.module, self.data_parallel_group)
         self._bstate = BackwardState()
+        self._output_tokens = itertools.count()
 
         self.micro_steps = 0
         self.global_steps = 0
@@ -115,13 +120,17 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         with self.precision.forward_context(self.device.type):
             output = self.module(*inputs, **kwargs)
         if self.optimizer is not None and torch.is_grad_enabled():
-            for tensor in output_tensors(output):
-                tensor.register_hook(self._output_grad_hook)
+            tensors = output_tensors(output)
+            sources = derived_outputs(tensors)
+            tokens = [next(self._output_tokens) for _ in tensors]  # unique, unlike id() of freed tensors
+            for i, tensor in enumerate(tensors):
+                upstream = [tokens[j] for j in sources.get(i, [])]
+                tensor.register_hook(partial(self._output_grad_hook, tokens[i], upstream))
         if self.wall_clock_breakdown():
             self.timers(FORWARD_TIMER).stop()
         return output
 
-    def _output_grad_hook(self, grad: torch.Tensor) -> torch.Tensor:
+    def _output_grad_hook(self, tensor_id: int, computed_from: list[int], grad: torch.Tensor) -> torch.Tensor:
         if self._bstate.begin():
             self._backward_prologue()
             if not queue_autograd_callback(self._backward_epilogue):
@@ -130,6 +139,9 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
                                    "which this torch build lacks; call engine.backward(loss) instead")
         if self._bstate.engine_driven:
             return grad
+        self._bstate.scaled_upstream.update(computed_from)  # outputs this one was computed from
+        if tensor_id in self._bstate.scaled_upstream:
+            return grad  # reached through another output whose hook already scaled
         factor = 1.0 / self.gradient_accumulation_steps()
         if not self._bstate.loss_prescaled:
             factor *= self.loss_scale_value()
@@ -166,8 +178,10 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         return scaled
 
     def _reduce_now(self) -> bool:
+        """Reduce in this backward: at accumulation boundaries, or after every backward when
+        gradients are sharded (ZeRO-2 keeps only this rank's slice between micro-steps)."""
         return (self._reducer is not None and self.enable_backward_allreduce and not self.inside_no_sync_ctxt
-                and self.is_gradient_accumulation_boundary())
+                and (self.stage.shard_gradients or self.is_gradient_accumulation_boundary()))
 
     def _backward_prologue(self) -> None:
         if self._reduce_now():
@@ -226,6 +240,10 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         """Skip gradient averaging for backward passes inside the block (they only accumulate)."""
         if self.inside_no_sync_ctxt:
             raise RuntimeError("no_sync context manager reentry is unsupported")
+        if self.stage.shard_gradients:
+            raise RuntimeError(f"no_sync is incompatible with gradient partitioning (zero_optimization.stage="
+                               f"{self.zero_optimization_stage()}): gradients are reduce-scattered after every "
+                               "backward; use stage 0 or 1, or plain gradient_accumulation_steps")
         self.inside_no_sync_ctxt = True
         try:
             yield
@@ -380,4 +398,4 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
             self._reducer = None
 
     def __repr__(self) -> str:
-        return f"DeepSpeedEngine(stage=0, dp_world_size={self.dp_world_size}, module={self.module!r})"
+        return f"DeepSpeedEngine(stage={self.zero_optimization_stage()}, dp_world_size={self.dp_world_size}, module={self.module!r})"

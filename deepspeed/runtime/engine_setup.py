@@ -26,8 +26,8 @@ def check_supported(config: Any) -> None:
     """Fail early, on every rank, for config features the engine does not run yet."""
     model = config.model
     unsupported = []
-    if model.zero_optimization.stage > 0:
-        unsupported.append(f"zero_optimization.stage={model.zero_optimization.stage} (ZeRO stages 1-3)")
+    if model.zero_optimization.stage > 2:
+        unsupported.append(f"zero_optimization.stage={model.zero_optimization.stage} (ZeRO stage 3)")
     if model.fp16.fp16_master_weights_and_grads:
         unsupported.append("fp16.fp16_master_weights_and_grads=true (needs ZeRO with CPU offload)")
     if model.bf16.bf16_master_weights_and_grads:
@@ -119,7 +119,8 @@ def build_reducer(engine: Any) -> GradBucketReducer | None:
     for inference (no optimizer).
     """
     policy = engine.precision
-    if engine.basic_optimizer is None or (engine.dp_world_size <= 1 and not policy.is_mixed):
+    sharded = engine.stage.shard_optimizer_state
+    if engine.basic_optimizer is None or (engine.dp_world_size <= 1 and not policy.is_mixed and not sharded):
         return None
     config = engine._config
     params = [p for p in engine.module.parameters() if p.requires_grad]
@@ -133,7 +134,7 @@ def build_reducer(engine: Any) -> GradBucketReducer | None:
                           gradient_predivide_factor=config.model.gradient_predivide_factor)
     reducer = GradBucketReducer(params, reduce, bucket_numel, policy.comm_dtype_fn(),
                                 group=engine.data_parallel_group, first_bucket_numel=first,
-                                accum_dtype=policy.grad_accum_dtype)
+                                accum_dtype=policy.grad_accum_dtype, shard=sharded)
     reducer.names = {id(p): name for name, p in engine.module.named_parameters()}
     return reducer
 
@@ -142,11 +143,19 @@ def wrap_optimizer(engine: Any) -> Any:
     """Mixed precision wraps the base optimizer so it updates master weights; fp32 keeps it bare
     (as DeepSpeed returns the torch optimizer itself at stage 0 in fp32)."""
     from .precision.mixed_optimizer import MixedPrecisionOptimizer
+    from .zero.optimizer import ZeroOptimizer
 
     policy = engine.precision
+    names = {id(p): name for name, p in engine.module.named_parameters()}
+    if engine.basic_optimizer is not None and engine.stage.shard_optimizer_state:
+        offload = engine._config.model.zero_optimization.offload_optimizer
+        device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
+        master_device = torch.device("cpu") if device == "cpu" else None
+        return ZeroOptimizer(engine.basic_optimizer, engine._reducer, policy.make_scaler(), policy.master_dtype,
+                             engine.gradient_clipping(), names, group=engine.data_parallel_group,
+                             master_device=master_device)
     if engine.basic_optimizer is None or not policy.is_mixed:
         return engine.basic_optimizer
-    names = {id(p): name for name, p in engine.module.named_parameters()}
     return MixedPrecisionOptimizer(engine.basic_optimizer, engine._reducer, policy.make_scaler(),
                                    policy.master_dtype, engine.gradient_clipping(), names,
                                    group=engine.data_parallel_group)

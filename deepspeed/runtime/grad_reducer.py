@@ -59,6 +59,8 @@ class _Bucket:
     pending: set[int] = field(default_factory=set)
     work: Any = None
     comm_buffer: torch.Tensor | None = None
+    numel: int = 0                          # unpadded; flat may be padded to a multiple of N
+    shard_grad: torch.Tensor | None = None  # sharded mode: this rank's reduced slice, accumulated
 
 
 def plan_buckets(numels: list[int], bucket_numel: int, first_bucket_numel: int | None = None) -> list[list[int]]:
@@ -87,13 +89,16 @@ class GradBucketReducer:
 
     def __init__(self, params: list[torch.nn.Parameter], policy: ReducePolicy, bucket_numel: int,
                  comm_dtype_of: Callable[[torch.nn.Parameter], torch.dtype], group: Any = None,
-                 first_bucket_numel: int | None = None, accum_dtype: torch.dtype | None = None) -> None:
+                 first_bucket_numel: int | None = None, accum_dtype: torch.dtype | None = None,
+                 shard: bool = False) -> None:
         # Reverse registration order approximates the order gradients become ready.
         ordered = [p for p in reversed(params) if p.requires_grad]
         self.policy = policy
         self.group = group
         self.reduces = policy.world_size > 1
         self.accum_dtype = accum_dtype
+        # Sharded (ZeRO): reduce-scatter into shard_grad; see [Note: per-bucket shards] in zero/partition.py
+        self.shard = shard
         self.names: dict[int, str] = {}
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket index, position)
@@ -109,15 +114,23 @@ class GradBucketReducer:
         by_key: dict[tuple, list[torch.nn.Parameter]] = {}
         for p in params:
             by_key.setdefault((p.dtype, p.device, comm_dtype_of(p)), []).append(p)
+        world = self.policy.world_size
         for (dtype, device, comm_dtype), members in by_key.items():
-            flat = torch.zeros(sum(p.numel() for p in members), dtype=self.accum_dtype or dtype, device=device)
+            numel = sum(p.numel() for p in members)
+            padded = -(-numel // world) * world if self.shard else numel
+            flat = torch.zeros(padded, dtype=self.accum_dtype or dtype, device=device)
             views, offset = [], 0
             for position, p in enumerate(members):
                 views.append(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
                 self._where[id(p)] = (len(self.buckets), position)
-                p.grad = views[-1] if flat.dtype == p.dtype else None
-            self.buckets.append(_Bucket(members, flat, views, comm_dtype))
+                p.grad = views[-1] if self._bound(flat, p) else None
+            shard_grad = torch.zeros(padded // world, dtype=flat.dtype, device=device) if self.shard else None
+            self.buckets.append(_Bucket(members, flat, views, comm_dtype, numel=numel, shard_grad=shard_grad))
+
+    def _bound(self, flat: torch.Tensor, param: torch.nn.Parameter) -> bool:
+        """Whether `param.grad` is a view of the bucket (else gradients are added in and freed)."""
+        return not self.shard and flat.dtype == param.dtype
 
     # --- backward-time -----------------------------------------------------------------
     def arm(self) -> None:
@@ -140,7 +153,7 @@ class GradBucketReducer:
         """
         param, view = bucket.params[position], bucket.views[position]
         grad = param.grad
-        if view.dtype != param.dtype:
+        if not self._bound(bucket.flat, param):
             if grad is not None:
                 view.add_(grad)
                 param.grad = None
@@ -180,6 +193,11 @@ class GradBucketReducer:
         scale = self.policy.before()
         if scale != 1.0:
             buffer.mul_(scale)
+        if self.shard:
+            out = torch.empty(buffer.numel() // self.policy.world_size, dtype=buffer.dtype, device=buffer.device)
+            bucket.comm_buffer = out
+            bucket.work = dist.reduce_scatter_tensor(out, buffer, group=self.group, async_op=True)
+            return
         bucket.comm_buffer = buffer
         bucket.work = dist.all_reduce(buffer, group=self.group, async_op=True)
 
@@ -191,13 +209,20 @@ class GradBucketReducer:
             self._launch(self._next_launch)
         scale = self.policy.after()
         for bucket in self.buckets:
+            if self.shard and not self.reduces:  # one rank owns everything: the shard is the bucket
+                bucket.shard_grad.add_(bucket.flat)
+                bucket.flat.zero_()
+                continue
             if bucket.work is None:
                 continue
             bucket.work.wait()
             buffer = bucket.comm_buffer
             if scale != 1.0:
                 buffer.mul_(scale)
-            if buffer is not bucket.flat:
+            if self.shard:
+                bucket.shard_grad.add_(buffer)
+                bucket.flat.zero_()  # its contributions now live in the owners' shards
+            elif buffer is not bucket.flat:
                 bucket.flat.copy_(buffer)
             bucket.work, bucket.comm_buffer = None, None
         self._armed = False
@@ -215,8 +240,10 @@ class GradBucketReducer:
         """Zero the buffers and keep `.grad` bound to them (no reallocation per step)."""
         for bucket in self.buckets:
             bucket.flat.zero_()
+            if bucket.shard_grad is not None:
+                bucket.shard_grad.zero_()
             for position, param in enumerate(bucket.params):
-                if bucket.flat.dtype != param.dtype:
+                if not self._bound(bucket.flat, param):
                     param.grad = None  # detached mode: the buffer is the only gradient
                 else:
                     self._bind(bucket, position)

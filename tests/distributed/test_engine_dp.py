@@ -39,7 +39,8 @@ def train_engine(config: dict, steps: int, style: str = "engine", model_cls: typ
             total += loss.item()
             if style == "engine":
                 engine.backward(loss)
-                if first_grads is None and engine.is_gradient_accumulation_boundary():
+                if first_grads is None and engine.is_gradient_accumulation_boundary() and \
+                        engine.zero_optimization_stage() == 0:
                     first_grads = {n: p.grad.clone() for n, p in engine.module.named_parameters()}
                 engine.step()
             elif style == "accelerate":  # boundary set before every backward, loss pre-divided, step at boundary

@@ -75,6 +75,16 @@ class MixedPrecisionOptimizer(DeepSpeedOptimizer):
 
     cur_scale = loss_scale
 
+    def needs_scaler(self) -> bool:
+        """True when backward must scale the loss (fp16; seed 003's name)."""
+        return self.loss_scaler.dynamic or self.loss_scaler.loss_scale != 1.0
+
+    def scale_if_loss(self, value: Any) -> Any:
+        """Scale `value` by the loss scale if it is a scalar tensor that can be backpropagated."""
+        if torch.is_tensor(value) and value.numel() == 1 and value.requires_grad:
+            return self.loss_scaler.scale(value)
+        return value
+
     def master_params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 

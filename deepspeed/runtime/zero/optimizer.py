@@ -1,0 +1,155 @@
+"""ZeroOptimizer: fp32 master shards and optimizer state partitioned across data-parallel ranks.
+
+One class for stages 1 and 2 (and the optimizer side of stage 3): the stage only changes
+when gradients are reduce-scattered (every backward, or only at the boundary; see StageSpec).
+Layout: [Note: per-bucket shards] in partition.py. Each rank keeps, per bucket, an fp32 master
+slice; the base torch optimizer sees one tensor per parameter fragment (views of that slice),
+so its state is exactly this rank's 1/N. Parameters become views of per-bucket flat buffers,
+which the step refreshes with one all-gather per bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from ... import comm as dist
+from ...utils.logging import log_dist
+from ..base_optimizer import ZeROOptimizer
+from ..precision.loss_scaler import BaseScaler
+from .partition import BucketPartition
+
+
+class _ShardedBucket:
+    """One bucket's parameter buffer, this rank's master slice and gradient slice."""
+
+    def __init__(self, bucket: Any, rank: int, world: int, master_dtype: torch.dtype,
+                 master_device: torch.device) -> None:
+        self.partition = BucketPartition(tuple(p.numel() for p in bucket.params), world)
+        first = bucket.params[0]
+        self.param_flat = torch.zeros(self.partition.padded_numel, dtype=first.dtype, device=first.device)
+        for p, start in zip(bucket.params, self.partition.offsets()):
+            view = self.param_flat[start:start + p.numel()].view_as(p)
+            view.copy_(p.data)
+            p.data = view  # the all-gather after each step writes straight into the parameters
+        lo = rank * self.partition.shard_numel
+        mine = self.param_flat[lo:lo + self.partition.shard_numel]
+        self.master = mine.detach().to(device=master_device, dtype=master_dtype).clone()
+        self.grad_source = bucket.shard_grad          # where the reducer accumulates this rank's slice
+        self.grad = self.grad_source if self.grad_source.device == master_device and \
+            self.grad_source.dtype == master_dtype else torch.zeros_like(self.master)
+        self.params = bucket.params
+        self.fragments = self.partition.fragments(rank)
+
+
+class ZeroOptimizer(ZeROOptimizer):
+    """Wraps the base optimizer so it updates this rank's shard of fp32 master weights."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, reducer: Any, scaler: BaseScaler, master_dtype: torch.dtype,
+                 clip: float, names: dict[int, str], group: Any = None, master_device: torch.device | None = None):
+        self.optimizer, self.reducer, self.loss_scaler = optimizer, reducer, scaler
+        self.clip, self.group, self._names = clip, group, names
+        self.overflow = False
+        self._global_grad_norm: float | None = None
+        self.dp_rank, self.dp_world = dist.get_rank(group), dist.get_world_size(group)
+        device = master_device or reducer.buckets[0].flat.device if reducer.buckets else torch.device("cpu")
+        self.buckets = [_ShardedBucket(b, self.dp_rank, self.dp_world, master_dtype, device) for b in reducer.buckets]
+        self._fragments_of: dict[int, list[torch.Tensor]] = {}
+        for sb in self.buckets:
+            for f in sb.fragments:
+                master = torch.nn.Parameter(sb.master[f.shard_start:f.shard_start + f.numel], requires_grad=False)
+                master.grad = sb.grad[f.shard_start:f.shard_start + f.numel]
+                self._fragments_of.setdefault(id(sb.params[f.index]), []).append(master)
+                self._names[id(master)] = names.get(id(sb.params[f.index]), "?")
+        for group_ in optimizer.param_groups:
+            group_["params"] = [m for p in group_["params"] for m in self._fragments_of.get(id(p), [])]
+        optimizer.state.clear()
+
+    # --- optimizer-like surface -------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    cur_scale = loss_scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.reducer.zero_grad()
+
+    def needs_scaler(self) -> bool:
+        return self.loss_scaler.dynamic or self.loss_scaler.loss_scale != 1.0
+
+    def scale_if_loss(self, value: Any) -> Any:
+        if torch.is_tensor(value) and value.numel() == 1 and value.requires_grad:
+            return self.loss_scaler.scale(value)
+        return value
+
+    def shard_numel(self) -> int:
+        """Master elements held by this rank (ceil(bucket/N) per bucket, padding included)."""
+        return sum(sb.master.numel() for sb in self.buckets)
+
+    # --- the step ---------------------------------------------------------------------------
+    def _collect_grads(self) -> list[torch.Tensor]:
+        for sb in self.buckets:
+            if sb.grad is not sb.grad_source:
+                sb.grad.copy_(sb.grad_source)
+        return [sb.grad for sb in self.buckets]
+
+    def _overflow(self, grads: list[torch.Tensor]) -> bool:
+        if not self.needs_scaler():
+            return False
+        reduce = (lambda flag: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)) \
+            if self.dp_world > 1 else None
+        return self.loss_scaler.unscale_and_check(grads, all_reduce=reduce)
+
+    def _clip(self, grads: list[torch.Tensor]) -> None:
+        """Global norm over all shards with one all-reduce; torch's clip_grad_norm_ formula."""
+        local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        total = local.reshape(1).to(self.buckets[0].param_flat.device if self.buckets else "cpu")
+        if self.dp_world > 1:
+            dist.all_reduce(total, group=self.group)
+        norm = math.sqrt(float(total))
+        self._global_grad_norm = norm
+        coef = self.clip / (norm + 1e-6)
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+
+    def step(self, closure: Any = None) -> bool:
+        grads = self._collect_grads()
+        self.overflow = self._overflow(grads)
+        if self.overflow:
+            scale = self.loss_scaler.loss_scale
+            self.loss_scaler.update_scale(True)
+            log_dist(f"Overflow: gradients have inf/nan; skipping step, loss scale {scale} -> "
+                     f"{self.loss_scaler.loss_scale}", ranks=[0], level=logging.WARNING)
+            return False
+        if self.clip > 0.0:
+            self._clip(grads)
+        self.optimizer.step()
+        self._all_gather_params()
+        self.loss_scaler.update_scale(False)
+        return True
+
+    def _all_gather_params(self) -> None:
+        works = []
+        for sb in self.buckets:
+            shard = sb.master.to(device=sb.param_flat.device, dtype=sb.param_flat.dtype)
+            if self.dp_world > 1:
+                works.append(dist.all_gather_into_tensor(sb.param_flat, shard, group=self.group, async_op=True))
+            else:
+                sb.param_flat.copy_(shard)
+        for work in works:
+            work.wait()
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer({type(self.optimizer).__name__}, buckets={len(self.buckets)}, world={self.dp_world})"

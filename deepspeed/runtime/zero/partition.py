@@ -1,0 +1,66 @@
+"""Pure partition math: which slice of each gradient bucket every rank owns.
+
+[Note: per-bucket shards]
+A bucket is a run of parameters flattened in gradient-ready order and padded to a multiple
+of the world size N; rank r owns elements [r*S, (r+1)*S) of it (S = padded / N). Reducing a
+bucket is then one reduce-scatter whose output is exactly the owner's slice, and refreshing
+parameters after the step is one all-gather of the same layout: per step each rank sends
+2Ψ(N-1)/N elements, DDP's volume, with one collective per bucket in each direction. A
+parameter may straddle two ranks' slices; its pieces are "fragments".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """The part of parameter `index` (within its bucket) that lies in one rank's shard."""
+
+    index: int          # position of the parameter in the bucket
+    param_start: int    # offset inside the flattened parameter
+    shard_start: int    # offset inside the owner's shard
+    numel: int
+
+
+@dataclass(frozen=True)
+class BucketPartition:
+    numels: tuple[int, ...]
+    world_size: int
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.world_size)  # ceil
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    def offsets(self) -> list[int]:
+        starts, offset = [], 0
+        for n in self.numels:
+            starts.append(offset)
+            offset += n
+        return starts
+
+    def fragments(self, rank: int) -> list[Fragment]:
+        """Fragments owned by `rank`, in bucket order."""
+        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        found = []
+        for index, (start, n) in enumerate(zip(self.offsets(), self.numels)):
+            a, b = max(start, lo), min(start + n, hi)
+            if a < b:
+                found.append(Fragment(index, a - start, a - lo, b - a))
+        return found
+
+    def owners(self, index: int) -> list[int]:
+        """Ranks holding a piece of parameter `index`."""
+        start, n = self.offsets()[index], self.numels[index]
+        if n == 0:
+            return []
+        return list(range(start // self.shard_numel, (start + n - 1) // self.shard_numel + 1))
