@@ -134,7 +134,8 @@ def build_reducer(engine: Any) -> GradBucketReducer | None:
                           gradient_predivide_factor=config.model.gradient_predivide_factor)
     reducer = GradBucketReducer(params, reduce, bucket_numel, policy.comm_dtype_fn(),
                                 group=engine.data_parallel_group, first_bucket_numel=first,
-                                accum_dtype=policy.grad_accum_dtype, shard=sharded)
+                                accum_dtype=policy.grad_accum_dtype, shard=sharded,
+                                transient=engine.stage.shard_gradients)
     reducer.names = {id(p): name for name, p in engine.module.named_parameters()}
     return reducer
 

@@ -90,7 +90,7 @@ class GradBucketReducer:
     def __init__(self, params: list[torch.nn.Parameter], policy: ReducePolicy, bucket_numel: int,
                  comm_dtype_of: Callable[[torch.nn.Parameter], torch.dtype], group: Any = None,
                  first_bucket_numel: int | None = None, accum_dtype: torch.dtype | None = None,
-                 shard: bool = False) -> None:
+                 shard: bool = False, transient: bool = False) -> None:
         # Reverse registration order approximates the order gradients become ready.
         ordered = [p for p in reversed(params) if p.requires_grad]
         self.policy = policy
@@ -99,6 +99,10 @@ class GradBucketReducer:
         self.accum_dtype = accum_dtype
         # Sharded (ZeRO): reduce-scatter into shard_grad; see [Note: per-bucket shards] in zero/partition.py
         self.shard = shard
+        # Transient (ZeRO-2): a bucket's full-size buffer exists only from its first gradient until
+        # its reduce-scatter completes, so between backward passes only the shards remain.
+        self.transient = shard and transient
+        self.peak_live_numel = 0
         self.names: dict[int, str] = {}
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket index, position)
@@ -126,7 +130,21 @@ class GradBucketReducer:
                 self._where[id(p)] = (len(self.buckets), position)
                 p.grad = views[-1] if self._bound(flat, p) else None
             shard_grad = torch.zeros(padded // world, dtype=flat.dtype, device=device) if self.shard else None
-            self.buckets.append(_Bucket(members, flat, views, comm_dtype, numel=numel, shard_grad=shard_grad))
+            bucket = _Bucket(members, flat, views, comm_dtype, numel=numel, shard_grad=shard_grad)
+            if self.transient:
+                bucket.flat, bucket.views = None, []
+            self.buckets.append(bucket)
+
+    def _allocate(self, bucket: _Bucket) -> None:
+        """(Re)create a transient bucket's full-size buffer and the parameter views into it."""
+        first = bucket.params[0]
+        padded = bucket.shard_grad.numel() * self.policy.world_size
+        bucket.flat = torch.zeros(padded, dtype=self.accum_dtype or first.dtype, device=first.device)
+        bucket.views, offset = [], 0
+        for p in bucket.params:
+            bucket.views.append(bucket.flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.peak_live_numel = max(self.peak_live_numel, self.live_buffer_numel())
 
     def _bound(self, flat: torch.Tensor, param: torch.nn.Parameter) -> bool:
         """Whether `param.grad` is a view of the bucket (else gradients are added in and freed)."""
@@ -151,6 +169,10 @@ class GradBucketReducer:
 
         Detached mode (buffer dtype differs): add the new gradient into the buffer, free it.
         """
+        if bucket.flat is None:
+            if bucket.params[position].grad is None:
+                return
+            self._allocate(bucket)
         param, view = bucket.params[position], bucket.views[position]
         grad = param.grad
         if not self._bound(bucket.flat, param):
@@ -182,10 +204,12 @@ class GradBucketReducer:
             self._launch(self._next_launch)
 
     def _launch(self, index: int) -> None:
-        """Start the asynchronous all-reduce of bucket `index` (see [Note: bucket launch order])."""
+        """Start the asynchronous reduction of bucket `index` (see [Note: bucket launch order])."""
         bucket = self.buckets[index]
         for position in range(len(bucket.params)):
             self._bind(bucket, position)
+        if bucket.flat is None:
+            self._allocate(bucket)  # no gradient on this rank: contribute zeros, every rank must join
         self._next_launch = index + 1
         if not self.reduces:
             return
@@ -197,35 +221,49 @@ class GradBucketReducer:
             out = torch.empty(buffer.numel() // self.policy.world_size, dtype=buffer.dtype, device=buffer.device)
             bucket.comm_buffer = out
             bucket.work = dist.reduce_scatter_tensor(out, buffer, group=self.group, async_op=True)
+            if self.transient and index > 0:
+                self._complete(self.buckets[index - 1])  # at most two full buckets alive at once
             return
         bucket.comm_buffer = buffer
         bucket.work = dist.all_reduce(buffer, group=self.group, async_op=True)
 
-    def finish(self) -> None:
-        """Launch what is left, wait for every bucket, and apply the post-scale."""
-        if not self._armed:
+    def _complete(self, bucket: _Bucket) -> None:
+        """Wait for a launched bucket and put its result where it belongs."""
+        if self.shard and not self.reduces:  # one rank owns everything: the shard is the bucket
+            bucket.shard_grad.add_(bucket.flat)
+        elif bucket.work is None:
             return
-        while self._next_launch < len(self.buckets):
-            self._launch(self._next_launch)
-        scale = self.policy.after()
-        for bucket in self.buckets:
-            if self.shard and not self.reduces:  # one rank owns everything: the shard is the bucket
-                bucket.shard_grad.add_(bucket.flat)
-                bucket.flat.zero_()
-                continue
-            if bucket.work is None:
-                continue
+        else:
             bucket.work.wait()
             buffer = bucket.comm_buffer
+            scale = self.policy.after()
             if scale != 1.0:
                 buffer.mul_(scale)
             if self.shard:
                 bucket.shard_grad.add_(buffer)
-                bucket.flat.zero_()  # its contributions now live in the owners' shards
             elif buffer is not bucket.flat:
                 bucket.flat.copy_(buffer)
             bucket.work, bucket.comm_buffer = None, None
+        if self.shard:  # its contributions now live in the owners' shards
+            if self.transient:
+                bucket.flat, bucket.views = None, []
+            else:
+                bucket.flat.zero_()
+
+    def finish(self) -> None:
+        """Launch what is left and wait for every bucket."""
+        if not self._armed:
+            return
+        while self._next_launch < len(self.buckets):
+            self._launch(self._next_launch)
+        for bucket in self.buckets:
+            if bucket.flat is not None:
+                self._complete(bucket)
         self._armed = False
+
+    def live_buffer_numel(self) -> int:
+        """Elements of full-size gradient buffers currently allocated (memory accounting)."""
+        return sum(b.flat.numel() for b in self.buckets if b.flat is not None)
 
     # --- step-time -----------------------------------------------------------------------
     def grad_view(self, param: torch.nn.Parameter) -> torch.Tensor:
@@ -239,9 +277,13 @@ class GradBucketReducer:
     def zero_grad(self) -> None:
         """Zero the buffers and keep `.grad` bound to them (no reallocation per step)."""
         for bucket in self.buckets:
-            bucket.flat.zero_()
             if bucket.shard_grad is not None:
                 bucket.shard_grad.zero_()
+            if bucket.flat is None:
+                for param in bucket.params:
+                    param.grad = None
+                continue
+            bucket.flat.zero_()
             for position, param in enumerate(bucket.params):
                 if not self._bound(bucket.flat, param):
                     param.grad = None  # detached mode: the buffer is the only gradient

@@ -70,3 +70,24 @@ def test_zero_memory_and_communication_are_counted(world: int) -> None:
     assert rs["wire_bytes"] + ag["wire_bytes"] == pytest.approx(2 * padded * 4 * (world - 1) / world)
     assert rs["wire_bytes"] + ag["wire_bytes"] <= 1.02 * ddp_wire
     assert "all_reduce" not in r0["backward_comm"]
+
+
+def stage2_gradient_memory(bucket: int) -> dict:
+    import deepspeed
+
+    cfg = _config(micro=2, gas=2, zero_optimization={"stage": 2, "reduce_bucket_size": bucket})
+    engine, opt, _, _ = deepspeed.initialize(model=make_model(), config=cfg)
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 16), torch.tensor([0, 1])))
+        engine.step()
+    reducer = engine._reducer
+    sizes = [b.shard_grad.numel() * 2 for b in reducer.buckets]
+    return {"after_backward": reducer.live_buffer_numel(), "peak": reducer.peak_live_numel,
+            "largest_two": sum(sorted(sizes)[-2:]), "total": sum(sizes),
+            "grads_none": all(p.grad is None for p in engine.module.parameters())}
+
+
+def test_stage2_keeps_only_shards_between_backwards() -> None:
+    r = run_distributed(2, stage2_gradient_memory, 300)[0]
+    assert r["after_backward"] == 0 and r["grads_none"]
+    assert r["peak"] <= r["largest_two"] < r["total"]  # one bucket filling, one reducing

@@ -55,7 +55,7 @@ class ZeroOptimizer(ZeROOptimizer):
         self.overflow = False
         self._global_grad_norm: float | None = None
         self.dp_rank, self.dp_world = dist.get_rank(group), dist.get_world_size(group)
-        device = master_device or reducer.buckets[0].flat.device if reducer.buckets else torch.device("cpu")
+        device = master_device or (reducer.buckets[0].shard_grad.device if reducer.buckets else torch.device("cpu"))
         self.buckets = [_ShardedBucket(b, self.dp_rank, self.dp_world, master_dtype, device) for b in reducer.buckets]
         self._fragments_of: dict[int, list[torch.Tensor]] = {}
         for sb in self.buckets:
