@@ -25,7 +25,8 @@ from .dataloader import DeepSpeedDataLoader
 from .engine_accessors import EngineAccessors
 from .backward_hooks import BackwardState, derived_outputs, output_tensors, queue_autograd_callback
 from .engine_setup import (broadcast_module_states, build_lr_scheduler, build_optimizer_for_engine,
-                           build_reducer, check_supported, prepare_module, resolve_device, wrap_optimizer)
+                           build_reducer, check_supported, check_zero_layout, prepare_module, resolve_device,
+                           wrap_optimizer)
 from .grad_accum import is_boundary
 from .precision.policy import PrecisionPolicy
 from .zero.stages import STAGES
@@ -284,6 +285,8 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
         if not self._reduced_this_boundary and not self.inside_no_sync_ctxt:
             self.allreduce_gradients()  # backward ran outside engine.backward: reduce now
+        if self.stage.shard_optimizer_state:
+            check_zero_layout(self)
         if isinstance(self.optimizer, DeepSpeedOptimizer):  # unscale, overflow skip and clip live there
             applied = self.optimizer.step()
             self._global_grad_norm = self.optimizer._global_grad_norm

@@ -172,3 +172,32 @@ def prepare_module(engine: Any) -> None:
 
         init_autocast_params(engine.module, policy.autocast_dtype,
                              list(policy.autocast_safe_modules) if policy.autocast_safe_modules else None)
+
+
+def check_zero_layout(engine: Any) -> None:
+    """Errors for changes ZeRO's partition layout cannot follow, raised on every rank alike.
+
+    The layout (which parameters are sharded, in which buckets) is fixed at initialize, so a
+    parameter frozen or unfrozen afterwards would be silently mis-trained; and with
+    `ignore_unused_parameters: false` a parameter without a gradient is an error (one
+    all-reduce makes every rank raise, so none is left waiting in a collective).
+    """
+    reducer = engine._reducer
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    frozen = [names.get(id(p), "?") for p in reducer.params() if not p.requires_grad]
+    unfrozen = [n for n, p in engine.module.named_parameters() if p.requires_grad and not reducer.owns(p)]
+    if frozen or unfrozen:
+        raise RuntimeError("requires_grad changed after deepspeed.initialize, which ZeRO's partitioning cannot "
+                           f"follow: frozen since: {frozen or 'none'}; unfrozen since: {unfrozen or 'none'}. "
+                           "Set requires_grad before initialize (or build a new engine).")
+    if engine._config.model.zero_optimization.ignore_unused_parameters:
+        return
+    missing = [names.get(id(p), "?") for p in reducer.params() if id(p) not in reducer.seen]
+    flag = torch.tensor([1.0 if missing else 0.0], device=engine.device)
+    if engine.dp_world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=engine.data_parallel_group)
+    if flag.item() > 0:
+        detail = f"on this rank: {missing}" if missing else "on another rank (this rank used all of them)"
+        raise RuntimeError("zero_optimization.ignore_unused_parameters is false and some parameters received no "
+                           f"gradient in this step, {detail}. Set ignore_unused_parameters: true (the default) to "
+                           "treat them as zero gradients.")

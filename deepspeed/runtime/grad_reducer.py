@@ -103,6 +103,7 @@ class GradBucketReducer:
         # its reduce-scatter completes, so between backward passes only the shards remain.
         self.transient = shard and transient
         self.peak_live_numel = 0
+        self.seen: set[int] = set()  # ids of parameters that received a gradient since zero_grad()
         self.names: dict[int, str] = {}
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket index, position)
@@ -191,6 +192,7 @@ class GradBucketReducer:
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         bucket_index, position = self._where[id(param)]
         bucket = self.buckets[bucket_index]
+        self.seen.add(id(param))
         self._bind(bucket, position)
         if not self._armed:
             return
@@ -266,6 +268,12 @@ class GradBucketReducer:
         return sum(b.flat.numel() for b in self.buckets if b.flat is not None)
 
     # --- step-time -----------------------------------------------------------------------
+    def owns(self, param: torch.nn.Parameter) -> bool:
+        return id(param) in self._where
+
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for bucket in self.buckets for p in bucket.params]
+
     def grad_view(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The buffer slice holding `param`'s accumulated (and, after finish(), averaged) gradient."""
         bucket_index, position = self._where[id(param)]
@@ -276,6 +284,7 @@ class GradBucketReducer:
 
     def zero_grad(self) -> None:
         """Zero the buffers and keep `.grad` bound to them (no reallocation per step)."""
+        self.seen.clear()
         for bucket in self.buckets:
             if bucket.shard_grad is not None:
                 bucket.shard_grad.zero_()
