@@ -145,6 +145,7 @@ def wrap_optimizer(engine: Any) -> Any:
     (as DeepSpeed returns the torch optimizer itself at stage 0 in fp32)."""
     from .precision.mixed_optimizer import MixedPrecisionOptimizer
     from .zero.optimizer import ZeroOptimizer
+    from ..utils.tensor_fragment import register_optimizer  # safe_get_full_* find a parameter's state
 
     policy = engine.precision
     names = {id(p): name for name, p in engine.module.named_parameters()}
@@ -152,14 +153,14 @@ def wrap_optimizer(engine: Any) -> Any:
         offload = engine._config.model.zero_optimization.offload_optimizer
         device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
         master_device = torch.device("cpu") if device == "cpu" else None
-        return ZeroOptimizer(engine.basic_optimizer, engine._reducer, policy.make_scaler(), policy.master_dtype,
-                             engine.gradient_clipping(), names, group=engine.data_parallel_group,
-                             master_device=master_device)
+        return register_optimizer(ZeroOptimizer(engine.basic_optimizer, engine._reducer, policy.make_scaler(),
+                                                policy.master_dtype, engine.gradient_clipping(), names,
+                                                group=engine.data_parallel_group, master_device=master_device))
     if engine.basic_optimizer is None or not policy.is_mixed:
-        return engine.basic_optimizer
-    return MixedPrecisionOptimizer(engine.basic_optimizer, engine._reducer, policy.make_scaler(),
-                                   policy.master_dtype, engine.gradient_clipping(), names,
-                                   group=engine.data_parallel_group)
+        return register_optimizer(engine.basic_optimizer)
+    return register_optimizer(MixedPrecisionOptimizer(engine.basic_optimizer, engine._reducer, policy.make_scaler(),
+                                                      policy.master_dtype, engine.gradient_clipping(), names,
+                                                      group=engine.data_parallel_group))
 
 
 def prepare_module(engine: Any) -> None:
@@ -179,25 +180,31 @@ def check_zero_layout(engine: Any) -> None:
 
     The layout (which parameters are sharded, in which buckets) is fixed at initialize, so a
     parameter frozen or unfrozen afterwards would be silently mis-trained; and with
-    `ignore_unused_parameters: false` a parameter without a gradient is an error (one
-    all-reduce makes every rank raise, so none is left waiting in a collective).
+    `ignore_unused_parameters: false` a parameter without a gradient is an error. One small
+    all-reduce (MAX) of per-rank flags makes every rank raise with the same names, so no rank
+    is left waiting in the step's all-gather when only some ranks changed.
     """
     reducer = engine._reducer
+    params = reducer.params()
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    frozen = [names.get(id(p), "?") for p in reducer.params() if not p.requires_grad]
-    unfrozen = [n for n, p in engine.module.named_parameters() if p.requires_grad and not reducer.owns(p)]
-    if frozen or unfrozen:
-        raise RuntimeError("requires_grad changed after deepspeed.initialize, which ZeRO's partitioning cannot "
-                           f"follow: frozen since: {frozen or 'none'}; unfrozen since: {unfrozen or 'none'}. "
-                           "Set requires_grad before initialize (or build a new engine).")
-    if engine._config.model.zero_optimization.ignore_unused_parameters:
-        return
-    missing = [names.get(id(p), "?") for p in reducer.params() if id(p) not in reducer.seen]
-    flag = torch.tensor([1.0 if missing else 0.0], device=engine.device)
+    changed = any(not p.requires_grad for p in params) or \
+        any(p.requires_grad and not reducer.owns(p) for p in engine.module.parameters())
+    check_unused = not engine._config.model.zero_optimization.ignore_unused_parameters
+    flags = [1.0 if changed else 0.0]
+    if check_unused:
+        flags += [0.0 if id(p) in reducer.seen else 1.0 for p in params]
+    vector = torch.tensor(flags, device=engine.device)
     if engine.dp_world_size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=engine.data_parallel_group)
-    if flag.item() > 0:
-        detail = f"on this rank: {missing}" if missing else "on another rank (this rank used all of them)"
-        raise RuntimeError("zero_optimization.ignore_unused_parameters is false and some parameters received no "
-                           f"gradient in this step, {detail}. Set ignore_unused_parameters: true (the default) to "
-                           "treat them as zero gradients.")
+        dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=engine.data_parallel_group)
+    if vector[0] > 0:
+        frozen = [names.get(id(p), "?") for p in params if not p.requires_grad]
+        unfrozen = [n for n, p in engine.module.named_parameters() if p.requires_grad and not reducer.owns(p)]
+        raise RuntimeError("requires_grad changed after deepspeed.initialize (on this or another rank), which "
+                           f"ZeRO's partitioning cannot follow: frozen since: {frozen or 'none on this rank'}; "
+                           f"unfrozen since: {unfrozen or 'none on this rank'}. Set requires_grad before "
+                           "initialize (or build a new engine).")
+    if check_unused and bool((vector[1:] > 0).any()):
+        missing = [names.get(id(p), "?") for p, flag in zip(params, vector[1:].tolist()) if flag > 0]
+        raise RuntimeError("zero_optimization.ignore_unused_parameters is false and these parameters received no "
+                           f"gradient in this step on at least one rank: {missing}. Set ignore_unused_parameters: "
+                           "true (the default) to treat them as zero gradients.")
