@@ -415,7 +415,9 @@ def test_collectives_per_step_bounded_by_buckets(stage: int) -> None:
         assert r["buckets"] == 1
         assert comm["reduce_scatter_tensor"]["count"] == STEPS * r["buckets"]
         assert comm["all_gather_into_tensor"]["count"] == STEPS * r["buckets"]
-        assert set(comm) == {"reduce_scatter_tensor", "all_gather_into_tensor"}  # no per-tensor all_reduce
+        # no per-tensor all_reduce: only the one-element layout check per step (check_zero_layout)
+        assert set(comm) == {"reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"}
+        assert comm["all_reduce"]["count"] == STEPS and comm["all_reduce"]["numel"] == STEPS
 
 
 # --- gradient accumulation, no_sync --------------------------------------------------------------
