@@ -10,6 +10,19 @@ _LAZY = {
     "RepeatingLoader": ("deepspeed.runtime.dataloader", "RepeatingLoader"),
     "SynchronizedWallClockTimer": ("deepspeed.utils.timer", "SynchronizedWallClockTimer"),
     "ThroughputTimer": ("deepspeed.utils.timer", "ThroughputTimer"),
+    "safe_get_full_fp32_param": ("deepspeed.utils.tensor_fragment", "safe_get_full_fp32_param"),
+    "safe_set_full_fp32_param": ("deepspeed.utils.tensor_fragment", "safe_set_full_fp32_param"),
+    "safe_get_full_optimizer_state": ("deepspeed.utils.tensor_fragment", "safe_get_full_optimizer_state"),
+    "safe_set_full_optimizer_state": ("deepspeed.utils.tensor_fragment", "safe_set_full_optimizer_state"),
+    "safe_get_full_grad": ("deepspeed.utils.tensor_fragment", "safe_get_full_grad"),
+    "safe_set_full_grad": ("deepspeed.utils.tensor_fragment", "safe_set_full_grad"),
+    "safe_update_full_grad_vectorized": ("deepspeed.utils.tensor_fragment", "safe_update_full_grad_vectorized"),
+    "safe_get_local_fp32_param": ("deepspeed.utils.tensor_fragment", "safe_get_local_fp32_param"),
+    "safe_set_local_fp32_param": ("deepspeed.utils.tensor_fragment", "safe_set_local_fp32_param"),
+    "safe_get_local_grad": ("deepspeed.utils.tensor_fragment", "safe_get_local_grad"),
+    "safe_set_local_grad": ("deepspeed.utils.tensor_fragment", "safe_set_local_grad"),
+    "safe_get_local_optimizer_state": ("deepspeed.utils.tensor_fragment", "safe_get_local_optimizer_state"),
+    "safe_set_local_optimizer_state": ("deepspeed.utils.tensor_fragment", "safe_set_local_optimizer_state"),
 }
 
 

@@ -31,6 +31,22 @@ SURFACE = [
     "deepspeed.config.Config", "deepspeed.config.TrainingConfig", "deepspeed.config.BatchConfig",
     "deepspeed.config.FP16Config",
     "deepspeed.launcher.runner.main", "deepspeed.env_report.cli_main",
+    "deepspeed.utils.safe_get_full_fp32_param", "deepspeed.utils.safe_set_full_fp32_param",
+    "deepspeed.utils.safe_get_full_grad", "deepspeed.utils.safe_set_full_grad",
+    "deepspeed.utils.safe_get_full_optimizer_state", "deepspeed.utils.safe_set_full_optimizer_state",
+    "deepspeed.utils.safe_get_local_fp32_param", "deepspeed.utils.safe_set_local_fp32_param",
+    "deepspeed.utils.safe_get_local_grad", "deepspeed.utils.safe_set_local_grad",
+    "deepspeed.utils.safe_get_local_optimizer_state", "deepspeed.utils.safe_set_local_optimizer_state",
+    "deepspeed.utils.safe_update_full_grad_vectorized",
+    "deepspeed.utils.tensor_fragment.safe_get_full_fp32_param",
+    "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer",
+    "deepspeed.runtime.zero.config.DeepSpeedZeroConfig", "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.zero.config.DeepSpeedZeroOffloadOptimizerConfig",
+    "deepspeed.runtime.zero.config.DeepSpeedZeroOffloadParamConfig",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler", "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.torch_autocast.init_autocast_params",
+    "deepspeed.runtime.torch_autocast.get_default_autocast_lower_precision_modules",
+    "deepspeed.runtime.torch_autocast.has_autocast_dtype", "deepspeed.runtime.torch_autocast.is_autocast_initialized",
 ]
 
 

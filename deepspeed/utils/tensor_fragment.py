@@ -1,0 +1,378 @@
+# compat: upstream deepspeed.utils.tensor_fragment: the `safe_*` accessors for a model
+# parameter's fp32 master weights, gradient and optimizer state (DeepSpeed 0.19.8 names).
+"""Reading and writing the training state of one model parameter, wherever it lives.
+
+[Note: parameter links]
+Upstream attaches a mapping object to every parameter. Here parameters stay untouched: the
+engine registers each wrapped optimizer (`register_optimizer`), which records, per model
+parameter, where its state lives, in a weak-keyed table:
+
+* ZeRO stages 1/2 (`ZeroOptimizer`): the parameter's bucket and position. This rank holds at
+  most one contiguous fragment of it (see [Note: per-bucket shards] in zero/partition.py):
+  the fp32 master slice `bucket.master[f.shard_start:...]`, the reduced gradient slice of
+  `bucket.grad_source`, and optimizer state keyed by the fragment tensor in `_fragments_of`.
+  The `full` getters are collective over the data-parallel group: each rank writes its
+  fragment into a zero buffer of the parameter's size and one all-reduce (SUM) assembles it;
+  fragments are disjoint, so the sum is exact.
+* Stage 0 mixed precision (`MixedPrecisionOptimizer`): the fp32 master; the gradient is the
+  reducer's bucket view. Stage 0 fp32 (bare torch optimizer): the parameter itself.
+  Everything is replicated, so nothing communicates.
+
+A parameter no optimizer was registered for (frozen, or not trained by an engine) gives None,
+as upstream does for parameters without a mapping.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from deepspeed import comm as dist
+
+_LOCAL_ONLY = "This API is only defined for ZeRO-partitioned parameters (zero_optimization.stage 1 or 2 here)"
+
+
+@dataclass(frozen=True)
+class _Link:
+    optimizer: weakref.ref                  # ZeroOptimizer, MixedPrecisionOptimizer or a torch optimizer
+    bucket: int = -1                        # ZeRO: index into optimizer.buckets (-1: not sharded)
+    index: int = -1                         # ZeRO: position of the parameter in that bucket
+    master: Optional[weakref.ref] = None    # stage 0 mixed precision: the fp32 master tensor
+
+    @property
+    def sharded(self) -> bool:
+        return self.bucket >= 0
+
+
+_LINKS: Any = WeakIdKeyDictionary()  # model parameter -> _Link; see [Note: parameter links]
+
+
+def _is_zero(optimizer: Any) -> bool:
+    from deepspeed.runtime.zero.optimizer import ZeroOptimizer
+
+    return isinstance(optimizer, ZeroOptimizer)
+
+
+def _is_mixed(optimizer: Any) -> bool:
+    from deepspeed.runtime.precision.mixed_optimizer import MixedPrecisionOptimizer
+
+    return isinstance(optimizer, MixedPrecisionOptimizer)
+
+
+def register_optimizer(optimizer: Any) -> Any:
+    """Link every parameter `optimizer` trains to it (called by the engine); returns `optimizer`."""
+    if optimizer is None:
+        return None
+    ref = weakref.ref(optimizer)
+    if _is_zero(optimizer):
+        for b, sb in enumerate(optimizer.buckets):
+            for i, p in enumerate(sb.params):
+                _LINKS[p] = _Link(ref, b, i)
+    elif _is_mixed(optimizer):
+        masters = {id(p): m for p, m in optimizer._pairs}
+        for p in optimizer.grads.params():
+            m = masters.get(id(p))
+            _LINKS[p] = _Link(ref, master=weakref.ref(m) if m is not None else None)
+    else:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                _LINKS[p] = _Link(ref)
+    return optimizer
+
+
+def register_param_owner(param: torch.nn.Parameter, optimizer: Any) -> None:
+    """Link one model parameter to the (engine-wrapped) optimizer that trains it."""
+    ref = weakref.ref(optimizer)
+    if _is_zero(optimizer):
+        for b, sb in enumerate(optimizer.buckets):
+            for i, p in enumerate(sb.params):
+                if p is param:
+                    _LINKS[param] = _Link(ref, b, i)
+                    return
+        raise ValueError("register_param_owner: the ZeRO optimizer does not own this parameter")
+    if _is_mixed(optimizer):
+        master = next((m for p, m in optimizer._pairs if p is param), None)
+        _LINKS[param] = _Link(ref, master=weakref.ref(master) if master is not None else None)
+        return
+    _LINKS[param] = _Link(ref)
+
+
+def _lookup(param: torch.Tensor) -> tuple[Optional[_Link], Any]:
+    link = _LINKS.get(param)
+    optimizer = link.optimizer() if link is not None else None
+    return (link, optimizer) if optimizer is not None else (None, None)
+
+
+# --- ZeRO stages 1/2 ----------------------------------------------------------------------
+def _fragment(link: _Link, optimizer: Any) -> tuple[Any, Any]:
+    """(bucket, this rank's Fragment of the parameter or None)."""
+    sb = optimizer.buckets[link.bucket]
+    return sb, next((f for f in sb.fragments if f.index == link.index), None)
+
+
+def _state_key(param: torch.Tensor, optimizer: Any) -> torch.Tensor:
+    """The fragment tensor the base optimizer's state is keyed by (one per rank at most)."""
+    return optimizer._fragments_of[id(param)][0]
+
+
+def _local_state(param: torch.Tensor, optimizer: Any, key: str) -> Optional[torch.Tensor]:
+    """This rank's `key` state of the parameter's fragment, None where the base optimizer has none."""
+    fragment = _state_key(param, optimizer)
+    value = optimizer.state.get(fragment, {}).get(key)
+    return value if torch.is_tensor(value) and value.shape == fragment.shape else None
+
+
+def _assemble(param: torch.Tensor, optimizer: Any, frag: Any, piece: Optional[torch.Tensor],
+              key: Optional[str] = None) -> torch.Tensor:
+    """Collective: the full fp32 tensor from every rank's fragment, with one all-reduce.
+
+    For optimizer state (`key` given) one more element carries "some rank holds a fragment
+    but no such state", so that every rank raises alike instead of leaving the others waiting
+    in the collective.
+    """
+    numel = param.numel()
+    buffer = torch.zeros(numel + (key is not None), dtype=torch.float32, device=param.device)
+    if frag is not None and piece is not None:
+        buffer[frag.param_start:frag.param_start + frag.numel].copy_(piece.reshape(-1))
+    if key is not None and frag is not None and piece is None:
+        buffer[numel] = 1.0
+    if optimizer.dp_world > 1:
+        dist.all_reduce(buffer, group=optimizer.group)
+    if key is not None and buffer[numel].item() > 0:
+        raise _missing_key(key)
+    return buffer[:numel].reshape(param.shape)
+
+
+def _slice(value: torch.Tensor, param: torch.Tensor, frag: Any) -> torch.Tensor:
+    if value.numel() != param.numel():
+        raise ValueError(f"value has {value.numel()} elements, the parameter {param.numel()}")
+    return value.reshape(-1)[frag.param_start:frag.param_start + frag.numel]
+
+
+def _check_local(value: torch.Tensor, target: torch.Tensor) -> None:
+    if value.numel() != target.numel():
+        raise ValueError(f"value has {value.numel()} elements, this rank's partition {target.numel()}")
+
+
+# --- stage 0 --------------------------------------------------------------------------------
+def _master(link: _Link, param: torch.Tensor) -> torch.Tensor:
+    """Stage 0: the tensor the optimizer updates (fp32 master, or the parameter itself)."""
+    master = link.master() if link.master is not None else None
+    return master if master is not None else param
+
+
+def _replicated_grad(link: _Link, optimizer: Any, param: torch.Tensor) -> Optional[torch.Tensor]:
+    """Stage 0: the averaged gradient buffer (bucket view under mixed precision) or param.grad."""
+    if param.grad is not None:
+        return param.grad
+    if _is_mixed(optimizer):
+        return optimizer.grads.grad_view(param)
+    return None
+
+
+def _missing_key(key: str) -> ValueError:
+    return ValueError(f"{key} not found in optimizer state fragment")
+
+
+# --- full API ---------------------------------------------------------------------------------
+def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The parameter's fp32 master weights, full shape, as a new tensor (collective under ZeRO:
+    every data-parallel rank must call it). None for a parameter no engine optimizer trains."""
+    link, optimizer = _lookup(param)
+    if link is None:
+        return None
+    if link.sharded:
+        sb, frag = _fragment(link, optimizer)
+        piece = sb.master[frag.shard_start:frag.shard_start + frag.numel] if frag is not None else None
+        return _assemble(param, optimizer, frag, piece)
+    return _master(link, param).detach().to(dtype=torch.float32, copy=True).reshape(param.shape)
+
+
+def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Set the parameter's fp32 master weights (and its visible weights) to `value` (full shape).
+
+    Every rank passes the same full value; nothing communicates. The model parameter is
+    updated at once on every rank (upstream refreshes it only at the next step's all-gather).
+    """
+    link, optimizer = _lookup(param)
+    if link is None:
+        return
+    if value.numel() != param.numel():
+        raise ValueError(f"value has {value.numel()} elements, the parameter {param.numel()}")
+    with torch.no_grad():
+        if link.sharded:
+            sb, frag = _fragment(link, optimizer)
+            if frag is not None:
+                sb.master[frag.shard_start:frag.shard_start + frag.numel].copy_(_slice(value, param, frag))
+        else:
+            master = _master(link, param)
+            if master is not param:
+                master.data.copy_(value.reshape(master.shape))
+        param.data.copy_(value.reshape(param.shape))
+
+
+def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
+    """The fp32 optimizer state `optim_state_key` (e.g. "exp_avg") of the parameter, full shape,
+    as a new tensor (collective under ZeRO). ValueError, on every rank, where the base optimizer
+    keeps no such per-element state (before the first step, or a scalar such as "step")."""
+    link, optimizer = _lookup(param)
+    if link is None:
+        return None
+    if link.sharded:
+        sb, frag = _fragment(link, optimizer)
+        piece = _local_state(param, optimizer, optim_state_key) if frag is not None else None
+        return _assemble(param, optimizer, frag, piece, key=optim_state_key)
+    master = _master(link, param)
+    value = optimizer.state.get(master, {}).get(optim_state_key)
+    if not torch.is_tensor(value) or value.shape != master.shape:
+        raise _missing_key(optim_state_key)
+    return value.detach().to(dtype=torch.float32, copy=True).reshape(param.shape)
+
+
+def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    """Set the optimizer state `optim_state_key` of the parameter from a full-shape `value`."""
+    link, optimizer = _lookup(param)
+    if link is None:
+        return
+    with torch.no_grad():
+        if link.sharded:
+            sb, frag = _fragment(link, optimizer)
+            if frag is None:
+                return
+            state = _local_state(param, optimizer, optim_state_key)
+            if state is None:
+                raise _missing_key(optim_state_key)
+            state.copy_(_slice(value, param, frag).reshape(state.shape))
+            return
+        master = _master(link, param)
+        state = optimizer.state.get(master, {}).get(optim_state_key)
+        if not torch.is_tensor(state) or state.shape != master.shape:
+            raise _missing_key(optim_state_key)
+        if value.numel() != state.numel():
+            raise ValueError(f"value has {value.numel()} elements, the parameter {param.numel()}")
+        state.copy_(value.reshape(state.shape))
+
+
+def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The averaged gradient the optimizer will use, full shape (collective under ZeRO).
+
+    Meaningful between the backward of an accumulation boundary and `engine.step()` (after the
+    step the buffers are zero). Still multiplied by the loss scale under fp16, as upstream. Under
+    ZeRO a new fp32 tensor; at stage 0 `param.grad` itself when set (as upstream), else a new
+    fp32 tensor from the gradient bucket; None for a parameter without gradient.
+    """
+    link, optimizer = _lookup(param)
+    if link is None:
+        return param.grad
+    if link.sharded:
+        sb, frag = _fragment(link, optimizer)
+        piece = sb.grad_source[frag.shard_start:frag.shard_start + frag.numel] if frag is not None else None
+        return _assemble(param, optimizer, frag, piece)
+    if param.grad is not None:
+        return param.grad
+    grad = _replicated_grad(link, optimizer, param)
+    return grad.detach().to(dtype=torch.float32, copy=True) if grad is not None else None
+
+
+def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Overwrite the parameter's averaged gradient (full shape; before `engine.step()`)."""
+    link, optimizer = _lookup(param)
+    with torch.no_grad():
+        if link is not None and link.sharded:
+            sb, frag = _fragment(link, optimizer)
+            if frag is not None:
+                sb.grad_source[frag.shard_start:frag.shard_start + frag.numel].copy_(_slice(value, param, frag))
+            return
+        grad = param.grad if link is None else _replicated_grad(link, optimizer, param)
+        if grad is not None:
+            grad.copy_(value.reshape(grad.shape))
+
+
+def safe_update_full_grad_vectorized(param_list: List[torch.nn.Parameter], update_func: Callable) -> None:
+    """For each parameter: gradient <- update_func(current full gradient, param). Collective under
+    ZeRO: every rank passes the same parameters in the same order."""
+    for p in param_list:
+        link, _ = _lookup(p)
+        if link is None and p.grad is None:
+            continue
+        current = safe_get_full_grad(p)
+        if current is not None:
+            safe_set_full_grad(p, update_func(current, p))
+
+
+# --- local API (this rank's partition, flat) --------------------------------------------------
+def _local(param: torch.Tensor) -> tuple[_Link, Any, Any, Any]:
+    link, optimizer = _lookup(param)
+    if link is None or not link.sharded:
+        raise AssertionError(_LOCAL_ONLY)
+    sb, frag = _fragment(link, optimizer)
+    return link, optimizer, sb, frag
+
+
+def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's part of the fp32 master weights: a flat tensor sharing the master's storage
+    (empty where this rank holds none of the parameter). Concatenating every rank's part in
+    rank order gives the flattened full parameter."""
+    _, _, sb, frag = _local(param)
+    if frag is None:
+        return torch.empty(0, dtype=sb.master.dtype, device=param.device)
+    return sb.master[frag.shard_start:frag.shard_start + frag.numel].to(param.device)
+
+
+def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Overwrite this rank's part of the fp32 master weights; the model parameter follows at the
+    next step's all-gather (as upstream)."""
+    _, _, sb, frag = _local(param)
+    target = sb.master[frag.shard_start:frag.shard_start + frag.numel] if frag is not None else sb.master[:0]
+    _check_local(value, target)
+    with torch.no_grad():
+        target.copy_(value.reshape(-1))
+
+
+def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's part of the averaged gradient, flat, in fp32."""
+    _, _, sb, frag = _local(param)
+    if frag is None:
+        return torch.empty(0, dtype=torch.float32, device=param.device)
+    return sb.grad_source[frag.shard_start:frag.shard_start + frag.numel].to(device=param.device,
+                                                                             dtype=torch.float32)
+
+
+def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Overwrite this rank's part of the averaged gradient (before `engine.step()`)."""
+    _, _, sb, frag = _local(param)
+    target = sb.grad_source[frag.shard_start:frag.shard_start + frag.numel] if frag is not None \
+        else sb.grad_source[:0]
+    _check_local(value, target)
+    with torch.no_grad():
+        target.copy_(value.reshape(-1))
+
+
+def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
+    """This rank's part of the optimizer state `optim_state_key`, flat (KeyError if the base
+    optimizer keeps no such state, as upstream)."""
+    _, optimizer, sb, frag = _local(param)
+    if frag is None:
+        return torch.empty(0, dtype=sb.master.dtype, device=param.device)
+    state = _local_state(param, optimizer, optim_state_key)
+    if state is None:
+        raise KeyError(optim_state_key)
+    return state.reshape(-1).to(param.device)
+
+
+def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    """Overwrite this rank's part of the optimizer state `optim_state_key`."""
+    _, optimizer, sb, frag = _local(param)
+    if frag is None:
+        _check_local(value, sb.master[:0])
+        return
+    state = _local_state(param, optimizer, optim_state_key)
+    if state is None:
+        raise KeyError(optim_state_key)
+    _check_local(value, state)
+    with torch.no_grad():
+        state.copy_(value.reshape(state.shape))
