@@ -6,7 +6,8 @@ The launcher starts one process per rank (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* in
 environment, ``--local_rank=N`` on the command line). Without a GPU every rank runs on
 the CPU and the ranks talk over gloo. Rank 0 draws a progress bar over optimizer steps
 and ends with a summary; the script is a plain DeepSpeed user script, so it also runs
-unchanged on upstream DeepSpeed.
+unchanged on upstream DeepSpeed. ds_config.json sets ``"torch_adam": true`` so upstream
+uses torch.optim.AdamW instead of JIT-compiling its fused CUDA/CPU Adam kernel.
 """
 
 from __future__ import annotations

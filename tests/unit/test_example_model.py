@@ -103,7 +103,17 @@ def test_dataset_stride_and_tiny_corpus():
         TextDataset(block_size=32, data=data)
 
 
-def test_loss_decreases_with_adamw():
+@pytest.fixture()
+def one_thread():
+    # A single intra-op thread: on a loaded 2-core box, OpenMP workers that spin-wait for a
+    # descheduled sibling make this tiny model ~50x slower than running single-threaded.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_loss_decreases_with_adamw(one_thread):
     torch.manual_seed(0)
     cfg = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64)
     model = GPT(cfg)
