@@ -148,8 +148,13 @@ class GradBucketReducer:
         self.peak_live_numel = max(self.peak_live_numel, self.live_buffer_numel())
 
     def _bound(self, flat: torch.Tensor, param: torch.nn.Parameter) -> bool:
-        """Whether `param.grad` is a view of the bucket (else gradients are added in and freed)."""
-        return not self.shard and flat.dtype == param.dtype
+        """Whether `param.grad` is a view of the bucket (else gradients are added in and freed).
+
+        Bound saves a gradient allocation per parameter and backward; transient buckets (ZeRO-2)
+        cannot be bound, and neither can buckets in another dtype (mixed precision). Under ZeRO-1
+        the views read zero once the bucket is reduce-scattered into the owners' shards.
+        """
+        return not self.transient and flat.dtype == param.dtype
 
     # --- backward-time -----------------------------------------------------------------
     def arm(self) -> None:
@@ -223,8 +228,8 @@ class GradBucketReducer:
             out = torch.empty(buffer.numel() // self.policy.world_size, dtype=buffer.dtype, device=buffer.device)
             bucket.comm_buffer = out
             bucket.work = dist.reduce_scatter_tensor(out, buffer, group=self.group, async_op=True)
-            if self.transient and index > 0:
-                self._complete(self.buckets[index - 1])  # at most two full buckets alive at once
+            if index > 0:  # at most two buckets in flight: bounds the temporaries (and, ZeRO-2, full buffers)
+                self._complete(self.buckets[index - 1])
             return
         bucket.comm_buffer = buffer
         bucket.work = dist.all_reduce(buffer, group=self.group, async_op=True)
@@ -259,7 +264,7 @@ class GradBucketReducer:
         while self._next_launch < len(self.buckets):
             self._launch(self._next_launch)
         for bucket in self.buckets:
-            if bucket.flat is not None:
+            if bucket.flat is not None and (bucket.work is not None or not self.reduces):
                 self._complete(bucket)
         self._armed = False
 

@@ -19,11 +19,11 @@ import torch
 
 from ... import comm as dist
 from ...utils.logging import log_dist
-from ..base_optimizer import DeepSpeedOptimizer
+from ..optimizer_wrapper import OptimizerWrapper
 from .loss_scaler import BaseScaler
 
 
-class MixedPrecisionOptimizer(DeepSpeedOptimizer):
+class MixedPrecisionOptimizer(OptimizerWrapper):
     """Wraps `optimizer` (built on the model's params) so that it updates master weights."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, grads: Any, scaler: BaseScaler, master_dtype: torch.dtype,
@@ -55,35 +55,6 @@ class MixedPrecisionOptimizer(DeepSpeedOptimizer):
                 self._names.setdefault(id(master), names.get(id(p), "?"))
             group_["params"] = masters
         optimizer.state.clear()  # state was keyed by the model params it no longer sees
-
-    # --- torch.optim.Optimizer-like surface (schedulers and users read these) ---------------
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict:
-        return self.optimizer.defaults
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale
-
-    cur_scale = loss_scale
-
-    def needs_scaler(self) -> bool:
-        """True when backward must scale the loss (fp16; seed 003's name)."""
-        return self.loss_scaler.dynamic or self.loss_scaler.loss_scale != 1.0
-
-    def scale_if_loss(self, value: Any) -> Any:
-        """Scale `value` by the loss scale if it is a scalar tensor that can be backpropagated."""
-        if torch.is_tensor(value) and value.numel() == 1 and value.requires_grad:
-            return self.loss_scaler.scale(value)
-        return value
 
     def master_params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]

@@ -19,6 +19,7 @@ import torch
 from ... import comm as dist
 from ...utils.logging import log_dist
 from ..base_optimizer import ZeROOptimizer
+from ..optimizer_wrapper import OptimizerWrapper
 from ..precision.loss_scaler import BaseScaler
 from .partition import BucketPartition
 
@@ -45,7 +46,7 @@ class _ShardedBucket:
         self.fragments = self.partition.fragments(rank)
 
 
-class ZeroOptimizer(ZeROOptimizer):
+class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
     """Wraps the base optimizer so it updates this rank's shard of fp32 master weights."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, reducer: Any, scaler: BaseScaler, master_dtype: torch.dtype,
@@ -68,31 +69,8 @@ class ZeroOptimizer(ZeROOptimizer):
             group_["params"] = [m for p in group_["params"] for m in self._fragments_of.get(id(p), [])]
         optimizer.state.clear()
 
-    # --- optimizer-like surface -------------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale
-
-    cur_scale = loss_scale
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad()
-
-    def needs_scaler(self) -> bool:
-        return self.loss_scaler.dynamic or self.loss_scaler.loss_scale != 1.0
-
-    def scale_if_loss(self, value: Any) -> Any:
-        if torch.is_tensor(value) and value.numel() == 1 and value.requires_grad:
-            return self.loss_scaler.scale(value)
-        return value
 
     def shard_numel(self) -> int:
         """Master elements held by this rank (ceil(bucket/N) per bucket, padding included)."""
