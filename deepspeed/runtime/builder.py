@@ -57,7 +57,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     DeepSpeedDataLoader over `training_data` (or None), `lr_scheduler` the client's or the
     config's (or None). The config is validated on every rank before any collective.
     """
-    from .. import comm as dist
+    from .. import comm as ds_comm
     from .config import DeepSpeedConfig, load_config_dict
     from .engine import DeepSpeedEngine
 
@@ -68,9 +68,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                                   "supported by this implementation")
     raw = load_config_dict(_config_from_args(args, config, config_params))
     # Validate before the process group exists: a bad config fails alike on every rank, no hang.
-    world_size = mpu.get_data_parallel_world_size() if mpu is not None else dist.get_world_size()
+    world_size = mpu.get_data_parallel_world_size() if mpu is not None else ds_comm.get_world_size()
     config_class = DeepSpeedConfig(raw, world_size=world_size)
-    dist.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
+    ds_comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
                           verbose=False)
     log_dist(f"DeepSpeed info: version={__version__} (pure-Python)", ranks=[0])
     engine = DeepSpeedEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,

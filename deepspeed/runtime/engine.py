@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .. import comm as dist
+from .. import comm as ds_comm
 from ..accelerator import get_accelerator
 from ..utils.logging import log_dist, logger
 from ..utils.timer import SynchronizedWallClockTimer, ThroughputTimer
@@ -52,8 +52,8 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         self.config = config if isinstance(config, dict) else dict(config_class.raw)
         self.mpu = mpu
         self.module = model
-        self.global_rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self.global_rank = ds_comm.get_rank()
+        self.world_size = ds_comm.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if args is not None and hasattr(args, "local_rank"):
             args.local_rank = self.local_rank
@@ -91,7 +91,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         self.lr_scheduler = build_lr_scheduler(self, lr_scheduler)
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
             if training_data is not None else None
-        dist.configure(config_class)
+        ds_comm.configure(config_class)
         if self.dump_state():
             config_class.print_config()
 
@@ -365,7 +365,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         self._config.set_batch(micro_batch_size * gas * self.dp_world_size, gas, micro_batch_size)
 
     def get_data_parallel_rank(self) -> int:
-        return dist.get_rank(self.data_parallel_group)
+        return ds_comm.get_rank(self.data_parallel_group)
 
     def get_batch_info(self) -> tuple[int, int, int]:
         return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()

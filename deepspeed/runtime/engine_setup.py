@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .. import comm as dist
+from .. import comm as ds_comm
 from ..accelerator import get_accelerator
 from ..utils.logging import log_dist, logger
 from .grad_reducer import GradBucketReducer, ReducePolicy
@@ -47,16 +47,16 @@ def resolve_device(local_rank: int) -> torch.device:
 
 def broadcast_module_states(module: nn.Module, group: Any) -> None:
     """Make every replica start from rank 0's parameters and buffers, one broadcast per dtype."""
-    if dist.get_world_size(group) <= 1:
+    if ds_comm.get_world_size(group) <= 1:
         return
     tensors = [p.data for p in module.parameters()] + [b for b in module.buffers()]
     by_key: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_key.setdefault((t.dtype, t.device), []).append(t)
-    src = dist.get_global_rank(group, 0)
+    src = ds_comm.get_global_rank(group, 0)
     for members in by_key.values():
         flat = torch.cat([t.reshape(-1) for t in members])
-        dist.broadcast(flat, src=src, group=group)
+        ds_comm.broadcast(flat, src=src, group=group)
         offset = 0
         for t in members:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
@@ -195,7 +195,7 @@ def check_zero_layout(engine: Any) -> None:
         flags += [0.0 if id(p) in reducer.seen else 1.0 for p in params]
     vector = torch.tensor(flags, device=engine.device)
     if engine.dp_world_size > 1:
-        dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=engine.data_parallel_group)
+        ds_comm.all_reduce(vector, op=ds_comm.ReduceOp.MAX, group=engine.data_parallel_group)
     if vector[0] > 0:
         frozen = [names.get(id(p), "?") for p in params if not p.requires_grad]
         unfrozen = [n for n, p in engine.module.named_parameters() if p.requires_grad and not reducer.owns(p)]

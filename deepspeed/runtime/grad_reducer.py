@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import comm as dist
+from .. import comm as ds_comm
 
 
 @dataclass(frozen=True)
@@ -227,12 +227,12 @@ class GradBucketReducer:
         if self.shard:
             out = torch.empty(buffer.numel() // self.policy.world_size, dtype=buffer.dtype, device=buffer.device)
             bucket.comm_buffer = out
-            bucket.work = dist.reduce_scatter_tensor(out, buffer, group=self.group, async_op=True)
+            bucket.work = ds_comm.reduce_scatter_tensor(out, buffer, group=self.group, async_op=True)
             if index > 0:  # at most two buckets in flight: bounds the temporaries (and, ZeRO-2, full buffers)
                 self._complete(self.buckets[index - 1])
             return
         bucket.comm_buffer = buffer
-        bucket.work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        bucket.work = ds_comm.all_reduce(buffer, group=self.group, async_op=True)
 
     def _complete(self, bucket: _Bucket) -> None:
         """Wait for a launched bucket and put its result where it belongs."""

@@ -31,7 +31,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from deepspeed import comm as dist
+from deepspeed import comm as ds_comm
 
 _LOCAL_ONLY = "This API is only defined for ZeRO-partitioned parameters (zero_optimization.stage 1 or 2 here)"
 
@@ -141,7 +141,7 @@ def _assemble(param: torch.Tensor, optimizer: Any, frag: Any, piece: Optional[to
     if key is not None and frag is not None and piece is None:
         buffer[numel] = 1.0
     if optimizer.dp_world > 1:
-        dist.all_reduce(buffer, group=optimizer.group)
+        ds_comm.all_reduce(buffer, group=optimizer.group)
     if key is not None and buffer[numel].item() > 0:
         raise _missing_key(key)
     return buffer[:numel].reshape(param.shape)

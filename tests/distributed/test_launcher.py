@@ -66,7 +66,9 @@ ENV_SCRIPT = """
 import json, os, sys
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
         "CROSS_RANK", "CROSS_SIZE"]
-print(json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:]}))
+# one write per line: ranks share the pipe unbuffered (python -u), and print() writes text and
+# newline separately, so two ranks' lines could interleave
+sys.stdout.write(json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:]}) + "\\n")
 print(f"rank {os.environ['RANK']} to stderr", file=sys.stderr)
 """
 
@@ -190,7 +192,8 @@ import torch, torch.distributed as dist
 dist.init_process_group("gloo")  # everything from the launcher's env
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
-print(f"rank {dist.get_rank()}/{dist.get_world_size()} sum {t.item()}")
+import sys
+sys.stdout.write(f"rank {dist.get_rank()}/{dist.get_world_size()} sum {t.item()}\\n")  # one write: no interleaving
 dist.destroy_process_group()
 """
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ... import comm as dist
+from ... import comm as ds_comm
 from ...utils.logging import log_dist
 from ..optimizer_wrapper import OptimizerWrapper
 from .loss_scaler import BaseScaler
@@ -64,8 +64,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     # --- the step ---------------------------------------------------------------------------
     def _found_overflow(self) -> bool:
-        reduce = (lambda flag: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)) \
-            if dist.get_world_size(self.group) > 1 else None
+        reduce = (lambda flag: ds_comm.all_reduce(flag, op=ds_comm.ReduceOp.MAX, group=self.group)) \
+            if ds_comm.get_world_size(self.group) > 1 else None
         if self._grad_copies:
             torch._foreach_copy_([m for m, _ in self._grad_copies], [v for _, v in self._grad_copies])
         grads = [p.grad for p in self.master_params() if p.grad is not None]

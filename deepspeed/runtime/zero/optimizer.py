@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ... import comm as dist
+from ... import comm as ds_comm
 from ...utils.logging import log_dist
 from ..base_optimizer import ZeROOptimizer
 from ..optimizer_wrapper import OptimizerWrapper
@@ -55,7 +55,7 @@ class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
         self.clip, self.group, self._names = clip, group, names
         self.overflow = False
         self._global_grad_norm: float | None = None
-        self.dp_rank, self.dp_world = dist.get_rank(group), dist.get_world_size(group)
+        self.dp_rank, self.dp_world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
         device = master_device or (reducer.buckets[0].shard_grad.device if reducer.buckets else torch.device("cpu"))
         self.buckets = [_ShardedBucket(b, self.dp_rank, self.dp_world, master_dtype, device) for b in reducer.buckets]
         self._fragments_of: dict[int, list[torch.Tensor]] = {}
@@ -86,7 +86,7 @@ class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
     def _overflow(self, grads: list[torch.Tensor]) -> bool:
         if not self.needs_scaler():
             return False
-        reduce = (lambda flag: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)) \
+        reduce = (lambda flag: ds_comm.all_reduce(flag, op=ds_comm.ReduceOp.MAX, group=self.group)) \
             if self.dp_world > 1 else None
         return self.loss_scaler.unscale_and_check(grads, all_reduce=reduce)
 
@@ -95,7 +95,7 @@ class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
         local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
         total = local.reshape(1).to(self.buckets[0].param_flat.device if self.buckets else "cpu")
         if self.dp_world > 1:
-            dist.all_reduce(total, group=self.group)
+            ds_comm.all_reduce(total, group=self.group)
         norm = math.sqrt(float(total))
         self._global_grad_norm = norm
         coef = self.clip / (norm + 1e-6)
@@ -123,7 +123,7 @@ class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
         for sb in self.buckets:
             shard = sb.master.to(device=sb.param_flat.device, dtype=sb.param_flat.dtype)
             if self.dp_world > 1:
-                works.append(dist.all_gather_into_tensor(sb.param_flat, shard, group=self.group, async_op=True))
+                works.append(ds_comm.all_gather_into_tensor(sb.param_flat, shard, group=self.group, async_op=True))
             else:
                 sb.param_flat.copy_(shard)
         for work in works:
