@@ -136,3 +136,58 @@ def load_state_dict_keeping_dtypes(optimizer: torch.optim.Optimizer, load: Calla
         for key, value in state_dict["state"].get(pid, {}).items():
             if key != "step" and torch.is_tensor(value) and value.dtype != param.dtype:
                 optimizer.state[param][key] = value.detach().to(device=param.device, copy=True)
+
+
+class ForeachOptimizer(torch.optim.Optimizer):
+    """The step loop every optimizer here shares: gather a group's params that have a
+    gradient into a :class:`Bucket`, update it with foreach/fused kernels, write it back.
+
+    Subclasses give ``_init_state(param)`` (fresh state, see [Note: optimizer state dtype])
+    and ``_update(bucket, group)`` (the math).
+    """
+
+    _sparse_ok = False  # whether sparse gradients are accepted (Adagrad)
+
+    def _init_state(self, param: torch.Tensor) -> dict:
+        raise NotImplementedError
+
+    def _update(self, bucket: Bucket, group: dict) -> None:
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load like ``torch.optim``, but keep fp32 moments of low-precision params in fp32."""
+        load_state_dict_keeping_dtypes(self, super().load_state_dict, state_dict)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Apply one update to every param that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            bucket = gather(self, group, self._init_state, sparse_ok=self._sparse_ok)
+            if bucket.params:
+                self._update(bucket, group)
+                bucket.write_back()
+        return loss
+
+
+class FusedCompat:
+    """Upstream ``Fused*`` surface: ``set_grad_none`` as the zero_grad default, and the
+    deprecated step arguments (grads, output_params, ...) refused with upstream's message."""
+
+    set_grad_none: bool
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clear gradients; ``set_to_none`` defaults to the constructor's ``set_grad_none``."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None, grad_scaler=None):
+        """One optimizer step. The extra arguments are upstream's deprecated ones and must be None."""
+        if any(arg is not None for arg in (grads, output_params, scale, grad_norms, grad_scaler)):
+            raise RuntimeError(
+                f"{type(self).__name__} has been updated. Simply initialize it identically to torch.optim.Adam, "
+                "and call step() with no arguments."
+            )
+        return super().step(closure)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from deepspeed.ops._multi_tensor import Bucket, gather, load_state_dict_keeping_dtypes, scalar
+from deepspeed.ops._multi_tensor import Bucket, ForeachOptimizer, scalar
 
 _CPU = torch.device("cpu")
 
@@ -50,13 +50,14 @@ def _effective_grad(param: torch.Tensor, grad: torch.Tensor, wd: float) -> torch
     return dense
 
 
-class DeepSpeedCPUAdagrad(torch.optim.Optimizer):
+class DeepSpeedCPUAdagrad(ForeachOptimizer):
     """Adagrad with upstream ``DeepSpeedCPUAdagrad``'s signature.
 
     ``amsgrad`` is accepted and ignored, as upstream. ``fp32_optimizer_states=True``
     keeps the accumulator in fp32 for bf16/fp16 params.
     """
 
+    _sparse_ok = True  # sparse gradients update only the touched entries, as upstream
     optimizer_id = 0  # upstream numbers instances for its C++ registry; kept for compatibility
 
     def __init__(self, model_params, lr=1e-2, eps=1e-10, weight_decay=0, amsgrad=False, fp32_optimizer_states=True):
@@ -79,28 +80,12 @@ class DeepSpeedCPUAdagrad(torch.optim.Optimizer):
         dtype = torch.float32 if self.fp32_optimizer_states else param.dtype
         return {"step": torch.zeros((), dtype=torch.float32), "exp_avg_sq": torch.zeros_like(param, dtype=dtype)}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load like ``torch.optim``, but keep fp32 moments of low-precision params in fp32."""
-        load_state_dict_keeping_dtypes(self, super().load_state_dict, state_dict)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Apply one Adagrad update to every param that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            bucket = gather(self, group, self._init_state, sparse_ok=True)
-            if not bucket.params:
-                continue
-            torch._foreach_add_(bucket.steps(lambda p: _CPU), 1)
-            if any(g.is_sparse for g in bucket.grads):
-                # Fold weight decay into every grad here (sparse: touched entries only).
-                wd = group["weight_decay"]
-                bucket.grads = [_effective_grad(p, g, wd) for p, g in zip(bucket.params, bucket.grads)]
-                adagrad_update(bucket, dict(group, weight_decay=0.0))
-            else:
-                adagrad_update(bucket, group)
-            bucket.write_back()
-        return loss
+    def _update(self, bucket: Bucket, group: dict) -> None:
+        torch._foreach_add_(bucket.steps(lambda p: _CPU), 1)
+        if any(g.is_sparse for g in bucket.grads):
+            # Fold weight decay into every grad here (sparse: touched entries only).
+            wd = group["weight_decay"]
+            bucket.grads = [_effective_grad(p, g, wd) for p, g in zip(bucket.params, bucket.grads)]
+            adagrad_update(bucket, dict(group, weight_decay=0.0))
+        else:
+            adagrad_update(bucket, group)

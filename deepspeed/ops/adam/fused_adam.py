@@ -16,13 +16,7 @@ import torch
 from torch.optim.adam import adam as _torch_adam
 from torch.optim.adamw import adamw as _torch_adamw
 
-from deepspeed.ops._multi_tensor import (
-    Bucket,
-    fused_adam_supported,
-    gather,
-    load_state_dict_keeping_dtypes,
-    scalar,
-)
+from deepspeed.ops._multi_tensor import Bucket, ForeachOptimizer, FusedCompat, fused_adam_supported, scalar
 
 _CPU = torch.device("cpu")
 
@@ -77,7 +71,7 @@ def adam_update_uncorrected(bucket: Bucket, group: dict, adam_w_mode: bool) -> N
     torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr)
 
 
-class AdamBase(torch.optim.Optimizer):
+class AdamBase(ForeachOptimizer):
     """Shared Adam(W) step for :class:`FusedAdam` and ``DeepSpeedCPUAdam``.
 
     The two differ only in constructor vocabulary and in the dtype of the moments
@@ -99,30 +93,14 @@ class AdamBase(torch.optim.Optimizer):
             "exp_avg_sq": torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format),
         }
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load like ``torch.optim``, but keep fp32 moments of low-precision params in fp32."""
-        load_state_dict_keeping_dtypes(self, super().load_state_dict, state_dict)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Apply one Adam(W) update to every param that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            bucket = gather(self, group, self._init_state)
-            if not bucket.params:
-                continue
-            if group["bias_correction"]:
-                adam_update_torch(bucket, group, bool(self.adam_w_mode))
-            else:
-                adam_update_uncorrected(bucket, group, bool(self.adam_w_mode))
-            bucket.write_back()
-        return loss
+    def _update(self, bucket: Bucket, group: dict) -> None:
+        if group["bias_correction"]:
+            adam_update_torch(bucket, group, bool(self.adam_w_mode))
+        else:
+            adam_update_uncorrected(bucket, group, bool(self.adam_w_mode))
 
 
-class FusedAdam(AdamBase):
+class FusedAdam(FusedCompat, AdamBase):
     """Adam/AdamW with DeepSpeed's ``FusedAdam`` signature (drop-in for ``torch.optim.AdamW``).
 
     Args mirror upstream: ``adam_w_mode=True`` selects decoupled weight decay (AdamW),
@@ -149,16 +127,3 @@ class FusedAdam(AdamBase):
         super().__init__(params, defaults, adam_w_mode=bool(adam_w_mode), state_dtype=None)
         self.adam_w_mode = 1 if adam_w_mode else 0  # upstream stores the kernel's mode flag
         self.set_grad_none = set_grad_none
-
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """Clear gradients; ``set_to_none`` defaults to the constructor's ``set_grad_none``."""
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
-
-    def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None, grad_scaler=None):
-        """One optimizer step. The extra arguments are upstream's deprecated ones and must be None."""
-        if any(arg is not None for arg in (grads, output_params, scale, grad_norms, grad_scaler)):
-            raise RuntimeError(
-                "FusedAdam has been updated. Simply initialize it identically to torch.optim.Adam, "
-                "and call step() with no arguments."
-            )
-        return super().step(closure)

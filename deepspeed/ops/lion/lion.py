@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from deepspeed.ops._multi_tensor import Bucket, gather, load_state_dict_keeping_dtypes, scalar
+from deepspeed.ops._multi_tensor import Bucket, ForeachOptimizer, FusedCompat, scalar
 
 _CPU = torch.device("cpu")
 
@@ -34,7 +34,7 @@ def lion_update(bucket: Bucket, group: dict) -> None:
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta2)
 
 
-class _LionBase(torch.optim.Optimizer):
+class _LionBase(ForeachOptimizer):
     """Shared Lion step; subclasses choose the moment dtype (None: the param's)."""
 
     def __init__(self, params, lr, betas, weight_decay, state_dtype: torch.dtype | None):
@@ -51,44 +51,16 @@ class _LionBase(torch.optim.Optimizer):
             "exp_avg": torch.zeros_like(param, dtype=self._state_dtype or param.dtype),
         }
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load like ``torch.optim``, but keep fp32 moments of low-precision params in fp32."""
-        load_state_dict_keeping_dtypes(self, super().load_state_dict, state_dict)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Apply one Lion update to every param that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            bucket = gather(self, group, self._init_state)
-            if bucket.params:
-                lion_update(bucket, group)
-                bucket.write_back()
-        return loss
+    def _update(self, bucket: Bucket, group: dict) -> None:
+        lion_update(bucket, group)
 
 
-class FusedLion(_LionBase):
+class FusedLion(FusedCompat, _LionBase):
     """Lion with upstream ``FusedLion``'s signature; moments in the param dtype."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, set_grad_none=True):
         super().__init__(params, lr, betas, weight_decay, state_dtype=None)
         self.set_grad_none = set_grad_none
-
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """Clear gradients; ``set_to_none`` defaults to the constructor's ``set_grad_none``."""
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
-
-    def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None, grad_scaler=None):
-        """One optimizer step. The extra arguments are upstream's deprecated ones and must be None."""
-        if any(arg is not None for arg in (grads, output_params, scale, grad_norms, grad_scaler)):
-            raise RuntimeError(
-                "FusedLion has been updated. Simply initialize it identically to torch.optim.Adam, "
-                "and call step() with no arguments."
-            )
-        return super().step(closure)
 
 
 class DeepSpeedCPULion(_LionBase):
