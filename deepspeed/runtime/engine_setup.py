@@ -153,13 +153,13 @@ def wrap_optimizer(engine: Any) -> Any:
         offload = engine._config.model.zero_optimization.offload_optimizer
         device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
         master_device = torch.device("cpu") if device == "cpu" else None
-        return register_optimizer(ZeroOptimizer(engine.basic_optimizer, engine._reducer, policy.make_scaler(),
-                                                policy.master_dtype, engine.gradient_clipping(), names,
+        return register_optimizer(ZeroOptimizer(engine.basic_optimizer, engine._reducer, policy,
+                                                engine.gradient_clipping(), names,
                                                 group=engine.data_parallel_group, master_device=master_device))
     if engine.basic_optimizer is None or not policy.is_mixed:
         return register_optimizer(engine.basic_optimizer)
-    return register_optimizer(MixedPrecisionOptimizer(engine.basic_optimizer, engine._reducer, policy.make_scaler(),
-                                                      policy.master_dtype, engine.gradient_clipping(), names,
+    return register_optimizer(MixedPrecisionOptimizer(engine.basic_optimizer, engine._reducer, policy,
+                                                      engine.gradient_clipping(), names,
                                                       group=engine.data_parallel_group))
 
 
@@ -186,7 +186,6 @@ def check_zero_layout(engine: Any) -> None:
     """
     reducer = engine._reducer
     params = reducer.params()
-    names = {id(p): n for n, p in engine.module.named_parameters()}
     changed = any(not p.requires_grad for p in params) or \
         any(p.requires_grad and not reducer.owns(p) for p in engine.module.parameters())
     check_unused = not engine._config.model.zero_optimization.ignore_unused_parameters
@@ -196,6 +195,7 @@ def check_zero_layout(engine: Any) -> None:
     vector = torch.tensor(flags, device=engine.device)
     if engine.dp_world_size > 1:
         ds_comm.all_reduce(vector, op=ds_comm.ReduceOp.MAX, group=engine.data_parallel_group)
+    names = {id(p): n for n, p in engine.module.named_parameters()} if bool((vector > 0).any()) else {}
     if vector[0] > 0:
         frozen = [names.get(id(p), "?") for p in params if not p.requires_grad]
         unfrozen = [n for n, p in engine.module.named_parameters() if p.requires_grad and not reducer.owns(p)]

@@ -7,10 +7,13 @@ LR schedulers, users and frameworks read `param_groups`, `state`, `loss_scale` a
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
+from .. import comm as ds_comm
+from ..utils.logging import log_dist
 from .base_optimizer import DeepSpeedOptimizer
 
 
@@ -19,6 +22,9 @@ class OptimizerWrapper(DeepSpeedOptimizer):
 
     optimizer: torch.optim.Optimizer
     loss_scaler: Any
+    check_overflow: bool   # from PrecisionPolicy.check_overflow
+    group: Any             # the data-parallel group
+    overflow: bool
     _global_grad_norm: float | None
 
     @property
@@ -48,3 +54,20 @@ class OptimizerWrapper(DeepSpeedOptimizer):
         if torch.is_tensor(value) and value.numel() == 1 and value.requires_grad:
             return self.loss_scaler.scale(value)
         return value
+
+    def _found_overflow(self, grads: list[torch.Tensor]) -> bool:
+        """Unscale `grads` in place and decide, identically on every rank, whether any is inf/nan."""
+        if not self.check_overflow:
+            return False
+        reduce = (lambda flag: ds_comm.all_reduce(flag, op=ds_comm.ReduceOp.MAX, group=self.group)) \
+            if ds_comm.get_world_size(self.group) > 1 else None
+        return self.loss_scaler.unscale_and_check(grads, all_reduce=reduce)
+
+    def _skip_step(self, culprit: str) -> bool:
+        """Overflow: lower the loss scale and skip this update (on every rank). Returns False."""
+        scale = self.loss_scaler.loss_scale
+        self.loss_scaler.update_scale(True)
+        self._global_grad_norm = None
+        log_dist(f"Overflow: gradients have inf/nan (first: {culprit}); skipping step, loss scale {scale} -> "
+                 f"{self.loss_scaler.loss_scale}", ranks=[0], level=logging.WARNING)
+        return False

@@ -12,25 +12,24 @@ gradient buckets. One `step()`:
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
-from ... import comm as ds_comm
-from ...utils.logging import log_dist
 from ..optimizer_wrapper import OptimizerWrapper
-from .loss_scaler import BaseScaler
+from .policy import PrecisionPolicy
 
 
 class MixedPrecisionOptimizer(OptimizerWrapper):
     """Wraps `optimizer` (built on the model's params) so that it updates master weights."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, grads: Any, scaler: BaseScaler, master_dtype: torch.dtype,
-                 clip: float, names: dict[int, str], group: Any = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, grads: Any, policy: PrecisionPolicy, clip: float,
+                 names: dict[int, str], group: Any = None) -> None:
+        master_dtype = policy.master_dtype
         self.optimizer = optimizer
         self.grads = grads
-        self.loss_scaler = scaler
+        self.loss_scaler = policy.make_scaler()
+        self.check_overflow = policy.check_overflow
         self.clip = clip
         self.group = group
         self.overflow = False
@@ -63,13 +62,10 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self.grads.zero_grad()
 
     # --- the step ---------------------------------------------------------------------------
-    def _found_overflow(self) -> bool:
-        reduce = (lambda flag: ds_comm.all_reduce(flag, op=ds_comm.ReduceOp.MAX, group=self.group)) \
-            if ds_comm.get_world_size(self.group) > 1 else None
+    def _master_grads(self) -> list[torch.Tensor]:
         if self._grad_copies:
             torch._foreach_copy_([m for m, _ in self._grad_copies], [v for _, v in self._grad_copies])
-        grads = [p.grad for p in self.master_params() if p.grad is not None]
-        return self.loss_scaler.unscale_and_check(grads, all_reduce=reduce)
+        return [p.grad for p in self.master_params() if p.grad is not None]
 
     def _first_bad_parameter(self) -> str:
         for p in self.master_params():
@@ -79,15 +75,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     def step(self, closure: Any = None) -> bool:
         """Returns True when the update was applied, False when skipped for overflow."""
-        self.overflow = self._found_overflow()
+        self.overflow = self._found_overflow(self._master_grads())
         if self.overflow:
-            bad = self._first_bad_parameter()
-            scale = self.loss_scaler.loss_scale
-            self.loss_scaler.update_scale(True)
-            log_dist(f"Overflow: gradients have inf/nan (first: {bad}); skipping step, loss scale "
-                     f"{scale} -> {self.loss_scaler.loss_scale}", ranks=[0], level=logging.WARNING)
-            self._global_grad_norm = None
-            return False
+            return self._skip_step(self._first_bad_parameter())
         masters = [p for p in self.master_params() if p.grad is not None]
         if self.clip > 0.0 and masters:
             norm = torch.nn.utils.clip_grad_norm_(masters, max_norm=self.clip, foreach=True)

@@ -36,6 +36,7 @@ class PrecisionPolicy:
     fp16_section: Any = None            # the fp16 config section when a loss scaler is needed
     autocast_safe_modules: tuple[str, ...] | None = None
     cast_inputs: bool = False           # fp16.auto_cast: floating inputs are cast to fp16
+    check_grad_overflow: bool = False   # bf16.check_grad_overflow: skip steps with inf/nan gradients
 
     @classmethod
     def from_config(cls, config: Any) -> "PrecisionPolicy":
@@ -45,7 +46,8 @@ class PrecisionPolicy:
             return cls(torch.float16, torch.float32, accum or torch.float32, config.communication_dtype, None,
                        fp16_section=model.fp16, cast_inputs=bool(model.fp16.auto_cast))
         if model.bf16.enabled:
-            return cls(torch.bfloat16, torch.float32, accum or torch.float32, config.communication_dtype, None)
+            return cls(torch.bfloat16, torch.float32, accum or torch.float32, config.communication_dtype, None,
+                       check_grad_overflow=bool(model.bf16.check_grad_overflow))
         if model.torch_autocast.enabled:
             dtype = model.torch_autocast.dtype or torch.bfloat16
             safe = model.torch_autocast.lower_precision_safe_modules
@@ -63,6 +65,11 @@ class PrecisionPolicy:
     @property
     def needs_scaler(self) -> bool:
         return self.fp16_section is not None
+
+    @property
+    def check_overflow(self) -> bool:
+        """Whether each step looks for inf/nan gradients (one all-reduce of a flag) and skips."""
+        return self.needs_scaler or self.check_grad_overflow
 
     @property
     def grads_bound_to_params(self) -> bool:

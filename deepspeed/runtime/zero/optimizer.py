@@ -10,17 +10,15 @@ which the step refreshes with one all-gather per bucket.
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
 import torch
 
 from ... import comm as ds_comm
-from ...utils.logging import log_dist
 from ..base_optimizer import ZeROOptimizer
 from ..optimizer_wrapper import OptimizerWrapper
-from ..precision.loss_scaler import BaseScaler
+from ..precision.policy import PrecisionPolicy
 from .partition import BucketPartition
 
 
@@ -49,9 +47,11 @@ class _ShardedBucket:
 class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
     """Wraps the base optimizer so it updates this rank's shard of fp32 master weights."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, reducer: Any, scaler: BaseScaler, master_dtype: torch.dtype,
-                 clip: float, names: dict[int, str], group: Any = None, master_device: torch.device | None = None):
-        self.optimizer, self.reducer, self.loss_scaler = optimizer, reducer, scaler
+    def __init__(self, optimizer: torch.optim.Optimizer, reducer: Any, policy: PrecisionPolicy, clip: float,
+                 names: dict[int, str], group: Any = None, master_device: torch.device | None = None):
+        master_dtype = policy.master_dtype
+        self.optimizer, self.reducer, self.loss_scaler = optimizer, reducer, policy.make_scaler()
+        self.check_overflow = policy.check_overflow
         self.clip, self.group, self._names = clip, group, names
         self.overflow = False
         self._global_grad_norm: float | None = None
@@ -83,13 +83,6 @@ class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
                 sb.grad.copy_(sb.grad_source)
         return [sb.grad for sb in self.buckets]
 
-    def _overflow(self, grads: list[torch.Tensor]) -> bool:
-        if not self.needs_scaler():
-            return False
-        reduce = (lambda flag: ds_comm.all_reduce(flag, op=ds_comm.ReduceOp.MAX, group=self.group)) \
-            if self.dp_world > 1 else None
-        return self.loss_scaler.unscale_and_check(grads, all_reduce=reduce)
-
     def _clip(self, grads: list[torch.Tensor]) -> None:
         """Global norm over all shards with one all-reduce; torch's clip_grad_norm_ formula."""
         local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
@@ -104,13 +97,9 @@ class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
 
     def step(self, closure: Any = None) -> bool:
         grads = self._collect_grads()
-        self.overflow = self._overflow(grads)
+        self.overflow = self._found_overflow(grads)
         if self.overflow:
-            scale = self.loss_scaler.loss_scale
-            self.loss_scaler.update_scale(True)
-            log_dist(f"Overflow: gradients have inf/nan; skipping step, loss scale {scale} -> "
-                     f"{self.loss_scaler.loss_scale}", ranks=[0], level=logging.WARNING)
-            return False
+            return self._skip_step("a gradient shard")
         if self.clip > 0.0:
             self._clip(grads)
         self.optimizer.step()
