@@ -2,3 +2,4 @@
 from .comm import *  # noqa: F401,F403
 from .comm import ReduceOp, comms_counter, configure, init_distributed, mpi_discovery  # noqa: F401
 from .counting import CommsCounter  # noqa: F401
+from .rendezvous import RanksDidNotArrive, arrive_and_wait  # noqa: F401

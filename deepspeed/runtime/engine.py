@@ -394,6 +394,29 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict:
         return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
+    # --- checkpoints (runtime/checkpoint/engine_io.py) ------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Save module, optimizer, scheduler and counters under `save_dir/tag` in DeepSpeed's layout.
+
+        Every rank must call it (each writes its optimizer partition); a call on some ranks only
+        fails with an error on the ranks that called it. The previous checkpoint and `latest`
+        stay intact until the new one is complete.
+        """
+        from .checkpoint.engine_io import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
+        """Load a checkpoint saved at any world size and ZeRO stage; returns (load_path, client_state),
+        (None, None) when `load_dir` has no `latest` and no tag is given."""
+        from .checkpoint.engine_io import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only, custom_load_fn)
+
     def destroy(self) -> None:
         """Remove the engine's hooks so the module can be reused or freed."""
         if self._reducer is not None:

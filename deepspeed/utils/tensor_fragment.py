@@ -36,6 +36,15 @@ from deepspeed import comm as ds_comm
 _LOCAL_ONLY = "This API is only defined for ZeRO-partitioned parameters (zero_optimization.stage 1 or 2 here)"
 
 
+@dataclass
+class fragment_address:
+    """Where a parameter's piece lies in a rank's flat partition (upstream name; ZeRO checkpoints
+    pickle it in `param_slice_mappings`, so it must exist at this import path)."""
+
+    numel: int
+    start: int
+
+
 @dataclass(frozen=True)
 class _Link:
     optimizer: weakref.ref                  # ZeroOptimizer, MixedPrecisionOptimizer or a torch optimizer

@@ -37,6 +37,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self._names = names
         self._pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # (model param, master)
         self._grad_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (master grad, bucket view)
+        self.model_param_groups = [list(g["params"]) for g in optimizer.param_groups]  # checkpoint order
         for group_ in optimizer.param_groups:
             masters = []
             for p in group_["params"]:

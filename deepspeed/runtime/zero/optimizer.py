@@ -65,6 +65,8 @@ class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
                 master.grad = sb.grad[f.shard_start:f.shard_start + f.numel]
                 self._fragments_of.setdefault(id(sb.params[f.index]), []).append(master)
                 self._names[id(master)] = names.get(id(sb.params[f.index]), "?")
+        # The model parameters of each param group (checkpoints list them in this order).
+        self.model_param_groups = [list(g["params"]) for g in optimizer.param_groups]
         for group_ in optimizer.param_groups:
             group_["params"] = [m for p in group_["params"] for m in self._fragments_of.get(id(p), [])]
         optimizer.state.clear()

@@ -26,8 +26,15 @@ class Fragment:
 
 @dataclass(frozen=True)
 class BucketPartition:
+    """Parameters flattened back to back, padded at the end, split in N equal shards.
+
+    `alignment` > 1 pads to a multiple of alignment*N: DeepSpeed's ZeRO-1/2 checkpoint layout
+    (one such flat per optimizer param group, alignment 2) is this same partition.
+    """
+
     numels: tuple[int, ...]
     world_size: int
+    alignment: int = 1
 
     @property
     def numel(self) -> int:
@@ -35,7 +42,13 @@ class BucketPartition:
 
     @property
     def shard_numel(self) -> int:
-        return -(-self.numel // self.world_size)  # ceil
+        unit = self.alignment * self.world_size
+        return -(-self.numel // unit) * unit // self.world_size
+
+    def padding(self, rank: int) -> int:
+        """Padding elements at the end of `rank`'s shard (only the last shards have any)."""
+        lo = rank * self.shard_numel
+        return self.shard_numel - max(0, min(self.numel - lo, self.shard_numel))
 
     @property
     def padded_numel(self) -> int:
@@ -64,3 +77,30 @@ class BucketPartition:
         if n == 0:
             return []
         return list(range(start // self.shard_numel, (start + n - 1) // self.shard_numel + 1))
+
+
+@dataclass(frozen=True)
+class ParamwisePartition:
+    """Every parameter split on its own: rank r holds elements [r*s, (r+1)*s) of each parameter
+    (s = ceil(numel/N), the last piece zero-padded), its pieces concatenated in parameter order.
+    DeepSpeed's ZeRO-3 checkpoints store each param group's `fp32_flat_groups` this way."""
+
+    numels: tuple[int, ...]
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(-(-n // self.world_size) for n in self.numels)
+
+    def padding(self, rank: int) -> int:
+        return self.shard_numel - sum(f.numel for f in self.fragments(rank))
+
+    def fragments(self, rank: int) -> list[Fragment]:
+        found, offset = [], 0
+        for index, n in enumerate(self.numels):
+            size = -(-n // self.world_size)
+            lo = rank * size
+            if lo < n:
+                found.append(Fragment(index, lo, offset, min(size, n - lo)))
+            offset += size
+        return found

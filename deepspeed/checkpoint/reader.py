@@ -1,0 +1,285 @@
+"""Read any DeepSpeed-layout checkpoint as full per-parameter values, whatever wrote it.
+
+[Note: resume anywhere]
+A checkpoint tag holds the fp32 master weights and the optimizer state in one of a few layouts:
+replicated (stage 0 fp32: the module weights plus a torch optimizer state_dict), flat
+partitions of each param group across N ranks (ZeRO-1/2, and the bf16 optimizer at stage 0),
+per-parameter partitions (ZeRO-3), or one directory per parameter (universal). The reader maps
+every layout to one question, "elements [start, start+numel) of parameter `name`, field `f`"
+(`f` is "fp32" or an optimizer state such as "exp_avg"), answered by copying out of the
+memory-mapped files of the ranks that hold them. The loader asks it for exactly the slices its
+own rank owns, so a checkpoint saved by N ranks at stage s loads on M ranks at stage s' with no
+conversion step and without materialising the whole model on any rank.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Any
+
+import torch
+
+from ..runtime.zero.partition import BucketPartition, ParamwisePartition
+from .files import CheckpointError, load_file, model_file, tag_dir
+
+ALIGNMENT = 2  # DeepSpeed pads each ZeRO-1/2 param group to a multiple of 2 * world size
+
+
+class CheckpointReader:
+    """One tag of a checkpoint directory; see [Note: resume anywhere]."""
+
+    def __init__(self, load_dir: str, tag: str) -> None:
+        path = tag_dir(load_dir, tag)
+        if path is None:
+            raise CheckpointError(f"checkpoint tag {tag!r} not found in {load_dir} (no directory {tag})")
+        self.path, self.tag = path, tag
+        self.universal = os.path.isdir(os.path.join(path, "zero")) and not self._optim_files()
+        model_path = os.path.join(path, model_file())
+        zero3_model = os.path.join(path, model_file(zero3_dp_rank=0))
+        if os.path.isfile(model_path):
+            self.model_states = load_file(model_path)
+        elif os.path.isfile(zero3_model):
+            self.model_states = load_file(zero3_model)
+        else:
+            raise CheckpointError(f"{path}: no {model_file()} (nor {model_file(zero3_dp_rank=0)}); not a "
+                                  "DeepSpeed checkpoint tag directory")
+        self.rank_files = self._optim_files()
+        self.zero_states = [load_file(f) for f in self.rank_files]
+        self.optimizer_state = [s["optimizer_state_dict"] for s in self.zero_states]
+        self.stage = self._stage()
+        self._full: dict[str, dict[str, torch.Tensor]] = {}   # replicated layouts: field -> name -> tensor
+        self._groups: list[list[tuple[str, torch.Size]]] = []
+        self._where: dict[str, tuple[int, int]] = {}           # name -> (group, index)
+        self._partitions: list[Any] = []
+        self._parts: dict[str, list[list[torch.Tensor]]] = {}  # field -> group -> rank -> flat
+        if self.universal:
+            self._init_universal()
+        elif self.optimizer_state:
+            self._init_partitioned()
+        else:
+            self._init_replicated()
+
+    # --- what is there ----------------------------------------------------------------------
+    def _optim_files(self) -> list[str]:
+        found = glob.glob(os.path.join(self.path, "*zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+        by_rank = {}
+        for name in found:
+            match = re.search(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$", name)
+            by_rank[int(match.group(1))] = name
+        ranks = sorted(by_rank)
+        if ranks and ranks != list(range(len(ranks))):
+            missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+            raise CheckpointError(f"{self.path}: optimizer-state files of ranks {missing} are missing "
+                                  f"(found ranks {ranks})")
+        return [by_rank[r] for r in ranks]
+
+    def _stage(self) -> int:
+        if not self.optimizer_state:
+            return 0
+        stage = self.optimizer_state[0].get("zero_stage")
+        if stage is None:
+            return 0  # the bf16 optimizer of stage 0 partitions like ZeRO-1 but has no zero_stage
+        return int(stage)
+
+    @property
+    def world_size(self) -> int:
+        if self.optimizer_state:
+            count = self.optimizer_state[0].get("partition_count")
+            expected = int(count[0] if isinstance(count, (list, tuple)) else count) if count is not None \
+                else len(self.optimizer_state)
+            if expected != len(self.optimizer_state):
+                raise CheckpointError(f"{self.path}: written by {expected} ranks but only {len(self.optimizer_state)}"
+                                      " optimizer-state files are present")
+            return expected
+        return int(self.model_states.get("dp_world_size", 1) or 1)
+
+    def param_names(self) -> list[str]:
+        return [n for g in self._groups for n, _ in g]
+
+    def groups(self) -> list[list[tuple[str, torch.Size]]]:
+        return self._groups
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def fields(self) -> list[str]:
+        return sorted(f for f in self._parts if f != "fp32") if self._parts else \
+            sorted(f for f in self._full if f != "fp32")
+
+    # --- layouts ----------------------------------------------------------------------------
+    def _init_partitioned(self) -> None:
+        shapes = self.model_states.get("param_shapes")
+        if shapes is None:
+            raise CheckpointError(f"{self.path}: {model_file()} has no 'param_shapes'; cannot map the flat "
+                                  "optimizer partitions to parameter names")
+        if isinstance(shapes, dict):
+            shapes = [shapes]
+        world = self.world_size
+        if self.stage == 3:  # all groups share one per-parameter walk of each rank's flat
+            shapes = [{n: s for g in shapes for n, s in g.items()}]
+        self._set_groups(shapes)
+        for g, group in enumerate(self._groups):
+            numels = tuple(int(torch.Size(s).numel()) for _, s in group)
+            self._partitions.append(ParamwisePartition(numels, world) if self.stage == 3
+                                    else BucketPartition(numels, world, ALIGNMENT))
+        for rank, state in enumerate(self.optimizer_state):
+            if self.stage == 3:
+                fp32 = [torch.cat([t.reshape(-1) for t in state["fp32_flat_groups"]])]
+                base = state["optimizer_state_dict"]["state"]
+                per_field = self._concat_state([base[k] for k in sorted(base)])
+            else:
+                fp32 = list(state["single_partition_of_fp32_groups"])
+                base = state["base_optimizer_state"]
+                groups = [base["state"][k] for k in sorted(base["state"])] if isinstance(base, dict) else list(base)
+                per_field = {f: [gs[f].reshape(-1) for gs in groups] for f in self._tensor_fields(groups)}
+                self._step = self._find_step(groups, state)
+            self._add_parts("fp32", rank, fp32)
+            for field, parts in per_field.items():
+                self._add_parts(field, rank, parts)
+        if self.stage == 3:
+            base = self.optimizer_state[0]["optimizer_state_dict"]
+            self._step = self._find_step([base["state"][k] for k in sorted(base["state"])], {})
+        self.param_groups = self._base_param_groups()
+
+    def _concat_state(self, groups: list[dict]) -> dict[str, list[torch.Tensor]]:
+        return {f: [torch.cat([g[f].reshape(-1) for g in groups])] for f in self._tensor_fields(groups)}
+
+    @staticmethod
+    def _tensor_fields(groups: list[dict]) -> list[str]:
+        if not groups:
+            return []
+        return [k for k, v in groups[0].items() if torch.is_tensor(v) and v.dim() > 0]
+
+    @staticmethod
+    def _find_step(groups: list[dict], state: dict) -> Any:
+        for g in groups:
+            if "step" in g:
+                return float(g["step"])
+        return state.get("base_optimizer_state_step")
+
+    def _add_parts(self, field: str, rank: int, parts: list[torch.Tensor]) -> None:
+        table = self._parts.setdefault(field, [[None] * len(self.optimizer_state) for _ in self._groups])
+        for g, part in enumerate(parts):
+            table[g][rank] = part.reshape(-1)
+
+    def _set_groups(self, shapes: list[dict]) -> None:
+        self._groups = [[(n, torch.Size(s)) for n, s in g.items()] for g in shapes]
+        self._where = {n: (g, i) for g, group in enumerate(self._groups) for i, (n, _) in enumerate(group)}
+
+    def _base_param_groups(self) -> list[dict]:
+        state = self.optimizer_state[0]
+        base = state.get("base_optimizer_state") if self.stage != 3 else state.get("optimizer_state_dict")
+        if isinstance(base, dict) and "param_groups" in base:
+            return [{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]]
+        return []
+
+    def _init_replicated(self) -> None:
+        module = self.model_states["module"]
+        optimizer = self.model_states.get("optimizer") or {}
+        names = self.model_states.get("optimizer_param_names")
+        torch_state = optimizer.get("state", {}) if isinstance(optimizer, dict) else {}
+        groups = optimizer.get("param_groups", []) if isinstance(optimizer, dict) else []
+        self._full["fp32"] = {n: t for n, t in module.items()}
+        self._replicated_names = names
+        self._torch_state, self._torch_groups = torch_state, groups
+        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        self._step = None
+        for state in torch_state.values():
+            if "step" in state:
+                self._step = float(state["step"])
+                break
+
+    def bind_replicated_names(self, optimizer_names: list[list[str]], trainable: set[str]) -> None:
+        """Stage-0 checkpoints key optimizer state by position: name the positions.
+
+        Our own files record the names (`optimizer_param_names`); DeepSpeed's do not, so the
+        loading engine's optimizer groups name them (they must list the same parameters)."""
+        if not (self.optimizer_state == [] and not self.universal):
+            return
+        names = self._replicated_names or optimizer_names
+        module = self._full["fp32"]
+        shapes = []
+        for g, group in enumerate(self._torch_groups or [[]]):
+            indices = group["params"] if isinstance(group, dict) else []
+            group_names = names[g] if g < len(names) else []
+            if len(indices) != len(group_names):
+                raise CheckpointError(f"{self.path}: optimizer param group {g} has {len(indices)} parameters in the "
+                                      f"checkpoint but {len(group_names)} in this engine's optimizer")
+            for index, name in zip(indices, group_names):
+                for field, value in self._torch_state.get(index, {}).items():
+                    if torch.is_tensor(value) and value.dim() > 0:
+                        self._full.setdefault(field, {})[name] = value
+            shapes.append({n: module[n].shape for n in group_names if n in module and n in trainable})
+        if not self._torch_groups:
+            shapes = [{n: t.shape for n, t in module.items() if n in trainable}]
+        self._set_groups(shapes)
+
+    def _init_universal(self) -> None:
+        root = os.path.join(self.path, "zero")
+        shapes, full = {}, {}
+        for name in sorted(os.listdir(root)):
+            folder = os.path.join(root, name)
+            for entry in os.listdir(folder):
+                if not entry.endswith(".pt"):
+                    continue
+                field = entry[:-3]
+                value = load_file(os.path.join(folder, entry))
+                value = value.get("param", value) if isinstance(value, dict) else value
+                if field == "step":
+                    self._step = float(value)
+                    continue
+                full.setdefault(field, {})[name] = value
+            shapes[name] = full["fp32"][name].shape
+        self._full = full
+        self._set_groups([shapes])
+        self.param_groups = []
+        if not hasattr(self, "_step"):
+            self._step = None
+        optimizer_state = os.path.join(self.path, "zero", "optimizer_state.pt")
+        if os.path.isfile(optimizer_state):
+            saved = load_file(optimizer_state)
+            self.param_groups = [{k: v for k, v in g.items() if k != "params"}
+                                 for g in saved.get("param_groups", [])]
+
+    # --- reading ----------------------------------------------------------------------------
+    @property
+    def step(self) -> Any:
+        return self._step
+
+    def read(self, name: str, field: str, start: int = 0, numel: int | None = None) -> torch.Tensor | None:
+        """Elements [start, start+numel) of parameter `name`'s flattened `field`, as fp32 (a new tensor);
+        None when the checkpoint has no such field for it."""
+        if name not in self._where:
+            raise CheckpointError(f"{self.path}: no parameter named {name!r} in the checkpoint")
+        g, i = self._where[name]
+        total = self._groups[g][i][1].numel()
+        numel = total - start if numel is None else numel
+        if self._full or field not in self._parts:
+            value = self._full.get(field, {}).get(name)
+            return None if value is None else value.reshape(-1)[start:start + numel].float().clone()
+        out = torch.empty(numel, dtype=torch.float32)
+        partition, parts = self._partitions[g], self._parts[field][g]
+        filled = 0
+        for rank, part in enumerate(parts):
+            for frag in partition.fragments(rank):
+                if frag.index != i:
+                    continue
+                lo, hi = max(start, frag.param_start), min(start + numel, frag.param_start + frag.numel)
+                if lo < hi:
+                    src = frag.shard_start + lo - frag.param_start
+                    out[lo - start:hi - start].copy_(part[src:src + hi - lo])
+                    filled += hi - lo
+        if filled != numel:
+            raise CheckpointError(f"{self.path}: parameter {name!r} ({field}) is incomplete in the checkpoint: "
+                                  f"found {filled} of {numel} elements")
+        return out
+
+    def module_tensor(self, name: str) -> torch.Tensor | None:
+        """A module state-dict entry (buffer or frozen parameter), full size, or None."""
+        value = self.model_states.get("module", {}).get(name)
+        if value is not None and value.numel() > 0:
+            return value
+        fragments = self.model_states.get("frozen_param_fragments") or {}
+        return fragments.get(name)

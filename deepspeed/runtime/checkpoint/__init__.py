@@ -1,0 +1,1 @@
+"""Engine-side checkpointing: what the engine's state looks like on disk (see engine_io.py)."""

@@ -1,0 +1,176 @@
+"""Build the dictionaries of DeepSpeed's checkpoint files from the engine (docs/checkpoint_format.md).
+
+* `<tag>/mp_rank_00_model_states.pt` (rank 0): module weights, counters, LR scheduler, config,
+  parameter shapes per optimizer group, client state.
+* `<tag>/[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt` (every rank, ZeRO stages 1-2 and
+  mixed precision at stage 0): rank r's slice of each param group flattened and padded to a
+  multiple of 2N (DeepSpeed's layout, `BucketPartition(..., alignment=2)`), for the fp32
+  masters and every optimizer state. Our runtime shards per bucket instead (1.0x DDP's bytes);
+  the slices are re-cut here with one all-gather per bucket per field, so the files are exactly
+  what DeepSpeed writes and its tools read them.
+* Stage 0 fp32: the torch optimizer's own state_dict inside the model-states file, as DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ... import comm as ds_comm
+from ...version import __version__
+from ..zero.partition import BucketPartition
+from .hp_state import HpState
+
+ALIGNMENT = 2
+
+
+def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_frozen: bool,
+                 partitioned: bool) -> dict:
+    """The model-states dictionary (DeepSpeed's keys, then the client's)."""
+    module = engine.module
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+    state = {k: v.detach().cpu() for k, v in module.state_dict().items()
+             if not (exclude_frozen and k in frozen)}
+    buffers = [n for n, _ in _persistent_buffers(module)]
+    shared = _shared_params(module)
+    zero_frozen = engine.zero_optimization_stage() >= 2 and not exclude_frozen
+    named = dict(module.named_parameters())
+    out = dict(
+        module=state,
+        buffer_names=buffers,
+        optimizer=hp.base.state_dict() if hp is not None and not partitioned else None,
+        param_shapes=[OrderedDict((n, s) for n, s in g) for g in hp.groups] if hp is not None else None,
+        frozen_param_shapes=OrderedDict((n, named[n].shape) for n in sorted(frozen, key=list(named).index))
+        if zero_frozen else None,
+        shared_params=shared,
+        frozen_param_fragments=OrderedDict((n, named[n].detach().cpu()) for n in sorted(frozen, key=list(named).index))
+        if zero_frozen else None,
+        lr_scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None and
+        hasattr(engine.lr_scheduler, "state_dict") else None,
+        data_sampler=None,
+        random_ltd=None,
+        sparse_tensor_module_names=set(),
+        skipped_steps=engine.skipped_steps,
+        global_steps=engine.global_steps,
+        global_samples=engine.global_samples,
+        dp_world_size=engine.dp_world_size,
+        mp_world_size=1,
+        ds_config=engine.config,
+        ds_version=__version__,
+    )
+    if hp is not None:
+        out["optimizer_param_names"] = hp.optimizer_names
+    reserved = set(out) & set(client_state)
+    if reserved:
+        raise KeyError(f"save_checkpoint: client_state uses reserved checkpoint keys {sorted(reserved)}")
+    out.update(client_state)
+    return out
+
+
+def _persistent_buffers(module: torch.nn.Module, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    found = []
+    for name, buf in module.named_buffers(recurse=False):
+        if buf is not None and name not in module._non_persistent_buffers_set:
+            found.append((prefix + name, buf))
+    for name, child in module.named_children():
+        found += _persistent_buffers(child, prefix + name + ".")
+    return found
+
+
+def _shared_params(module: torch.nn.Module) -> dict[str, str]:
+    """{name not stored separately: name holding the data} for tied parameters."""
+    first: dict[int, str] = {}
+    shared = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            shared[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return shared
+
+
+def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int) -> dict:
+    """Rank `rank`'s `optimizer_state_dict` in DeepSpeed's ZeRO-1/2 layout (collective under ZeRO)."""
+    layouts = [BucketPartition(tuple(s.numel() for _, s in g), world, ALIGNMENT) for g in hp.groups]
+    where = {name: (g, i) for g, group in enumerate(hp.groups) for i, (name, _) in enumerate(group)}
+    mine = [{f.index: f for f in layout.fragments(rank)} for layout in layouts]
+    fields, step = hp.agreed_fields(engine.data_parallel_group)
+    device = torch.device("cpu")
+    parts: dict[str, list[torch.Tensor]] = {}
+    for field in ["fp32"] + fields:
+        flats = [torch.zeros(layout.shard_numel, dtype=torch.float32, device=device) for layout in layouts]
+        for name, values in hp.full_values(field):
+            g, i = where[name]
+            frag = mine[g].get(i)
+            if frag is not None:
+                flats[g][frag.shard_start:frag.shard_start + frag.numel].copy_(
+                    values[frag.param_start:frag.param_start + frag.numel])
+        parts[field] = flats
+    paddings = [layout.padding(rank) for layout in layouts]
+    base_state = {}
+    for g in range(len(layouts)):
+        entry: dict[str, Any] = {}
+        if step is not None:
+            entry["step"] = torch.tensor(float(step))
+        for field in fields:
+            entry[field] = parts[field][g]
+        base_state[g] = entry
+    param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [g]}
+                    for g, group in enumerate(hp.base.param_groups)]
+    from ...utils.tensor_fragment import fragment_address
+
+    slice_mappings = [OrderedDict((hp.groups[g][f.index][0], fragment_address(numel=f.numel, start=f.shard_start))
+                                  for f in layout.fragments(rank)) for g, layout in enumerate(layouts)]
+    wrapper = hp.wrapper
+    state = {
+        "loss_scaler": upstream_scaler(wrapper.loss_scaler),
+        "dynamic_loss_scale": bool(wrapper.loss_scaler.dynamic),
+        "overflow": bool(getattr(wrapper, "overflow", False)),
+        "clip_grad": float(engine.gradient_clipping()),
+        "base_optimizer_state": {"state": base_state, "param_groups": param_groups},
+        "single_partition_of_fp32_groups": [p[:p.numel() - pad] for p, pad in zip(parts["fp32"], paddings)],
+        "group_paddings": paddings,
+        "partition_count": [world] * len(layouts),
+        "ds_version": __version__,
+        "param_slice_mappings": slice_mappings,
+    }
+    if engine.zero_optimization_stage() > 0:
+        from ..zero.config import ZeroStageEnum
+
+        state["zero_stage"] = ZeroStageEnum(engine.zero_optimization_stage())
+        state["param_alignment_paddings"] = [[0] * len(g) for g in hp.groups]
+    return state
+
+
+def upstream_scaler(scaler: Any) -> Any:
+    """The loss scaler as DeepSpeed's class at DeepSpeed's import path (its loader unpickles it)."""
+    from ..fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+    cls = DynamicLossScaler if scaler.dynamic else LossScaler
+    copy = cls.__new__(cls)
+    copy.__dict__.update({k: v for k, v in vars(scaler).items() if not callable(v)})
+    return copy
+
+
+def rng_state() -> dict:
+    import random
+
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import random
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def dp_rank(engine: Any) -> int:
+    return ds_comm.get_rank(engine.data_parallel_group)
