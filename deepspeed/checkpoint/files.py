@@ -103,8 +103,8 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def read_latest(load_dir: str) -> str | None:
-    path = os.path.join(load_dir, LATEST)
+def read_latest(load_dir: str, name: str = LATEST) -> str | None:
+    path = os.path.join(load_dir, name)
     if not os.path.isfile(path):
         return None
     with open(path) as handle:

@@ -49,10 +49,13 @@ class CheckpointReader:
         self.zero_states = [load_file(f) for f in self.rank_files]
         self.optimizer_state = [s["optimizer_state_dict"] for s in self.zero_states]
         self.stage = self._stage()
+        # optimizer-wide state (loss scaler, clip_grad, ...): rank 0's, or the universal common file
+        self.common_state: dict = self.optimizer_state[0] if self.optimizer_state else {}
         self._full: dict[str, dict[str, torch.Tensor]] = {}   # replicated layouts: field -> name -> tensor
         self._groups: list[list[tuple[str, torch.Size]]] = []
         self._where: dict[str, tuple[int, int]] = {}           # name -> (group, index)
         self._partitions: list[Any] = []
+        self._fragment_cache: dict[tuple[int, int], dict[int, list]] = {}
         self._parts: dict[str, list[list[torch.Tensor]]] = {}  # field -> group -> rank -> flat
         if self.universal:
             self._init_universal()
@@ -219,8 +222,11 @@ class CheckpointReader:
     def _init_universal(self) -> None:
         root = os.path.join(self.path, "zero")
         shapes, full = {}, {}
+        self._step = None
         for name in sorted(os.listdir(root)):
             folder = os.path.join(root, name)
+            if not os.path.isdir(folder):
+                continue
             for entry in os.listdir(folder):
                 if not entry.endswith(".pt"):
                     continue
@@ -235,13 +241,11 @@ class CheckpointReader:
         self._full = full
         self._set_groups([shapes])
         self.param_groups = []
-        if not hasattr(self, "_step"):
-            self._step = None
         optimizer_state = os.path.join(self.path, "zero", "optimizer_state.pt")
         if os.path.isfile(optimizer_state):
-            saved = load_file(optimizer_state)
+            self.common_state = load_file(optimizer_state)
             self.param_groups = [{k: v for k, v in g.items() if k != "params"}
-                                 for g in saved.get("param_groups", [])]
+                                 for g in self.common_state.get("param_groups", [])]
 
     # --- reading ----------------------------------------------------------------------------
     @property
@@ -260,12 +264,10 @@ class CheckpointReader:
             value = self._full.get(field, {}).get(name)
             return None if value is None else value.reshape(-1)[start:start + numel].float().clone()
         out = torch.empty(numel, dtype=torch.float32)
-        partition, parts = self._partitions[g], self._parts[field][g]
+        parts = self._parts[field][g]
         filled = 0
         for rank, part in enumerate(parts):
-            for frag in partition.fragments(rank):
-                if frag.index != i:
-                    continue
+            for frag in self._fragments(g, rank).get(i, ()):
                 lo, hi = max(start, frag.param_start), min(start + numel, frag.param_start + frag.numel)
                 if lo < hi:
                     src = frag.shard_start + lo - frag.param_start
@@ -275,6 +277,16 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: parameter {name!r} ({field}) is incomplete in the checkpoint: "
                                   f"found {filled} of {numel} elements")
         return out
+
+    def _fragments(self, group: int, rank: int) -> dict[int, list]:
+        """{parameter index: its fragments in `rank`'s partition of `group`} (cached)."""
+        key = (group, rank)
+        if key not in self._fragment_cache:
+            table: dict[int, list] = {}
+            for frag in self._partitions[group].fragments(rank):
+                table.setdefault(frag.index, []).append(frag)
+            self._fragment_cache[key] = table
+        return self._fragment_cache[key]
 
     def module_tensor(self, name: str) -> torch.Tensor | None:
         """A module state-dict entry (buffer or frozen parameter), full size, or None."""

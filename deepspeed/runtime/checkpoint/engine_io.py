@@ -126,9 +126,10 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
                     load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
     ds_comm.arrive_and_wait("load_checkpoint", hint=_ALL_RANKS)
     if tag is None:
-        tag = files.read_latest(load_dir)
+        latest = "latest_universal" if engine._config.model.checkpoint.load_universal else files.LATEST
+        tag = files.read_latest(load_dir, latest)
         if tag is None:
-            logger.warning(f"Unable to find latest file at {os.path.join(load_dir, files.LATEST)}; if trying to "
+            logger.warning(f"Unable to find latest file at {os.path.join(load_dir, latest)}; if trying to "
                            "load the latest checkpoint please pass an explicit tag or save one first.")
             return None, None
     tag = str(tag)
@@ -245,7 +246,7 @@ def _load_optimizer_state(hp: HpState, reader: CheckpointReader) -> None:
 
 def _load_scaler(hp: HpState, reader: CheckpointReader) -> None:
     scaler = getattr(hp.wrapper, "loss_scaler", None)
-    saved = reader.optimizer_state[0].get("loss_scaler") if reader.optimizer_state else None
+    saved = reader.common_state.get("loss_scaler")
     if scaler is None or saved is None:
         return
     if not isinstance(saved, dict):
