@@ -14,9 +14,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# The demo trains 150 steps and saves (as if interrupted), resumes from the checkpoint to step
+# 300, then consolidates the ZeRO-2 checkpoint into one fp32 state dict with the zero_to_fp32.py
+# that save_checkpoint placed beside it.
+DEMO_RUN := runs/gpt
 demo: $(STAMP)
+	rm -rf $(DEMO_RUN)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" deepspeed --num_gpus 2 examples/gpt/train.py \
-	    --deepspeed --deepspeed_config examples/gpt/ds_config.json
+	    --deepspeed --deepspeed_config examples/gpt/ds_config.json --save-dir $(DEMO_RUN) --stop-after 150 \
+	    --sample-len 0
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" deepspeed --num_gpus 2 examples/gpt/train.py \
+	    --deepspeed --deepspeed_config examples/gpt/ds_config.json --save-dir $(DEMO_RUN) --resume
+	$(PY) $(DEMO_RUN)/zero_to_fp32.py $(DEMO_RUN) $(DEMO_RUN)/fp32
 
 test: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests

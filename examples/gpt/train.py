@@ -45,6 +45,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--log-interval", type=int, default=25, help="optimizer steps between log lines")
     p.add_argument("--sample-len", type=int, default=200, help="bytes to sample at the end (0: none)")
+    p.add_argument("--save-dir", default=None, help="save a checkpoint here when this run stops")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop (and save) after this many optimizer steps of this run, as if interrupted")
+    p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --save-dir")
     p = deepspeed.add_config_arguments(p)
     return p.parse_args()
 
@@ -130,8 +134,17 @@ def train(args: argparse.Namespace, engine, loader) -> tuple[list[float], float]
         bar = tqdm(total=args.steps, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True,
                    mininterval=0.5 if tty else 15.0)
     step_losses, micro_losses, window = [], [], []
+    start = engine.global_steps  # > 0 after a resume
+    if bar is not None:
+        bar.update(start)
+    stop = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
+    batches = iter(deepspeed.utils.RepeatingLoader(loader))
+    for _ in range(start * gas):  # skip the batches the checkpointed run already consumed
+        next(batches)
     t0 = t_win = time.perf_counter()
-    for x, y in deepspeed.utils.RepeatingLoader(loader):
+    for x, y in batches:
+        if start + len(step_losses) >= stop:
+            break
         x, y = x.to(engine.device), y.to(engine.device)
         loss = engine(x, y)
         engine.backward(loss)
@@ -145,13 +158,11 @@ def train(args: argparse.Namespace, engine, loader) -> tuple[list[float], float]
         micro_losses = []
         if bar is not None:
             bar.update(1)
-        done = len(step_losses)
-        if done % args.log_interval == 0 or done == args.steps:
+        done = start + len(step_losses)
+        if done % args.log_interval == 0 or done == stop:
             now = time.perf_counter()
             log_progress(engine, bar, done, window, len(window) * tokens_per_step, now - t_win)
             window, t_win = [], now
-        if done >= args.steps:
-            break
     elapsed = time.perf_counter() - t0
     if bar is not None:
         bar.close()
@@ -202,7 +213,16 @@ def main() -> None:
               f"windows: {len(dataset):,} x {args.block_size} bytes")
     engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
                                                 training_data=dataset, config=config)
+    if args.resume:
+        path, _ = engine.load_checkpoint(args.save_dir)
+        if dist.get_rank() == 0:
+            print(f"resumed from {path} at step {engine.global_steps}" if path else
+                  f"nothing to resume in {args.save_dir}: starting from scratch")
     step_losses, elapsed = train(args, engine, loader)
+    if args.save_dir:
+        engine.save_checkpoint(args.save_dir)  # every rank: each saves its optimizer partition
+        if dist.get_rank() == 0:
+            print(f"saved checkpoint {args.save_dir}/global_step{engine.global_steps}")
     summarize(args, engine, step_losses, elapsed)
 
 
