@@ -120,3 +120,49 @@ def test_deepspeeds_zero_to_fp32_consolidates_our_checkpoint(tmp_path, stage: in
     assert set(theirs) - set(final) <= {"scale"}  # plus buffers
     for name, value in final.items():
         assert torch.equal(theirs[name].float(), value), name
+
+
+def load_universal(load_dir: str, config: dict, universal: bool = True) -> dict:
+    """Every rank: load `load_dir`'s latest(_universal) into a fresh engine; return its state."""
+    sys.path.insert(0, FIXTURES)
+    import fixture_model as fm
+
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    model = fm.make_model(0)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=fm.trainable_parameters(model),
+                                      config=dict(config, checkpoint={"load_universal": universal}))
+    path, client = engine.load_checkpoint(load_dir)
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    return {"path": path, "client": client, "steps": engine.global_steps,
+            "masters": {n: safe_get_full_fp32_param(p) for n, p in named},
+            "exp_avg_sq": {n: safe_get_full_optimizer_state(p, "exp_avg_sq") for n, p in named}}
+
+
+@pytest.mark.parametrize("stage,world", [(0, 1), (1, 4), (2, 2)])
+def test_ds_to_universal_of_deepspeed_checkpoint_loads_anywhere(tmp_path, stage: int, world: int) -> None:
+    """Our ds_to_universal converts DeepSpeed's stage-2 checkpoint; load_universal reads it on any
+    world size and stage with the masters DeepSpeed held."""
+    case = "stage2_fp32"
+    if case not in CASES:
+        pytest.skip(f"fixture {case} missing")
+    path, expected, config = _fixture(case)
+    from deepspeed.checkpoint.ds_to_universal import main
+
+    out = tmp_path / "global_step3_universal"
+    assert main(["--input_folder", os.path.join(path, "global_step3"), "--output_folder", str(out)]) == 0
+    (tmp_path / "latest_universal").write_text("global_step3_universal")
+    assert (out / "zero" / "fc1.weight" / "fp32.pt").is_file()
+    assert (out / "zero" / "fc1.weight" / "exp_avg.pt").is_file()
+    config = dict(config, train_micro_batch_size_per_gpu=8 // world, zero_optimization={"stage": stage})
+    results = run_distributed(world, load_universal, str(tmp_path), config)
+    master_ref = torch.load(os.path.join(path, "master_fp32_step3.pt"), weights_only=True)
+    for r in results:
+        assert r["steps"] == expected["global_steps_at_save"] and r["client"]["note"] == "fixture"
+        for name, value in r["masters"].items():
+            assert torch.equal(value, master_ref[name].float()), name
+    direct = run_distributed(2, load_universal, path, dict(config, train_micro_batch_size_per_gpu=4), False)[0]
+    for r in results:
+        for name, value in r["exp_avg_sq"].items():
+            assert value.abs().sum() > 0 and torch.equal(value, direct["exp_avg_sq"][name]), name

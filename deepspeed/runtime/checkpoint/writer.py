@@ -31,8 +31,7 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
     """The model-states dictionary (DeepSpeed's keys, then the client's)."""
     module = engine.module
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
-    state = {k: v.detach().cpu() for k, v in module.state_dict().items()
-             if not (exclude_frozen and k in frozen)}
+    state = {k: own_storage(v) for k, v in module.state_dict().items() if not (exclude_frozen and k in frozen)}
     buffers = [n for n, _ in _persistent_buffers(module)]
     shared = _shared_params(module)
     zero_frozen = engine.zero_optimization_stage() >= 2 and not exclude_frozen
@@ -45,7 +44,7 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
         frozen_param_shapes=OrderedDict((n, named[n].shape) for n in sorted(frozen, key=list(named).index))
         if zero_frozen else None,
         shared_params=shared,
-        frozen_param_fragments=OrderedDict((n, named[n].detach().cpu()) for n in sorted(frozen, key=list(named).index))
+        frozen_param_fragments=OrderedDict((n, own_storage(named[n])) for n in sorted(frozen, key=list(named).index))
         if zero_frozen else None,
         lr_scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None and
         hasattr(engine.lr_scheduler, "state_dict") else None,
@@ -67,6 +66,17 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
         raise KeyError(f"save_checkpoint: client_state uses reserved checkpoint keys {sorted(reserved)}")
     out.update(client_state)
     return out
+
+
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor that owns exactly its elements: torch.save writes a view's whole storage, and
+    under ZeRO parameters are views of flat bucket buffers."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        return tensor.cpu()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        return tensor.clone()
+    return tensor
 
 
 def _persistent_buffers(module: torch.nn.Module, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -130,7 +140,7 @@ def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int)
         "overflow": bool(getattr(wrapper, "overflow", False)),
         "clip_grad": float(engine.gradient_clipping()),
         "base_optimizer_state": {"state": base_state, "param_groups": param_groups},
-        "single_partition_of_fp32_groups": [p[:p.numel() - pad] for p, pad in zip(parts["fp32"], paddings)],
+        "single_partition_of_fp32_groups": [p[:p.numel() - pad].clone() for p, pad in zip(parts["fp32"], paddings)],
         "group_paddings": paddings,
         "partition_count": [world] * len(layouts),
         "ds_version": __version__,
