@@ -417,6 +417,22 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only, custom_load_fn)
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the module's weights (training dtype) to `save_dir/save_filename` on rank 0;
+        `.safetensors` names write safetensors. Every rank must call it."""
+        from .checkpoint.model_save import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    save_fp16_model = save_16bit_model  # upstream's older name
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The full module state dict on rank 0, None on other ranks (collective)."""
+        from .checkpoint.model_save import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+
     def destroy(self) -> None:
         """Remove the engine's hooks so the module can be reused or freed."""
         if self._reducer is not None:

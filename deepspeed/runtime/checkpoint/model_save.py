@@ -1,0 +1,77 @@
+"""engine.save_16bit_model: the model's weights in their training dtype, one file, for inference.
+
+At stages 0-2 every rank holds full parameters, so rank 0 writes `module.state_dict()`; the
+other ranks only take part in the arrival check and the final agreement (a call on one rank
+fails instead of hanging, and an error on rank 0 is raised on every rank). Tied parameters are
+written once per name with their own storage (safetensors refuses shared storage). A
+`.safetensors` file name writes safetensors.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ... import comm as ds_comm
+from ...checkpoint import files
+from ...utils.logging import log_dist
+from .writer import own_storage
+
+_ALL_RANKS = "all ranks must call save_16bit_model (it is collective under ZeRO), not only rank 0."
+
+
+def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool = False) -> dict | None:
+    """The full state dict on rank 0 (None elsewhere); every rank must call it."""
+    ds_comm.arrive_and_wait("_zero3_consolidated_16bit_state_dict", hint=_ALL_RANKS)
+    if engine.global_rank != 0:
+        return None
+    frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+    return {k: own_storage(v) for k, v in engine.module.state_dict().items()
+            if not (exclude_frozen_parameters and k in frozen)}
+
+
+def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
+    if not save_dir:
+        raise ValueError(f"save_16bit_model: save_dir must be a non-empty path, got {save_dir!r}")
+    state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
+    error = None
+    if state is not None:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            if save_filename.endswith(".safetensors"):
+                _save_safetensors(state, path)
+            else:
+                files.save_file(state, path)
+            log_dist(f"Saved 16-bit model weights to {path}", ranks=[0])
+        except Exception as e:  # raised on every rank below
+            error = e
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    if ds_comm.get_world_size() > 1:
+        ds_comm.all_reduce(failed, op=ds_comm.ReduceOp.MAX)
+    if failed.item() > 0:
+        cause = repr(error) if error is not None else "see rank 0's error"
+        raise RuntimeError(f"save_16bit_model: writing {save_dir}/{save_filename} failed on rank 0: {cause}")
+    return True
+
+
+def _save_safetensors(state: dict, path: str) -> None:
+    try:
+        from safetensors.torch import save_file
+    except ImportError as e:
+        raise ImportError(f"save_16bit_model: {os.path.basename(path)} asks for safetensors, which is not "
+                          "installed: pip install safetensors (or use a .bin file name)") from e
+    tmp = path + ".tmp"
+    seen: set[int] = set()
+    tensors = {}
+    for name, value in state.items():  # tied weights: each name gets its own copy
+        value = value.contiguous()
+        if value.untyped_storage().data_ptr() in seen:
+            value = value.clone()
+        seen.add(value.untyped_storage().data_ptr())
+        tensors[name] = value
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, path)
