@@ -47,6 +47,14 @@ SURFACE = [
     "deepspeed.runtime.torch_autocast.init_autocast_params",
     "deepspeed.runtime.torch_autocast.get_default_autocast_lower_precision_modules",
     "deepspeed.runtime.torch_autocast.has_autocast_dtype", "deepspeed.runtime.torch_autocast.is_autocast_initialized",
+    "deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint",
+    "deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict",
+    "deepspeed.utils.zero_to_fp32.load_state_dict_from_zero_checkpoint",
+    "deepspeed.utils.tensor_fragment.fragment_address", "deepspeed.checkpoint.ds_to_universal.main",
+    "deepspeed.utils.set_z3_leaf_modules", "deepspeed.utils.unset_z3_leaf_modules",
+    "deepspeed.utils.get_z3_leaf_modules", "deepspeed.utils.z3_leaf_module",
+    "deepspeed.utils.set_z3_leaf_modules_by_name", "deepspeed.utils.set_z3_leaf_modules_by_suffix",
+    "deepspeed.utils.z3_leaf_module.set_z3_leaf_modules",
 ]
 
 
