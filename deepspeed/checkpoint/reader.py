@@ -46,6 +46,8 @@ class CheckpointReader:
             raise CheckpointError(f"{path}: no {model_file()} (nor {model_file(zero3_dp_rank=0)}); not a "
                                   "DeepSpeed checkpoint tag directory")
         self.rank_files = self._optim_files()
+        if self.rank_files:
+            self._check_rank_count(load_file(self.rank_files[0]))
         self.zero_states = [load_file(f) for f in self.rank_files]
         self.optimizer_state = [s["optimizer_state_dict"] for s in self.zero_states]
         self.stage = self._stage()
@@ -77,6 +79,19 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: optimizer-state files of ranks {missing} are missing "
                                   f"(found ranks {ranks})")
         return [by_rank[r] for r in ranks]
+
+    def _check_rank_count(self, first: dict) -> None:
+        count = first.get("optimizer_state_dict", {}).get("partition_count")
+        if count is None:
+            return
+        expected = int(count[0] if isinstance(count, (list, tuple)) else count)
+        if expected != len(self.rank_files):
+            prefix = os.path.basename(self.rank_files[0]).split("zero_pp_rank_")[0]
+            missing = [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+                       for r in range(expected) if r >= len(self.rank_files)]
+            raise CheckpointError(f"{self.path}: written by {expected} ranks but {len(self.rank_files)} "
+                                  f"optimizer-state files are present; missing ranks "
+                                  f"{list(range(len(self.rank_files), expected))}: {missing}")
 
     def _stage(self) -> int:
         if not self.optimizer_state:

@@ -20,6 +20,7 @@ import torch.distributed as _tdist
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("DEEPSPEED_ARRIVAL_TIMEOUT_S", "300"))
 _calls = itertools.count()
+_GAVE_UP = -(1 << 40)  # an arrival counter's value once a rank stopped waiting
 
 
 class RanksDidNotArrive(RuntimeError):
@@ -38,14 +39,25 @@ def arrive_and_wait(what: str, timeout_s: float | None = None, hint: str = "") -
     deadline = time.monotonic() + timeout_s
     pause = 0.001
     arrived = store.add(key, 1)
-    while arrived < world:
+    while 0 <= arrived < world:
         if time.monotonic() > deadline:
-            missing = [r for r in range(world) if not store.check([f"{key}/{r}"])]
-            raise RanksDidNotArrive(f"{what}: ranks {missing} of {world} did not call it within {timeout_s:g} s "
-                                    f"(this is rank {rank}); every rank must make this call. {hint}".strip())
+            # Give up atomically: only while fewer than `world` ranks arrived does the counter
+            # become negative, so a rank arriving later raises too instead of entering the
+            # collective alone, and no rank can have gone on before.
+            current = store.compare_set(key, str(arrived), str(_GAVE_UP))
+            if int(current) == _GAVE_UP:
+                missing = [r for r in range(world) if not store.check([f"{key}/{r}"])]
+                raise RanksDidNotArrive(f"{what}: ranks {missing} of {world} did not call it within "
+                                        f"{timeout_s:g} s (this is rank {rank}); every rank must make this call. "
+                                        f"{hint}".strip())
+            arrived = int(current)  # someone arrived meanwhile: look again
+            continue
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
         arrived = store.add(key, 0)
+    if arrived < 0:
+        raise RanksDidNotArrive(f"{what}: this rank ({rank}) arrived after the other ranks stopped waiting for it "
+                                f"(timeout {timeout_s:g} s); every rank must make this call. {hint}".strip())
     others = {store.get(f"{key}/{r}").decode() for r in range(world)}
     if len(others) > 1:
         raise RanksDidNotArrive(f"ranks made different calls at the same point: {sorted(others)}")

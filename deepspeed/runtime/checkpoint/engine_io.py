@@ -249,7 +249,10 @@ def _load_scaler(hp: HpState, reader: CheckpointReader) -> None:
     saved = reader.common_state.get("loss_scaler")
     if scaler is None or saved is None:
         return
+    dynamic = reader.common_state.get("dynamic_loss_scale")
     if not isinstance(saved, dict):
-        saved = {k: v for k, v in vars(saved).items()}
-    if scaler.dynamic == bool(saved.get("dynamic", scaler.dynamic)):
+        dynamic = type(saved).dynamic if dynamic is None else dynamic
+        saved = dict(vars(saved))
+    # a scale saved by another precision (bf16/fp32 save a fixed 1.0) does not carry over to fp16
+    if dynamic is not None and bool(dynamic) == scaler.dynamic:
         scaler.load_state_dict({k: v for k, v in saved.items() if k in scaler._STATE_KEYS})
