@@ -127,6 +127,8 @@ def prepare_staging(save_dir: str, tag: str) -> str:
 def commit_staging(save_dir: str, tag: str) -> str:
     """Rank 0, after every rank wrote its files: publish `.<tag>.partial` as `<tag>`."""
     final, old = os.path.join(save_dir, tag), os.path.join(save_dir, f".{tag}.old")
+    if not os.path.exists(final) and os.path.isdir(old):
+        os.replace(old, final)  # a crash interrupted the previous commit: restore before replacing
     shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(final):
         os.replace(final, old)

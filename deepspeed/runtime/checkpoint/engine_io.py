@@ -108,7 +108,12 @@ def _raise_if_any(error: BaseException | None, what: str, cleanup: Any = None) -
     if failed.item() > 0:
         if cleanup is not None and ds_comm.get_rank() == 0:
             cleanup()
-        raise RuntimeError(f"{what}: {error!r}" if error is not None else f"{what} (on another rank)")
+        errors: list[Any] = [repr(error) if error is not None else None]
+        if ds_comm.get_world_size() > 1:  # name every failing rank's error on every rank
+            errors = [None] * ds_comm.get_world_size()
+            ds_comm.all_gather_object(errors, repr(error) if error is not None else None)
+        causes = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
+        raise RuntimeError(f"{what}: {causes}")
 
 
 def _copy_recovery_script(save_dir: str) -> None:
