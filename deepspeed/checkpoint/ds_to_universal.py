@@ -2,7 +2,7 @@
 
     python -m deepspeed.checkpoint.ds_to_universal --input_folder ckpt/global_step10 \\
         --output_folder ckpt/global_step10_universal
-    echo global_step10_universal > ckpt/latest_universal   # then load with checkpoint.load_universal
+    # writes ckpt/latest_universal too (as DeepSpeed's); load with checkpoint.load_universal
 
 Output: `<out>/zero/<param name>/{fp32,exp_avg,exp_avg_sq,...}.pt` (each `{"param": full fp32
 tensor}`), `<out>/zero/<param name>/step.pt`, `<out>/zero/optimizer_state.pt` (the state that
@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from .files import CheckpointError, model_file, save_file
+from .files import CheckpointError, model_file, save_file, write_text
 from .reader import CheckpointReader
 
 _PER_ELEMENT = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings",
@@ -57,6 +57,8 @@ def convert(input_folder: str, output_folder: str) -> int:
     if not os.path.isfile(source):
         source = os.path.join(reader.path, model_file(zero3_dp_rank=0))
     shutil.copyfile(source, os.path.join(output_folder, model_file()))
+    parent = os.path.dirname(os.path.normpath(output_folder)) or "."
+    write_text(os.path.join(parent, "latest_universal"), os.path.basename(os.path.normpath(output_folder)))
     return len(names)
 
 

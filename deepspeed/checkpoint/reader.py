@@ -197,6 +197,12 @@ class CheckpointReader:
         module = self.model_states["module"]
         optimizer = self.model_states.get("optimizer") or {}
         names = self.model_states.get("optimizer_param_names")
+        # DeepSpeed's stage-0 mixed-precision optimizer (FP16_UnfusedOptimizer, used for bf16)
+        # nests the torch state_dict and keeps the fp32 masters per group in `fp32_groups`.
+        self._fp32_groups = optimizer.get("fp32_groups") if isinstance(optimizer, dict) else None
+        if isinstance(optimizer, dict) and "optimizer_state_dict" in optimizer:
+            self.common_state = {k: v for k, v in optimizer.items() if k not in ("optimizer_state_dict", "fp32_groups")}
+            optimizer = optimizer["optimizer_state_dict"]
         torch_state = optimizer.get("state", {}) if isinstance(optimizer, dict) else {}
         groups = optimizer.get("param_groups", []) if isinstance(optimizer, dict) else []
         self._full["fp32"] = {n: t for n, t in module.items()}
@@ -225,7 +231,9 @@ class CheckpointReader:
             if len(indices) != len(group_names):
                 raise CheckpointError(f"{self.path}: optimizer param group {g} has {len(indices)} parameters in the "
                                       f"checkpoint but {len(group_names)} in this engine's optimizer")
-            for index, name in zip(indices, group_names):
+            for j, (index, name) in enumerate(zip(indices, group_names)):
+                if self._fp32_groups is not None:
+                    module[name] = self._fp32_groups[g][j]
                 for field, value in self._torch_state.get(index, {}).items():
                     if torch.is_tensor(value) and value.dim() > 0:
                         self._full.setdefault(field, {})[name] = value
@@ -254,6 +262,11 @@ class CheckpointReader:
                 full.setdefault(field, {})[name] = value
             shapes[name] = full["fp32"][name].shape
         self._full = full
+        # DeepSpeed also writes fp32.pt for buffers and frozen parameters: the trained ones are those
+        # of param_shapes (or, without it, those with optimizer state)
+        trained = {n for g in (self.model_states.get("param_shapes") or []) for n in g} or \
+            {n for f, values in full.items() if f != "fp32" for n in values}
+        shapes = {n: s for n, s in shapes.items() if n in trained}
         self._set_groups([shapes])
         self.param_groups = []
         optimizer_state = os.path.join(self.path, "zero", "optimizer_state.pt")
@@ -308,5 +321,22 @@ class CheckpointReader:
         value = self.model_states.get("module", {}).get(name)
         if value is not None and value.numel() > 0:
             return value
+        if self.stage == 3:
+            return self._zero3_frozen(name)
         fragments = self.model_states.get("frozen_param_fragments") or {}
-        return fragments.get(name)
+        if name in fragments:
+            return fragments[name]
+        return self._full.get("fp32", {}).get(name) if self.universal else None
+
+    def _zero3_frozen(self, name: str) -> torch.Tensor | None:
+        """ZeRO-3 keeps each rank's slice of a frozen parameter in that rank's model-states file."""
+        shape = (self.model_states.get("frozen_param_shapes") or {}).get(name)
+        if shape is None:
+            return None
+        pieces = []
+        for rank in range(len(self.rank_files)):
+            states = self.model_states if rank == 0 else load_file(os.path.join(self.path,
+                                                                                model_file(zero3_dp_rank=rank)))
+            pieces.append(states["frozen_param_fragments"][name].reshape(-1))
+        numel = torch.Size(shape).numel()
+        return torch.cat(pieces)[:numel].view(shape)  # slices of ceil(numel/N), the last zero-padded

@@ -251,7 +251,8 @@ def _load_optimizer_state(hp: HpState, reader: CheckpointReader) -> None:
 
 def _load_scaler(hp: HpState, reader: CheckpointReader) -> None:
     scaler = getattr(hp.wrapper, "loss_scaler", None)
-    saved = reader.common_state.get("loss_scaler")
+    common = reader.common_state
+    saved = common.get("loss_scaler") or (common if "cur_scale" in common else None)  # stage-0 fp16 keeps it flat
     if scaler is None or saved is None:
         return
     dynamic = reader.common_state.get("dynamic_loss_scale")
