@@ -95,34 +95,76 @@ class HpState:
         steps = {s for _, s in everyone if s is not None}
         return fields, (steps.pop() if steps else None)
 
-    def full_values(self, field: str) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full flattened fp32 values) of every trainable parameter, for the master
-        (`field="fp32"`) or a base-optimizer state. Collective under ZeRO: one all-gather per
-        bucket, so at most one bucket beyond the caller's own buffers is alive."""
-        if not self.zero:
-            for piece in self.pieces:
-                value = piece.master if field == "fp32" else self.state_value(piece, field)
-                if value is not None:
-                    yield piece.name, value.float()
-            return
-        wrapper = self.wrapper
-        for sb in wrapper.buckets:
-            device = sb.param_flat.device
-            if field == "fp32":
-                shard = sb.master.to(device=device, dtype=torch.float32)
-            else:
-                shard = torch.zeros(sb.partition.shard_numel, dtype=torch.float32, device=device)
-                for f in sb.fragments:
-                    value = self.base.state.get(wrapper._fragments_of[id(sb.params[f.index])][0], {}).get(field)
-                    if torch.is_tensor(value) and value.numel() == f.numel:
-                        shard[f.shard_start:f.shard_start + f.numel].copy_(value.reshape(-1))
-            full = torch.empty(sb.partition.padded_numel, dtype=torch.float32, device=device)
-            if wrapper.dp_world > 1:
-                ds_comm.all_gather_into_tensor(full, shard, group=wrapper.group)
-            else:
-                full.copy_(shard)
-            for p, start in zip(sb.params, sb.partition.offsets()):
-                yield self.names[id(p)], full[start:start + p.numel()]
+    def local_values(self, field: str) -> Iterator[tuple[str, int, torch.Tensor]]:
+        """(name, offset in the flattened parameter, fp32 values) of each piece this rank holds,
+        for the master (`field="fp32"`) or a base-optimizer state."""
+        for piece in self.pieces:
+            value = piece.master if field == "fp32" else self.state_value(piece, field)
+            if value is not None:
+                yield piece.name, piece.start, value.float()
+
+    def recut(self, field: str, layouts: list[Any], rank: int) -> list[torch.Tensor]:
+        """This rank's slice of every param group's flat (`layouts`: one BucketPartition per group
+        over `self.groups`), gathered from the ranks holding the pieces.
+
+        Replicated state is cut locally. Under ZeRO the plan of who sends what to whom follows
+        from the bucket and group partitions, which every rank knows, so one all-to-all per field
+        moves exactly the elements each rank lacks (1/N of the field per rank) and nothing else.
+        """
+        flats = [torch.zeros(layout.shard_numel, dtype=torch.float32) for layout in layouts]
+        where = {n: (g, i) for g, group in enumerate(self.groups) for i, (n, _) in enumerate(group)}
+        offsets = [[0] * len(group) for group in self.groups]
+        for g, group in enumerate(self.groups):
+            for i in range(1, len(group)):
+                offsets[g][i] = offsets[g][i - 1] + group[i - 1][1].numel()
+
+        def cuts(name: str, start: int, numel: int):
+            """(destination rank, group, offset in its slice, length, offset in the piece)."""
+            g, i = where[name]
+            size, lo = layouts[g].shard_numel, offsets[g][i] + start
+            hi, first = lo + numel, lo
+            while lo < hi:
+                dst = lo // size
+                end = min(hi, (dst + 1) * size)
+                yield dst, g, lo - dst * size, end - lo, lo - first
+                lo = end
+
+        if not self.zero or self.wrapper.dp_world == 1:
+            for name, start, values in self.local_values(field):
+                for dst, g, at, n, src in cuts(name, start, values.numel()):
+                    if dst == rank:
+                        flats[g][at:at + n].copy_(values[src:src + n])
+            return flats
+        world = self.wrapper.dp_world
+        sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        mine = {(p.name, p.start): p for p in self.pieces}
+        receives: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+        for sb in self.wrapper.buckets:  # every rank walks the same plan in the same order
+            for src_rank in range(world):
+                for f in sb.partition.fragments(src_rank):
+                    name = self.names[id(sb.params[f.index])]
+                    value = None
+                    if src_rank == rank:
+                        piece = mine[(name, f.param_start)]
+                        value = piece.master if field == "fp32" else self.state_value(piece, field)
+                        value = torch.zeros(f.numel) if value is None else value.float()
+                    for dst, g, at, n, src in cuts(name, f.param_start, f.numel):
+                        if src_rank == rank:
+                            sends[dst].append(value[src:src + n])
+                        if dst == rank:
+                            receives[src_rank].append((g, at, n))
+        device = self.wrapper.buckets[0].param_flat.device
+        send = torch.cat([t.reshape(-1).to(device) for ts in sends for t in ts] or [torch.zeros(0)]).to(device)
+        in_splits = [sum(t.numel() for t in ts) for ts in sends]
+        out_splits = [sum(n for _, _, n in rs) for rs in receives]
+        recv = torch.empty(sum(out_splits), dtype=torch.float32, device=device)
+        ds_comm.all_to_all_single(recv, send, out_splits, in_splits, group=self.wrapper.group)
+        recv, offset = recv.cpu(), 0
+        for rs in receives:
+            for g, at, n in rs:
+                flats[g][at:at + n].copy_(recv[offset:offset + n])
+                offset += n
+        return flats
 
     # --- writing back -------------------------------------------------------------------------
     def refresh_model(self) -> None:

@@ -6,8 +6,8 @@
   mixed precision at stage 0): rank r's slice of each param group flattened and padded to a
   multiple of 2N (DeepSpeed's layout, `BucketPartition(..., alignment=2)`), for the fp32
   masters and every optimizer state. Our runtime shards per bucket instead (1.0x DDP's bytes);
-  the slices are re-cut here with one all-gather per bucket per field, so the files are exactly
-  what DeepSpeed writes and its tools read them.
+  the slices are re-cut here with one all-to-all per field (HpState.recut), so the files are
+  exactly what DeepSpeed writes and its tools read them.
 * Stage 0 fp32: the torch optimizer's own state_dict inside the model-states file, as DeepSpeed.
 """
 
@@ -31,7 +31,8 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
     """The model-states dictionary (DeepSpeed's keys, then the client's)."""
     module = engine.module
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
-    state = {k: own_storage(v) for k, v in module.state_dict().items() if not (exclude_frozen and k in frozen)}
+    copies: dict[tuple, torch.Tensor] = {}  # tied weights stay one tensor (one storage) in the file
+    state = {k: own_storage(v, copies) for k, v in module.state_dict().items() if not (exclude_frozen and k in frozen)}
     buffers = [n for n, _ in _persistent_buffers(module)]
     shared = _shared_params(module)
     zero_frozen = engine.zero_optimization_stage() >= 2 and not exclude_frozen
@@ -68,15 +69,23 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
     return out
 
 
-def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+def own_storage(tensor: torch.Tensor, copies: dict | None = None) -> torch.Tensor:
     """A CPU tensor that owns exactly its elements: torch.save writes a view's whole storage, and
-    under ZeRO parameters are views of flat bucket buffers."""
+    under ZeRO parameters are views of flat bucket buffers. `copies` makes views of the same
+    elements (tied weights) come out as one tensor."""
     tensor = tensor.detach()
+    key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+    if copies is not None and key in copies:
+        return copies[key]
     if tensor.device.type != "cpu":
-        return tensor.cpu()
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        return tensor.clone()
-    return tensor
+        out = tensor.cpu()
+    elif tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        out = tensor.clone()
+    else:
+        out = tensor
+    if copies is not None:
+        copies[key] = out
+    return out
 
 
 def _persistent_buffers(module: torch.nn.Module, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -104,20 +113,8 @@ def _shared_params(module: torch.nn.Module) -> dict[str, str]:
 def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int) -> dict:
     """Rank `rank`'s `optimizer_state_dict` in DeepSpeed's ZeRO-1/2 layout (collective under ZeRO)."""
     layouts = [BucketPartition(tuple(s.numel() for _, s in g), world, ALIGNMENT) for g in hp.groups]
-    where = {name: (g, i) for g, group in enumerate(hp.groups) for i, (name, _) in enumerate(group)}
-    mine = [{f.index: f for f in layout.fragments(rank)} for layout in layouts]
     fields, step = hp.agreed_fields(engine.data_parallel_group)
-    device = torch.device("cpu")
-    parts: dict[str, list[torch.Tensor]] = {}
-    for field in ["fp32"] + fields:
-        flats = [torch.zeros(layout.shard_numel, dtype=torch.float32, device=device) for layout in layouts]
-        for name, values in hp.full_values(field):
-            g, i = where[name]
-            frag = mine[g].get(i)
-            if frag is not None:
-                flats[g][frag.shard_start:frag.shard_start + frag.numel].copy_(
-                    values[frag.param_start:frag.param_start + frag.numel])
-        parts[field] = flats
+    parts = {field: hp.recut(field, layouts, rank) for field in ["fp32"] + fields}
     paddings = [layout.padding(rank) for layout in layouts]
     base_state = {}
     for g in range(len(layouts)):
