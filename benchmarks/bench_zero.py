@@ -375,8 +375,10 @@ def worker_argv(args, impl: str, stage: int, dtype: str, out: str) -> list[str]:
     return argv
 
 
-def launch(args, impl: str, stage: int, dtype: str) -> dict:
-    """One job; returns {"ranks": [...]} or {"skipped": msg} or {"error": msg}."""
+def launch(args, impl: str, stage: int, dtype: str, script: str | None = None, argv_of=None) -> dict:
+    """One job of `script` (this file by default) with `argv_of(args, impl, stage, dtype, out)` as
+    its worker arguments; returns {"ranks": [...]} or {"skipped": msg} or {"error": msg}."""
+    script, argv_of = script or os.path.abspath(__file__), argv_of or worker_argv
     venv = args.ours_venv if impl == "ours" else args.ds_venv
     launcher = os.path.join(venv, "bin", "deepspeed")
     if not os.path.exists(launcher):
@@ -393,8 +395,8 @@ def launch(args, impl: str, stage: int, dtype: str) -> dict:
         prebuilt = os.path.join(args.ds_venv, "torch_extensions")
         if os.path.isdir(prebuilt):  # a private copy: no lock shared with any other job
             shutil.copytree(prebuilt, ext_dir, ignore=shutil.ignore_patterns("lock"))
-    cmd = [launcher, "--num_gpus", str(args.ranks), "--master_port", str(port), os.path.abspath(__file__),
-           *worker_argv(args, impl, stage, dtype, out)]
+    cmd = [launcher, "--num_gpus", str(args.ranks), "--master_port", str(port), script,
+           *argv_of(args, impl, stage, dtype, out)]
     log_path = os.path.join(out, "launcher.log")
     proc = None
     try:
@@ -559,7 +561,8 @@ def driver(args) -> int:
     return 1 if any("error" in r for r in rows) else 0
 
 
-def main(argv=None) -> int:
+def main(argv=None, parse_args=parse_args, run_worker=run_worker, driver=driver) -> int:
+    """Worker or driver, by `--worker` (shared with bench_checkpoint.py)."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.worker:
         try:
