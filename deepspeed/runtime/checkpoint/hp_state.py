@@ -103,7 +103,7 @@ class HpState:
             if value is not None:
                 yield piece.name, piece.start, value.float()
 
-    def recut(self, field: str, layouts: list[Any], rank: int) -> list[torch.Tensor]:
+    def recut(self, field: str, layouts: list[Any], rank: int, strip_padding: bool = False) -> list[torch.Tensor]:
         """This rank's slice of every param group's flat (`layouts`: one BucketPartition per group
         over `self.groups`), gathered from the ranks holding the pieces.
 
@@ -111,7 +111,13 @@ class HpState:
         from the bucket and group partitions, which every rank knows, so one all-to-all per field
         moves exactly the elements each rank lacks (1/N of the field per rank) and nothing else.
         """
-        flats = [torch.zeros(layout.shard_numel, dtype=torch.float32) for layout in layouts]
+        flats = []
+        for layout in layouts:  # every real element is written below: only the padding needs zeros
+            pad = layout.padding(rank)
+            flat = torch.empty(layout.shard_numel - (pad if strip_padding else 0), dtype=torch.float32)
+            if pad and not strip_padding:
+                flat[layout.shard_numel - pad:].zero_()
+            flats.append(flat)
         where = {n: (g, i) for g, group in enumerate(self.groups) for i, (n, _) in enumerate(group)}
         offsets = [[0] * len(group) for group in self.groups]
         for g, group in enumerate(self.groups):
@@ -154,8 +160,11 @@ class HpState:
                         if dst == rank:
                             receives[src_rank].append((g, at, n))
         device = self.wrapper.buckets[0].param_flat.device
-        send = torch.cat([t.reshape(-1).to(device) for ts in sends for t in ts] or [torch.zeros(0)]).to(device)
         in_splits = [sum(t.numel() for t in ts) for ts in sends]
+        send, offset = torch.empty(sum(in_splits), dtype=torch.float32, device=device), 0
+        for t in (t for ts in sends for t in ts):
+            send[offset:offset + t.numel()].copy_(t.reshape(-1))
+            offset += t.numel()
         out_splits = [sum(n for _, _, n in rs) for rs in receives]
         recv = torch.empty(sum(out_splits), dtype=torch.float32, device=device)
         ds_comm.all_to_all_single(recv, send, out_splits, in_splits, group=self.wrapper.group)

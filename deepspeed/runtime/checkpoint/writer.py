@@ -114,7 +114,8 @@ def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int)
     """Rank `rank`'s `optimizer_state_dict` in DeepSpeed's ZeRO-1/2 layout (collective under ZeRO)."""
     layouts = [BucketPartition(tuple(s.numel() for _, s in g), world, ALIGNMENT) for g in hp.groups]
     fields, step = hp.agreed_fields(engine.data_parallel_group)
-    parts = {field: hp.recut(field, layouts, rank) for field in ["fp32"] + fields}
+    # DeepSpeed stores the fp32 slices without their end padding, the optimizer states with it
+    parts = {field: hp.recut(field, layouts, rank, strip_padding=field == "fp32") for field in ["fp32"] + fields}
     paddings = [layout.padding(rank) for layout in layouts]
     base_state = {}
     for g in range(len(layouts)):
@@ -137,7 +138,7 @@ def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int)
         "overflow": bool(getattr(wrapper, "overflow", False)),
         "clip_grad": float(engine.gradient_clipping()),
         "base_optimizer_state": {"state": base_state, "param_groups": param_groups},
-        "single_partition_of_fp32_groups": [p[:p.numel() - pad].clone() for p, pad in zip(parts["fp32"], paddings)],
+        "single_partition_of_fp32_groups": parts["fp32"],
         "group_paddings": paddings,
         "partition_count": [world] * len(layouts),
         "ds_version": __version__,
