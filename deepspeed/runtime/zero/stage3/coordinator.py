@@ -1,0 +1,154 @@
+"""ZeRO-3 parameter coordinator: module hooks that gather units just in time and reduce-scatter
+their gradients as soon as backward has finished with them.
+
+Forward: a module's pre-hook acquires every unit it uses (one all-gather per unit not already
+gathered), its post-hook releases them; nested modules nest acquisitions (reference counts in
+ShardedUnit). Under `torch.no_grad()` that is all that happens. With grad enabled the post-hook
+also arms a pre-backward hook on the module's outputs.
+
+Backward: see [Note: ZeRO-3 backward]. This coordinator owns only *when* things happen; what a
+unit holds and how it is gathered or reduced is ShardedUnit's business.
+
+[Note: ZeRO-3 backward]
+1. Pre-backward: `register_multi_grad_hook(outputs, mode="any")` fires once per backward
+   graph task, when the first gradient w.r.t. one of the module's outputs is computed, i.e.
+   before autograd runs any node of the module's backward. It re-gathers the module's units
+   and *holds* them for this backward. See [Note: ZeRO-3 release and autograd's saved tensors].
+2. Gradient completion: autograd has one AccumulateGrad node per leaf parameter and sums all
+   incoming gradients in its input buffer before running it, so a parameter used twice (a
+   module called twice, a tied weight used by two modules) still gets exactly one
+   post-accumulate-grad hook call per backward. A unit is complete when each of its trainable
+   parameters reported once; it is then reduce-scattered and released. Completion implies every
+   backward node with an edge to those parameters already ran, so nothing reads them later in
+   this backward. Cost: a unit stays gathered from the first backward use of any module that
+   needs it until its last parameter's gradient is accumulated (a tied embedding stays gathered
+   between the output head's backward and the embedding's backward).
+3. Epilogue: a callback queued on the autograd engine (deepspeed/runtime/backward_hooks.py)
+   runs when the graph task ends. It reduces, in unit order (the same on every rank), each
+   trainable unit not reduced yet -- parameters that got no gradient contribute zeros -- so
+   every rank issues exactly one reduce-scatter per trainable unit per backward whatever its
+   local graph used, then releases anything still held (frozen units have no gradient hook).
+Collective order must be the same on every rank: the model must run the same modules in the
+same order on every rank (data-dependent routing belongs inside a z3 leaf module).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from ...backward_hooks import output_tensors, queue_autograd_callback
+from .sharded_param import ShardedUnit
+from .units import UnitPlan, plan_units
+
+
+class Stage3Coordinator:
+    """Partitions `module`'s parameters into gather units and installs the ZeRO-3 hooks."""
+
+    def __init__(self, module: nn.Module, persistence_threshold: int = 0,
+                 model_persistence_threshold: int = sys.maxsize, group: Any = None) -> None:
+        self.module = module
+        self.plan: UnitPlan = plan_units(module, persistence_threshold, model_persistence_threshold)
+        named = dict(module.named_parameters())
+        self.units = [ShardedUnit(spec, [named[n] for n in spec.param_names], group) for spec in self.plan.units]
+        self._in_backward = False
+        self._handles: list[Any] = []
+        modules = dict(module.named_modules())
+        for name, unit_ids in self.plan.module_units.items():
+            units = [self.units[u] for u in unit_ids]
+            m = modules[name]
+            self._handles.append(m.register_forward_pre_hook(partial(self._pre_forward, units), prepend=True))
+            self._handles.append(m.register_forward_hook(partial(self._post_forward, units), always_call=True))
+        for unit in self.units:
+            for i in unit.trainable:
+                hook = partial(self._grad_accumulated, unit, i)
+                self._handles.append(unit.params[i].register_post_accumulate_grad_hook(hook))
+
+    # --- hooks --------------------------------------------------------------------------------
+    def _pre_forward(self, units: list[ShardedUnit], module: nn.Module, args: Any) -> None:
+        for unit in units:
+            unit.acquire()
+
+    def _post_forward(self, units: list[ShardedUnit], module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            tensors = output_tensors(output)
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, partial(self._pre_backward, units), mode="any")
+        for unit in reversed(units):
+            unit.release()
+
+    def _begin_backward(self) -> None:
+        if not self._in_backward and queue_autograd_callback(self._end_backward):
+            self._in_backward = True
+
+    def _pre_backward(self, units: list[ShardedUnit], grad: Any) -> None:
+        self._begin_backward()
+        for unit in units:
+            unit.hold_for_backward()
+
+    def _grad_accumulated(self, unit: ShardedUnit, index: int, param: nn.Parameter) -> None:
+        self._begin_backward()
+        if unit.grad_arrived(index):
+            unit.reduce_grads()
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        for unit in self.units:        # unit order: the same collectives on every rank
+            if unit.needs_reduce:
+                unit.reduce_grads()
+        for unit in self.units:
+            unit.end_backward()
+
+    # --- API for the optimizer side ------------------------------------------------------------
+    def grad_shards(self) -> list[torch.Tensor]:
+        """This rank's fp32 gradient slices, one per unit (ceil(unit/N) elements each)."""
+        return [u.grad_shard for u in self.units]
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.grad_shard.zero_()
+
+    def after_shard_update(self) -> None:
+        """Call after changing the shards (an optimizer step): persistent units are refreshed
+        now (one all-gather each); the others pick the new values up at their next gather."""
+        for unit in self.units:
+            if unit.available and not unit.spec.persistent:
+                raise RuntimeError(f"ZeRO-3: {unit} is gathered while its shard was updated")
+            unit.refresh()
+
+    def gathered_units(self) -> list[ShardedUnit]:
+        return [u for u in self.units if u.available]
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every parameter full inside the block (read-only use: writes are not scattered back)."""
+        for unit in self.units:
+            unit.acquire()
+        try:
+            yield
+        finally:
+            for unit in reversed(self.units):
+                unit.release()
+
+    def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Full parameters (or fp32 averaged gradients) by name: one all-gather per unit."""
+        found = {}
+        for unit in self.units:
+            tensors = unit.gather_full(unit.grad_shard if grads else unit.shard)
+            found.update(zip(unit.spec.param_names, tensors))
+        return found
+
+    def remove(self) -> None:
+        """Uninstall the hooks and give every parameter its full value back (as a plain tensor)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        full = self.full_state()
+        for unit in self.units:
+            for name, p in zip(unit.spec.param_names, unit.params):
+                p.data = full[name]

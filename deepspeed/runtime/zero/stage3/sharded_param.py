@@ -1,0 +1,230 @@
+"""ShardedUnit: the one owner of a gather unit's parameter storage, shard and gradient shard.
+
+Each unit's parameters are flattened back to back and split with the same `BucketPartition`
+as stages 1/2 (see [Note: per-bucket shards] in zero/partition.py): padded to a multiple of N,
+rank r owns slice r. Between uses a rank holds only that slice (`shard`, parameters' dtype)
+and its fp32 gradient slice (`grad_shard`); `gather()` is ONE all-gather into the unit's flat
+buffer, whose views become the parameters' `.data`.
+
+This class is the only writer of the parameters' `.data` while they are sharded and of the
+upstream-compatible attributes `ds_id`, `ds_shape`, `ds_numel`, `ds_status`, `ds_persist` and
+`ds_tensor` (published for downstream code such as Hugging Face's `maybe_zero_3`; the runtime
+itself asks this object, never the attributes). `ds_tensor` is this rank's fragment of the
+parameter: a 1-D view of `shard` (possibly empty), not upstream's per-parameter slice.
+
+[Note: ZeRO-3 release and autograd's saved tensors]
+Forward saves tensors for backward that alias parameters: the parameter itself (a leaf:
+autograd keeps the same TensorImpl, so it sees whatever `.data` is set to later) or a view of
+it (Linear saves `weight.t()`, a different TensorImpl on the *same storage*). Release therefore
+does two things: (1) `param.data` becomes an empty placeholder, as upstream does (shape and
+numel read 0; `ds_shape`/`ds_numel` keep the real ones), and (2) the flat buffer's storage is
+resized to 0 bytes, so a view saved by autograd frees its memory too instead of pinning the
+whole gathered unit until backward. Gather resizes the *same* storage back and all-gathers into
+it, then points `.data` at views of it again, so both kinds of saved tensor read the current
+values. Safety rests on ordering, guaranteed by the coordinator: a module's backward reads its
+saved tensors only after the pre-backward hook re-gathered the module's units (FSDP2 relies on
+the same storage-resize aliasing; see its "[Note: FSDP and autograd]"). Setting `.data` does
+not bump the version counter, so autograd's saved-tensor version checks are unaffected.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Any
+
+import torch
+from torch import nn
+
+from .... import comm as ds_comm
+from ..partition import BucketPartition
+from .units import UnitSpec
+
+
+class ZeroParamStatus(enum.Enum):
+    """Upstream's parameter status (deepspeed.runtime.zero.partition_parameters.ZeroParamStatus)."""
+
+    AVAILABLE = 1       # gathered: `.data` is the full parameter
+    NOT_AVAILABLE = 2   # released: only this rank's shard exists
+    INFLIGHT = 3        # an asynchronous gather is running (unused: gathers are synchronous here)
+
+
+_DS_IDS = itertools.count()
+
+
+def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
+    """All-gather through deepspeed.comm (counted); a plain copy in a process without a group."""
+    if ds_comm.is_initialized():
+        ds_comm.all_gather_into_tensor(out, shard, group=group)
+    else:
+        out.copy_(shard)
+
+
+def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any) -> None:
+    if ds_comm.is_initialized():
+        ds_comm.reduce_scatter_tensor(out, flat, group=group)
+    else:
+        out.copy_(flat)
+
+
+class ShardedUnit:
+    """Shard, gather buffer, gradient shard and gather/release bookkeeping of one unit."""
+
+    spec: UnitSpec
+    params: list[nn.Parameter]
+    partition: BucketPartition
+    shard: torch.Tensor          # 1D, params' dtype: this rank's slice of the padded flat unit
+    grad_shard: torch.Tensor     # 1D, fp32: this rank's slice of the reduced gradients, accumulated
+    status: ZeroParamStatus
+
+    def __init__(self, spec: UnitSpec, params: list[nn.Parameter], group: Any = None) -> None:
+        dtypes = {(p.dtype, p.device) for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"ZeRO-3 unit of module '{spec.owner}' mixes dtypes/devices {sorted(map(str, dtypes))}; "
+                             f"a unit is gathered as one flat buffer, so its parameters must agree")
+        self.spec, self.params, self.group = spec, params, group
+        self.rank, self.world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
+        self.partition = BucketPartition(spec.numels, self.world)
+        self.shapes = [p.shape for p in params]
+        self.offsets = self.partition.offsets()
+        self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        first = params[0]
+        # Every rank built the full model (no zero.Init yet): flatten it and keep our slice.
+        self.flat = torch.zeros(self.partition.padded_numel, dtype=first.dtype, device=first.device)
+        self._views = [self.flat[o:o + p.numel()].view(p.shape) for p, o in zip(params, self.offsets)]
+        for view, p in zip(self._views, params):
+            view.copy_(p.detach())
+            p.data = view
+        lo = self.rank * self.partition.shard_numel
+        self.shard = self.flat[lo:lo + self.partition.shard_numel].clone()
+        self.grad_shard = torch.zeros(self.partition.shard_numel, dtype=torch.float32, device=first.device)
+        self.status = ZeroParamStatus.AVAILABLE
+        self._refs = 0                       # active forward uses (nested / re-entrant calls)
+        self._held = False                   # needed by the current backward until reduced
+        self._ready: set[int] = set()        # trainable params whose grad arrived in this backward
+        self._reduced = False                # reduced in the current backward
+        self._publish_compat_attrs()
+        if not spec.persistent:
+            self._free()
+
+    # --- compat attributes ------------------------------------------------------------------
+    def _publish_compat_attrs(self) -> None:
+        fragments = {f.index: f for f in self.partition.fragments(self.rank)}
+        for i, p in enumerate(self.params):
+            f = fragments.get(i)
+            p.ds_id = next(_DS_IDS)
+            p.ds_shape, p.ds_numel, p.ds_persist = self.shapes[i], self.spec.numels[i], self.spec.persistent
+            p.ds_tensor = self.shard[f.shard_start:f.shard_start + f.numel] if f else self.shard[:0]
+            p.ds_status = self.status
+
+    def _set_status(self, status: ZeroParamStatus) -> None:
+        self.status = status
+        for p in self.params:
+            p.ds_status = status
+
+    # --- gather / release -------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        return self.status is ZeroParamStatus.AVAILABLE
+
+    def gather(self) -> None:
+        """ONE all-gather of the unit; parameters become views of the flat buffer.
+        See [Note: ZeRO-3 release and autograd's saved tensors]."""
+        if self.available:
+            return
+        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+        _all_gather(self.flat, self.shard, self.group)
+        for view, p in zip(self._views, self.params):
+            p.data = view
+        self._set_status(ZeroParamStatus.AVAILABLE)
+
+    def _free(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                raise RuntimeError(f"ZeRO-3: releasing '{self.spec.owner}' while a parameter still has a .grad")
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.flat.untyped_storage().resize_(0)
+        self._set_status(ZeroParamStatus.NOT_AVAILABLE)
+
+    def _maybe_free(self) -> None:
+        if self._refs == 0 and not self._held and not self.spec.persistent and self.available:
+            self._free()
+
+    def acquire(self) -> None:
+        """A forward use begins: gather if needed. Balanced by `release()`."""
+        self._refs += 1
+        self.gather()
+
+    def release(self) -> None:
+        """A forward use ends; the unit is freed once no forward use nor backward needs it."""
+        if self._refs <= 0:
+            raise RuntimeError(f"ZeRO-3: unbalanced release of unit '{self.spec.owner}'")
+        self._refs -= 1
+        self._maybe_free()
+
+    def hold_for_backward(self) -> None:
+        """A module using this unit is about to run its backward: keep it gathered until reduced."""
+        self._held = True
+        self.gather()
+
+    def refresh(self) -> None:
+        """After `shard` changed (an optimizer step): re-gather a persistent unit now."""
+        if self.available and self.spec.persistent:
+            self.status = ZeroParamStatus.NOT_AVAILABLE   # force the collective; storage stays allocated
+            self.gather()
+
+    # --- gradients --------------------------------------------------------------------------
+    def grad_arrived(self, param_index: int) -> bool:
+        """Record that a trainable param's gradient is accumulated; True when the unit is complete."""
+        if self._reduced:
+            raise RuntimeError(f"ZeRO-3: a second gradient for a parameter of unit '{self.spec.owner}' arrived "
+                               f"after the unit was reduced in this backward (re-entrant use is not supported)")
+        self._ready.add(param_index)
+        return len(self._ready) == len(self.trainable)
+
+    def reduce_grads(self) -> None:
+        """ONE reduce-scatter of the unit's padded flat gradient into `grad_shard`, averaged over
+        ranks and accumulated across micro-steps; the full gradients are dropped and the unit
+        released. Parameters without a gradient in this backward contribute zeros (ranks must
+        issue identical collectives)."""
+        if self.partition.padded_numel and self.trainable:
+            dtype = self.params[0].dtype
+            flat_grad = torch.zeros(self.partition.padded_numel, dtype=dtype, device=self.flat.device)
+            for i in self.trainable:
+                g = self.params[i].grad
+                if g is not None:
+                    flat_grad[self.offsets[i]:self.offsets[i] + g.numel()].copy_(g.reshape(-1))
+            out = torch.empty(self.partition.shard_numel, dtype=dtype, device=self.flat.device)
+            _reduce_scatter(out, flat_grad, self.group)
+            self.grad_shard.add_(out.float(), alpha=1.0 / self.world)
+        for p in self.params:
+            p.grad = None
+        self._reduced, self._held = True, False
+        self._ready.clear()
+        self._maybe_free()
+
+    def end_backward(self) -> None:
+        """The backward finished: forget its bookkeeping and drop the backward hold."""
+        self._held, self._reduced = False, False
+        self._ready.clear()
+        self._maybe_free()
+
+    @property
+    def needs_reduce(self) -> bool:
+        return bool(self.trainable) and not self._reduced
+
+    @property
+    def forward_refs(self) -> int:
+        return self._refs
+
+    # --- whole-unit views -------------------------------------------------------------------
+    def gather_full(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """All-gather a shard laid out like this unit (params or grads) and split it per parameter."""
+        full = torch.empty(self.partition.padded_numel, dtype=shard.dtype, device=shard.device)
+        if full.numel():
+            _all_gather(full, shard, self.group)
+        return [full[o:o + n].view(s).clone() for o, n, s in zip(self.offsets, self.spec.numels, self.shapes)]
+
+    def __repr__(self) -> str:
+        return (f"ShardedUnit({self.spec.owner or '<root>'}, numel={self.spec.numel}, "
+                f"shard={self.partition.shard_numel}, {self.status.name}, persistent={self.spec.persistent})")
