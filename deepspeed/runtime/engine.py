@@ -25,8 +25,8 @@ from .dataloader import DeepSpeedDataLoader
 from .engine_accessors import EngineAccessors
 from .backward_hooks import BackwardState, derived_outputs, output_tensors, queue_autograd_callback
 from .engine_setup import (broadcast_module_states, build_lr_scheduler, build_optimizer_for_engine,
-                           build_reducer, check_supported, check_zero_layout, prepare_module, resolve_device,
-                           wrap_optimizer)
+                           build_reducer, build_stage3_coordinator, check_supported, check_zero_layout,
+                           NotSupportedYet, prepare_module, resolve_device, wrap_optimizer)
 from .grad_accum import is_boundary
 from .precision.policy import PrecisionPolicy
 from .zero.stages import STAGES
@@ -66,6 +66,9 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
             self.module.to(self.device)
         prepare_module(self)
         broadcast_module_states(self.module, self.data_parallel_group)
+        # ZeRO-3: parameters become shards gathered by module hooks; gradients are reduce-scattered
+        # by those hooks during backward, so there is no GradBucketReducer (self._reducer is None).
+        self._stage3 = build_stage3_coordinator(self)
         self._bstate = BackwardState()
         self._output_tokens = itertools.count()
 
@@ -285,8 +288,8 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
         if not self._reduced_this_boundary and not self.inside_no_sync_ctxt:
             self.allreduce_gradients()  # backward ran outside engine.backward: reduce now
-        if self.stage.shard_optimizer_state:
-            check_zero_layout(self)
+        if self.stage.shard_optimizer_state and not self.stage.shard_parameters:
+            check_zero_layout(self)  # (ZeRO-3's units are fixed by the coordinator; not checked yet)
         if isinstance(self.optimizer, DeepSpeedOptimizer):  # unscale, overflow skip and clip live there
             applied = self.optimizer.step()
             self._global_grad_norm = self.optimizer._global_grad_norm
@@ -324,6 +327,8 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         """Zero parameter gradients (kept as bucket views under data parallelism)."""
         if self._reducer is not None:
             self._reducer.zero_grad()
+        elif self._stage3 is not None:
+            self._stage3.zero_grad()
         else:
             for p in self.module.parameters():
                 p.grad = None
@@ -405,6 +410,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         """
         from .checkpoint.engine_io import save_checkpoint
 
+        self._not_yet_at_stage3("save_checkpoint")
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
@@ -414,6 +420,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         (None, None) when `load_dir` has no `latest` and no tag is given."""
         from .checkpoint.engine_io import load_checkpoint
 
+        self._not_yet_at_stage3("load_checkpoint")
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only, custom_load_fn)
 
@@ -423,6 +430,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         `.safetensors` names write safetensors. Every rank must call it."""
         from .checkpoint.model_save import save_16bit_model
 
+        self._not_yet_at_stage3("save_16bit_model")
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     save_fp16_model = save_16bit_model  # upstream's older name
@@ -431,13 +439,25 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         """The full module state dict on rank 0, None on other ranks (collective)."""
         from .checkpoint.model_save import consolidated_16bit_state_dict
 
+        self._not_yet_at_stage3("_zero3_consolidated_16bit_state_dict")
         return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+
+    def _not_yet_at_stage3(self, what: str) -> None:
+        """Raised on every rank alike (it depends on the config only): at stage 3 the module holds
+        released placeholders, so these would silently read or write empty parameters."""
+        if self._stage3 is not None:
+            raise NotSupportedYet(f"engine.{what}() with zero_optimization.stage=3 is not implemented yet in this "
+                                  "build of deepspeed (parameters are partitioned; gathering them for "
+                                  "checkpoints is still to do)")
 
     def destroy(self) -> None:
         """Remove the engine's hooks so the module can be reused or freed."""
         if self._reducer is not None:
             self._reducer.remove_hooks()
             self._reducer = None
+        if self._stage3 is not None:  # parameters get their full values back
+            self._stage3.remove()
+            self._stage3 = None
 
     def __repr__(self) -> str:
         return f"DeepSpeedEngine(stage={self.zero_optimization_stage()}, dp_world_size={self.dp_world_size}, module={self.module!r})"

@@ -26,8 +26,10 @@ def check_supported(config: Any) -> None:
     """Fail early, on every rank, for config features the engine does not run yet."""
     model = config.model
     unsupported = []
-    if model.zero_optimization.stage > 2:
-        unsupported.append(f"zero_optimization.stage={model.zero_optimization.stage} (ZeRO stage 3)")
+    zero = model.zero_optimization
+    if zero.stage == 3 and zero.offload_param is not None and zero.offload_param.enabled:
+        unsupported.append("zero_optimization.offload_param (ZeRO-3 parameter offload; remove it or set its "
+                           "device to \"none\")")
     if model.fp16.fp16_master_weights_and_grads:
         unsupported.append("fp16.fp16_master_weights_and_grads=true (needs ZeRO with CPU offload)")
     if model.bf16.bf16_master_weights_and_grads:
@@ -120,6 +122,8 @@ def build_reducer(engine: Any) -> GradBucketReducer | None:
     """
     policy = engine.precision
     sharded = engine.stage.shard_optimizer_state
+    if engine.stage.shard_parameters:
+        return None  # ZeRO-3: the Stage3Coordinator reduce-scatters gradients per gather unit
     if engine.basic_optimizer is None or (engine.dp_world_size <= 1 and not policy.is_mixed and not sharded):
         return None
     config = engine._config
@@ -153,6 +157,13 @@ def wrap_optimizer(engine: Any) -> Any:
         offload = engine._config.model.zero_optimization.offload_optimizer
         device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
         master_device = torch.device("cpu") if device == "cpu" else None
+        if engine.stage.shard_parameters:
+            from .zero.stage3.optimizer import Stage3Optimizer
+
+            # Not registered with tensor_fragment: safe_get_* are not implemented at stage 3 yet and
+            # give None (no link) rather than a released parameter's empty placeholder.
+            return Stage3Optimizer(engine.basic_optimizer, engine._stage3, policy, engine.gradient_clipping(),
+                                   names, group=engine.data_parallel_group, master_device=master_device)
         return register_optimizer(ZeroOptimizer(engine.basic_optimizer, engine._reducer, policy,
                                                 engine.gradient_clipping(), names,
                                                 group=engine.data_parallel_group, master_device=master_device))
@@ -173,6 +184,19 @@ def prepare_module(engine: Any) -> None:
 
         init_autocast_params(engine.module, policy.autocast_dtype,
                              list(policy.autocast_safe_modules) if policy.autocast_safe_modules else None)
+
+
+def build_stage3_coordinator(engine: Any) -> Any:
+    """ZeRO-3: partition the (cast, broadcast) module's parameters into gather units and install
+    the gather/reduce hooks; None at stages 0-2."""
+    if not engine.stage.shard_parameters:
+        return None
+    from .zero.stage3 import Stage3Coordinator
+
+    zero = engine._config.model.zero_optimization
+    return Stage3Coordinator(engine.module, persistence_threshold=zero.param_persistence_threshold,
+                             model_persistence_threshold=zero.model_persistence_threshold,
+                             group=engine.data_parallel_group)
 
 
 def check_zero_layout(engine: Any) -> None:

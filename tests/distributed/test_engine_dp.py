@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -61,7 +62,9 @@ def train_engine(config: dict, steps: int, style: str = "engine", model_cls: typ
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
     comm = dist.comms_counter.summary()
-    state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    stage3 = getattr(engine, "_stage3", None)  # ZeRO-3: parameters are released shards between uses
+    with stage3.gathered() if stage3 is not None else contextlib.nullcontext():
+        state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     return {"losses": losses, "state": state, "first_grads": first_grads, "comm": comm, "global_steps": engine.global_steps,
             "global_samples": engine.global_samples, "micro_steps": engine.micro_steps,
             "grad_norm": engine.get_global_grad_norm()}

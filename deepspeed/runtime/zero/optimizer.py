@@ -22,6 +22,22 @@ from ..precision.policy import PrecisionPolicy
 from .partition import BucketPartition
 
 
+def clip_sharded_grads(grads: list[torch.Tensor], max_norm: float, comm_device: torch.device, group: Any,
+                       world: int) -> float:
+    """Clip gradient shards by the global norm over all ranks' shards, with one all-reduce;
+    torch's clip_grad_norm_ formula. Returns the global norm. `comm_device` is where the
+    all-reduce runs (the parameters' device, also when the shards are offloaded to CPU)."""
+    local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    total = local.reshape(1).to(comm_device)
+    if world > 1:
+        ds_comm.all_reduce(total, group=group)
+    norm = math.sqrt(float(total))
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        torch._foreach_mul_(grads, coef)
+    return norm
+
+
 class _ShardedBucket:
     """One bucket's parameter buffer, this rank's master slice and gradient slice."""
 
@@ -86,16 +102,8 @@ class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
         return [sb.grad for sb in self.buckets]
 
     def _clip(self, grads: list[torch.Tensor]) -> None:
-        """Global norm over all shards with one all-reduce; torch's clip_grad_norm_ formula."""
-        local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-        total = local.reshape(1).to(self.buckets[0].param_flat.device if self.buckets else "cpu")
-        if self.dp_world > 1:
-            ds_comm.all_reduce(total, group=self.group)
-        norm = math.sqrt(float(total))
-        self._global_grad_norm = norm
-        coef = self.clip / (norm + 1e-6)
-        if coef < 1.0:
-            torch._foreach_mul_(grads, coef)
+        comm_device = self.buckets[0].param_flat.device if self.buckets else torch.device("cpu")
+        self._global_grad_norm = clip_sharded_grads(grads, self.clip, comm_device, self.group, self.dp_world)
 
     def step(self, closure: Any = None) -> bool:
         grads = self._collect_grads()

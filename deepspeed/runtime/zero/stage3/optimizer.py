@@ -1,0 +1,109 @@
+"""Stage3Optimizer: the optimizer side of ZeRO-3, over the shards a Stage3Coordinator owns.
+
+The coordinator (coordinator.py) keeps, per gather unit, this rank's parameter slice
+(`unit.shard`, parameters' dtype) and its fp32 gradient slice (`unit.grad_shard`, reduced and
+averaged during backward, accumulated across micro-steps). This wrapper adds, per unit with
+trained parameters, an fp32 master copy of the shard (on the shard's device, or on CPU with
+`offload_optimizer`). As in ZeroOptimizer, the base torch optimizer sees one tensor per
+parameter fragment of the master (`partition.fragments(rank)`), so per-group lr / weight decay
+apply and its state is exactly this rank's 1/N. The step: unscale and overflow check, global
+norm clipping (one all-reduce), base step, masters cast back into `unit.shard`, then
+`coordinator.after_shard_update()` (persistent units re-gathered; the others pick the new
+values up at their next gather).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .... import comm as ds_comm
+from ...base_optimizer import ZeROOptimizer
+from ...optimizer_wrapper import OptimizerWrapper
+from ...precision.policy import PrecisionPolicy
+from ..optimizer import clip_sharded_grads
+from .coordinator import Stage3Coordinator
+from .sharded_param import ShardedUnit
+
+
+class _UnitMaster:
+    """One unit's fp32 master slice and the gradient slice the base optimizer reads."""
+
+    def __init__(self, unit: ShardedUnit, master_dtype: torch.dtype, master_device: torch.device) -> None:
+        self.unit = unit
+        self.master = unit.shard.detach().to(device=master_device, dtype=master_dtype).clone()
+        self.grad_source = unit.grad_shard
+        same = self.grad_source.device == master_device and self.grad_source.dtype == master_dtype
+        self.grad = self.grad_source if same else torch.zeros_like(self.master)
+        # Frozen parameters get no fragment (as at stages 1-2): the base optimizer never sees them.
+        trainable = set(unit.trainable)
+        self.fragments = [f for f in unit.partition.fragments(unit.rank) if f.index in trainable]
+        self.params = unit.params
+
+
+class Stage3Optimizer(OptimizerWrapper, ZeROOptimizer):
+    """Wraps the base optimizer so it updates this rank's fp32 master shard of every ZeRO-3 unit."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, coordinator: Stage3Coordinator, policy: PrecisionPolicy,
+                 clip: float, names: dict[int, str], group: Any = None,
+                 master_device: torch.device | None = None) -> None:
+        self.optimizer, self.coordinator, self.loss_scaler = optimizer, coordinator, policy.make_scaler()
+        self.check_overflow = policy.check_overflow
+        self.clip, self.group, self._names = clip, group, names
+        self.overflow = False
+        self._global_grad_norm: float | None = None
+        self.dp_rank, self.dp_world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
+        trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        owned = {id(p) for u in coordinator.units for p in u.params}
+        strangers = [names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
+        if strangers:
+            raise ValueError(f"ZeRO-3: the optimizer trains parameters that are not the engine module's: {strangers}")
+        self.units = [_UnitMaster(u, policy.master_dtype, master_device or u.shard.device)
+                      for u in coordinator.units if any(id(p) in trained for p in u.params)]
+        self._comm_device = coordinator.units[0].shard.device if coordinator.units else torch.device("cpu")
+        self._fragments_of: dict[int, list[torch.Tensor]] = {}
+        for um in self.units:
+            for f in um.fragments:
+                master = torch.nn.Parameter(um.master[f.shard_start:f.shard_start + f.numel], requires_grad=False)
+                master.grad = um.grad[f.shard_start:f.shard_start + f.numel]
+                self._fragments_of.setdefault(id(um.params[f.index]), []).append(master)
+                self._names[id(master)] = names.get(id(um.params[f.index]), "?")
+        # The model parameters of each param group (checkpoints list them in this order).
+        self.model_param_groups = [list(g["params"]) for g in optimizer.param_groups]
+        for group_ in optimizer.param_groups:
+            group_["params"] = [m for p in group_["params"] for m in self._fragments_of.get(id(p), [])]
+        optimizer.state.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.coordinator.zero_grad()
+
+    def shard_numel(self) -> int:
+        """Master elements held by this rank (ceil(unit/N) per trained unit, padding included)."""
+        return sum(um.master.numel() for um in self.units)
+
+    # --- the step ---------------------------------------------------------------------------
+    def _collect_grads(self) -> list[torch.Tensor]:
+        for um in self.units:
+            if um.grad is not um.grad_source:
+                um.grad.copy_(um.grad_source)
+        return [um.grad for um in self.units]
+
+    def step(self, closure: Any = None) -> bool:
+        grads = self._collect_grads()
+        self.overflow = self._found_overflow(grads)
+        if self.overflow:
+            return self._skip_step("a ZeRO-3 gradient shard")
+        if self.clip > 0.0:
+            self._global_grad_norm = clip_sharded_grads(grads, self.clip, self._comm_device, self.group,
+                                                        self.dp_world)
+        self.optimizer.step()
+        for um in self.units:
+            um.unit.shard.copy_(um.master)   # casts to the parameters' dtype and device
+        self.coordinator.after_shard_update()
+        self.loss_scaler.update_scale(False)
+        return True
+
+    def __repr__(self) -> str:
+        return (f"Stage3Optimizer({type(self.optimizer).__name__}, units={len(self.units)}, "
+                f"world={self.dp_world})")
