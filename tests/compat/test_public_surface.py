@@ -55,6 +55,8 @@ SURFACE = [
     "deepspeed.utils.get_z3_leaf_modules", "deepspeed.utils.z3_leaf_module",
     "deepspeed.utils.set_z3_leaf_modules_by_name", "deepspeed.utils.set_z3_leaf_modules_by_suffix",
     "deepspeed.utils.z3_leaf_module.set_z3_leaf_modules",
+    "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3",
+    "deepspeed.runtime.zero.partition_parameters.ZeroParamStatus",
 ]
 
 

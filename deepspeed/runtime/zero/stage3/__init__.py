@@ -4,7 +4,13 @@ sharded_param.py owns the state, coordinator.py installs hooks, optimizer.py (St
 steps fp32 masters of the shards; the engine builds both (engine_setup.build_stage3_coordinator)."""
 
 from .coordinator import Stage3Coordinator
+from .optimizer import Stage3Optimizer
 from .sharded_param import ShardedUnit, ZeroParamStatus
 from .units import UnitPlan, UnitSpec, plan_units
 
-__all__ = ["Stage3Coordinator", "ShardedUnit", "ZeroParamStatus", "UnitPlan", "UnitSpec", "plan_units"]
+# compat: upstream's class name at upstream's path (deepspeed.runtime.zero.stage3); libraries check
+# isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3). Build it through deepspeed.initialize.
+DeepSpeedZeroOptimizer_Stage3 = Stage3Optimizer
+
+__all__ = ["Stage3Coordinator", "Stage3Optimizer", "DeepSpeedZeroOptimizer_Stage3", "ShardedUnit", "ZeroParamStatus",
+           "UnitPlan", "UnitSpec", "plan_units"]
