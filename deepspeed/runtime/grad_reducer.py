@@ -19,6 +19,13 @@ therefore launched strictly in index order (bucket k only after buckets < k), li
 bucket becomes ready when each of its parameters reported a gradient, and `finish()`
 launches whatever is left (parameters that got no gradient on this rank contribute zeros,
 as DeepSpeed's stage 0 does), so ranks whose graphs differ still issue identical sequences.
+
+[Note: in-place reduce-scatter]
+A sharded bucket is reduce-scattered into its own slice: the output is this rank's chunk of
+the input (the aliasing NCCL documents as in-place; gloo copies its input before it reduces),
+so a reduction allocates no shard-sized output. `_complete` adds that slice into
+`shard_grad` before the buffer is zeroed (ZeRO-1) or dropped (ZeRO-2). Upstream DeepSpeed's
+stage-3 `reduce_scatter_coalesced` reduces into the input's own chunk the same way.
 """
 
 from __future__ import annotations
@@ -96,6 +103,7 @@ class GradBucketReducer:
         self.policy = policy
         self.group = group
         self.reduces = policy.world_size > 1
+        self.rank = ds_comm.get_rank(group) if self.reduces else 0
         self.accum_dtype = accum_dtype
         # Sharded (ZeRO): reduce-scatter into shard_grad; see [Note: per-bucket shards] in zero/partition.py
         self.shard = shard
@@ -123,18 +131,18 @@ class GradBucketReducer:
         for (dtype, device, comm_dtype), members in by_key.items():
             numel = sum(p.numel() for p in members)
             padded = -(-numel // world) * world if self.shard else numel
-            flat = torch.zeros(padded, dtype=self.accum_dtype or dtype, device=device)
+            accum = self.accum_dtype or dtype
+            # Transient buffers are created by the first gradient (`_allocate`), not here.
+            flat = None if self.transient else torch.zeros(padded, dtype=accum, device=device)
             views, offset = [], 0
             for position, p in enumerate(members):
-                views.append(flat[offset:offset + p.numel()].view_as(p))
+                if flat is not None:
+                    views.append(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
                 self._where[id(p)] = (len(self.buckets), position)
-                p.grad = views[-1] if self._bound(flat, p) else None
-            shard_grad = torch.zeros(padded // world, dtype=flat.dtype, device=device) if self.shard else None
-            bucket = _Bucket(members, flat, views, comm_dtype, numel=numel, shard_grad=shard_grad)
-            if self.transient:
-                bucket.flat, bucket.views = None, []
-            self.buckets.append(bucket)
+                p.grad = views[-1] if flat is not None and self._bound(flat, p) else None
+            shard_grad = torch.zeros(padded // world, dtype=accum, device=device) if self.shard else None
+            self.buckets.append(_Bucket(members, flat, views, comm_dtype, numel=numel, shard_grad=shard_grad))
 
     def _allocate(self, bucket: _Bucket) -> None:
         """(Re)create a transient bucket's full-size buffer and the parameter views into it."""
@@ -225,7 +233,8 @@ class GradBucketReducer:
         if scale != 1.0:
             buffer.mul_(scale)
         if self.shard:
-            out = torch.empty(buffer.numel() // self.policy.world_size, dtype=buffer.dtype, device=buffer.device)
+            chunk = buffer.numel() // self.policy.world_size
+            out = buffer[self.rank * chunk:(self.rank + 1) * chunk]  # in place: [Note: in-place reduce-scatter]
             bucket.comm_buffer = out
             bucket.work = ds_comm.reduce_scatter_tensor(out, buffer, group=self.group, async_op=True)
             if index > 0:  # at most two buckets in flight: bounds the temporaries (and, ZeRO-2, full buffers)
