@@ -191,9 +191,11 @@ def build_stage3_coordinator(engine: Any) -> Any:
     the gather/reduce hooks; None at stages 0-2."""
     if not engine.stage.shard_parameters:
         return None
+    from ..utils.z3_leaf_module import apply_zero_leaf_module_config
     from .zero.stage3 import Stage3Coordinator
 
     zero = engine._config.model.zero_optimization
+    apply_zero_leaf_module_config(engine.module, zero.leaf_module)  # flags join any set through the API
     return Stage3Coordinator(engine.module, persistence_threshold=zero.param_persistence_threshold,
                              model_persistence_threshold=zero.model_persistence_threshold,
                              group=engine.data_parallel_group)

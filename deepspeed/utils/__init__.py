@@ -6,6 +6,12 @@ from typing import Any
 
 from .logging import log_dist, logger, print_dist, warning_once
 
+# Eager, as upstream: importing the submodule binds `deepspeed.utils.z3_leaf_module` to the module,
+# and this import then rebinds it to the function of the same name, whoever imported it first.
+from .z3_leaf_module import (apply_zero_leaf_module_config, get_z3_leaf_modules, set_z3_leaf_module,  # noqa: E402
+                             set_z3_leaf_modules, set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix,
+                             unset_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter)
+
 _LAZY = {
     "RepeatingLoader": ("deepspeed.runtime.dataloader", "RepeatingLoader"),
     "SynchronizedWallClockTimer": ("deepspeed.utils.timer", "SynchronizedWallClockTimer"),
@@ -23,10 +29,6 @@ _LAZY = {
     "safe_set_local_grad": ("deepspeed.utils.tensor_fragment", "safe_set_local_grad"),
     "safe_get_local_optimizer_state": ("deepspeed.utils.tensor_fragment", "safe_get_local_optimizer_state"),
     "safe_set_local_optimizer_state": ("deepspeed.utils.tensor_fragment", "safe_set_local_optimizer_state"),
-    **{name: ("deepspeed.utils.z3_leaf_module", name) for name in (
-        "z3_leaf_module", "z3_leaf_parameter", "get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules",
-        "unset_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
-        "apply_zero_leaf_module_config")},
 }
 
 
@@ -35,12 +37,6 @@ def __getattr__(name: str) -> Any:
         module_name, attr = _LAZY[name]
     except KeyError:
         raise AttributeError(f"module 'deepspeed.utils' has no attribute {name!r}") from None
-    module = importlib.import_module(module_name)
-    value = getattr(module, attr)
+    value = getattr(importlib.import_module(module_name), attr)
     globals()[name] = value
-    # importing a submodule binds its name on this package; upstream exports a function of the
-    # same name (deepspeed.utils.z3_leaf_module), which must win, as its eager import makes it
-    short = module_name.rsplit(".", 1)[-1]
-    if short in _LAZY and _LAZY[short][0] == module_name:
-        globals()[short] = getattr(module, _LAZY[short][1])
     return value

@@ -211,3 +211,19 @@ def test_zero3_frozen_unit_equals_stage_1() -> None:
     _assert_close_to(results, ref["losses"], ref["state"], atol=1e-7)
     initial = make_model(cls=FrozenFirstMLP).fc1.weight
     torch.testing.assert_close(results[0]["state"]["fc1.weight"], initial, rtol=0, atol=0)
+
+
+def leaf_from_config(config: dict) -> dict:
+    import deepspeed
+    from deepspeed.utils import z3_leaf_module
+
+    from models import make_model
+
+    engine, *_ = deepspeed.initialize(model=make_model(), config=copy.deepcopy(config))
+    return {n: z3_leaf_module(m) for n, m in engine.module.named_modules()}
+
+
+def test_leaf_module_config_is_applied_at_stage_3() -> None:
+    config = _config(micro=2, zero_optimization={"stage": 3, "leaf_module": {"names": ["fc2"]}})
+    flags = run_distributed(2, leaf_from_config, config)[0]
+    assert flags["fc2"] and not flags["fc1"] and not flags["head"]
