@@ -92,6 +92,39 @@ def _keep_bucket_temporaries_off_heap(bucket_bytes: int) -> int:
     return threshold
 
 
+def attach_fragment_masters(optimizer: torch.optim.Optimizer, shards: list[Any],
+                            names: dict[int, str]) -> tuple[dict[int, list[torch.Tensor]], list[list[Any]]]:
+    """Point the base optimizer at this rank's fp32 master fragments instead of model parameters.
+
+    `shards` hold `master`, `grad` (1-D slices), `fragments` and `params` (a _ShardedBucket at
+    stages 1-2, a unit's master at stage 3). Each fragment becomes a leaf tensor viewing its
+    master slice, with a view of the gradient slice as `.grad`, so per-group lr / weight decay
+    apply and the optimizer state is exactly this rank's 1/N. Returns ({id(model param): its
+    fragments}, the model parameters of each param group, the order checkpoints list them in).
+    """
+    fragments_of: dict[int, list[torch.Tensor]] = {}
+    for shard in shards:
+        for f in shard.fragments:
+            master = torch.nn.Parameter(shard.master[f.shard_start:f.shard_start + f.numel], requires_grad=False)
+            master.grad = shard.grad[f.shard_start:f.shard_start + f.numel]
+            fragments_of.setdefault(id(shard.params[f.index]), []).append(master)
+            names[id(master)] = names.get(id(shard.params[f.index]), "?")
+    model_param_groups = [list(g["params"]) for g in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["params"] = [m for p in group["params"] for m in fragments_of.get(id(p), [])]
+    optimizer.state.clear()  # keyed by the model parameters it no longer sees
+    return fragments_of, model_param_groups
+
+
+def collect_shard_grads(shards: list[Any]) -> list[torch.Tensor]:
+    """The master-side gradient slices, copied from where they were reduced when that differs
+    (offload or another dtype)."""
+    for shard in shards:
+        if shard.grad is not shard.grad_source:
+            shard.grad.copy_(shard.grad_source)
+    return [shard.grad for shard in shards]
+
+
 class _ShardedBucket:
     """One bucket's parameter buffer, this rank's master slice and gradient slice."""
 
@@ -133,18 +166,7 @@ class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
         self.mmap_threshold = _keep_bucket_temporaries_off_heap(max(
             sb.param_flat.numel() * sb.param_flat.element_size() for sb in self.buckets)) \
             if self.dp_world > 1 and self.buckets and os.environ.get("DEEPSPEED_PIN_MMAP_THRESHOLD") == "1" else 0
-        self._fragments_of: dict[int, list[torch.Tensor]] = {}
-        for sb in self.buckets:
-            for f in sb.fragments:
-                master = torch.nn.Parameter(sb.master[f.shard_start:f.shard_start + f.numel], requires_grad=False)
-                master.grad = sb.grad[f.shard_start:f.shard_start + f.numel]
-                self._fragments_of.setdefault(id(sb.params[f.index]), []).append(master)
-                self._names[id(master)] = names.get(id(sb.params[f.index]), "?")
-        # The model parameters of each param group (checkpoints list them in this order).
-        self.model_param_groups = [list(g["params"]) for g in optimizer.param_groups]
-        for group_ in optimizer.param_groups:
-            group_["params"] = [m for p in group_["params"] for m in self._fragments_of.get(id(p), [])]
-        optimizer.state.clear()
+        self._fragments_of, self.model_param_groups = attach_fragment_masters(optimizer, self.buckets, names)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad()
@@ -155,10 +177,7 @@ class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
 
     # --- the step ---------------------------------------------------------------------------
     def _collect_grads(self) -> list[torch.Tensor]:
-        for sb in self.buckets:
-            if sb.grad is not sb.grad_source:
-                sb.grad.copy_(sb.grad_source)
-        return [sb.grad for sb in self.buckets]
+        return collect_shard_grads(self.buckets)
 
     def _clip(self, grads: list[torch.Tensor]) -> None:
         comm_device = self.buckets[0].param_flat.device if self.buckets else torch.device("cpu")

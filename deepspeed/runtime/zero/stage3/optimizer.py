@@ -22,7 +22,7 @@ from .... import comm as ds_comm
 from ...base_optimizer import ZeROOptimizer
 from ...optimizer_wrapper import OptimizerWrapper
 from ...precision.policy import PrecisionPolicy
-from ..optimizer import clip_sharded_grads
+from ..optimizer import attach_fragment_masters, clip_sharded_grads, collect_shard_grads
 from .coordinator import Stage3Coordinator
 from .sharded_param import ShardedUnit
 
@@ -62,18 +62,7 @@ class Stage3Optimizer(OptimizerWrapper, ZeROOptimizer):
         self.units = [_UnitMaster(u, policy.master_dtype, master_device or u.shard.device)
                       for u in coordinator.units if any(id(p) in trained for p in u.params)]
         self._comm_device = coordinator.units[0].shard.device if coordinator.units else torch.device("cpu")
-        self._fragments_of: dict[int, list[torch.Tensor]] = {}
-        for um in self.units:
-            for f in um.fragments:
-                master = torch.nn.Parameter(um.master[f.shard_start:f.shard_start + f.numel], requires_grad=False)
-                master.grad = um.grad[f.shard_start:f.shard_start + f.numel]
-                self._fragments_of.setdefault(id(um.params[f.index]), []).append(master)
-                self._names[id(master)] = names.get(id(um.params[f.index]), "?")
-        # The model parameters of each param group (checkpoints list them in this order).
-        self.model_param_groups = [list(g["params"]) for g in optimizer.param_groups]
-        for group_ in optimizer.param_groups:
-            group_["params"] = [m for p in group_["params"] for m in self._fragments_of.get(id(p), [])]
-        optimizer.state.clear()
+        self._fragments_of, self.model_param_groups = attach_fragment_masters(optimizer, self.units, names)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.coordinator.zero_grad()
@@ -84,10 +73,7 @@ class Stage3Optimizer(OptimizerWrapper, ZeROOptimizer):
 
     # --- the step ---------------------------------------------------------------------------
     def _collect_grads(self) -> list[torch.Tensor]:
-        for um in self.units:
-            if um.grad is not um.grad_source:
-                um.grad.copy_(um.grad_source)
-        return [um.grad for um in self.units]
+        return collect_shard_grads(self.units)
 
     def step(self, closure: Any = None) -> bool:
         grads = self._collect_grads()
