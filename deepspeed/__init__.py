@@ -29,6 +29,7 @@ _LAZY = {
     "accelerator": ("deepspeed.accelerator", None),
     "ops": ("deepspeed.ops", None),
     "runtime": ("deepspeed.runtime", None),
+    "zero": ("deepspeed.runtime.zero", None),
     "utils": ("deepspeed.utils", None),
     "launcher": ("deepspeed.launcher", None),
     "config": ("deepspeed.config", None),

@@ -54,9 +54,13 @@ def convert(input_folder: str, output_folder: str) -> int:
     common["param_groups"] = [dict(g, params=[i]) for i, g in enumerate(reader.param_groups)]
     save_file(common, os.path.join(zero_dir, "optimizer_state.pt"))
     source = os.path.join(reader.path, model_file())
-    if not os.path.isfile(source):
-        source = os.path.join(reader.path, model_file(zero3_dp_rank=0))
-    shutil.copyfile(source, os.path.join(output_folder, model_file()))
+    if os.path.isfile(source):
+        shutil.copyfile(source, os.path.join(output_folder, model_file()))
+    else:  # ZeRO-3: rank 0's model states, with each frozen parameter whole instead of rank 0's piece
+        states = dict(reader.model_states)
+        frozen = states.get("frozen_param_shapes") or {}
+        states["frozen_param_fragments"] = {n: reader.module_tensor(n) for n in frozen} if frozen else None
+        save_file(states, os.path.join(output_folder, model_file()))
     parent = os.path.dirname(os.path.normpath(output_folder)) or "."
     write_text(os.path.join(parent, "latest_universal"), os.path.basename(os.path.normpath(output_folder)))
     return len(names)

@@ -410,7 +410,6 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         """
         from .checkpoint.engine_io import save_checkpoint
 
-        self._not_yet_at_stage3("save_checkpoint")
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
@@ -420,26 +419,27 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         (None, None) when `load_dir` has no `latest` and no tag is given."""
         from .checkpoint.engine_io import load_checkpoint
 
-        self._not_yet_at_stage3("load_checkpoint")
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only, custom_load_fn)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Write the module's weights (training dtype) to `save_dir/save_filename` on rank 0;
-        `.safetensors` names write safetensors. Every rank must call it."""
+        `.safetensors` names write safetensors. Every rank must call it. At ZeRO stage 3 the
+        weights are gathered (one unit at a time) only when
+        zero_optimization.stage3_gather_16bit_weights_on_model_save is true; otherwise nothing
+        is written and every rank returns False."""
         from .checkpoint.model_save import save_16bit_model
 
-        self._not_yet_at_stage3("save_16bit_model")
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     save_fp16_model = save_16bit_model  # upstream's older name
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
-        """The full module state dict on rank 0, None on other ranks (collective)."""
+        """The full module state dict on rank 0, None on other ranks (collective; at stage 3 it
+        gathers the units whatever stage3_gather_16bit_weights_on_model_save says, as upstream)."""
         from .checkpoint.model_save import consolidated_16bit_state_dict
 
-        self._not_yet_at_stage3("_zero3_consolidated_16bit_state_dict")
         return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
     def _not_yet_at_stage3(self, what: str) -> None:

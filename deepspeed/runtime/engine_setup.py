@@ -26,10 +26,6 @@ def check_supported(config: Any) -> None:
     """Fail early, on every rank, for config features the engine does not run yet."""
     model = config.model
     unsupported = []
-    zero = model.zero_optimization
-    if zero.stage == 3 and zero.offload_param is not None and zero.offload_param.enabled:
-        unsupported.append("zero_optimization.offload_param (ZeRO-3 parameter offload; remove it or set its "
-                           "device to \"none\")")
     if model.fp16.fp16_master_weights_and_grads:
         unsupported.append("fp16.fp16_master_weights_and_grads=true (needs ZeRO with CPU offload)")
     if model.bf16.bf16_master_weights_and_grads:
@@ -51,7 +47,9 @@ def broadcast_module_states(module: nn.Module, group: Any) -> None:
     """Make every replica start from rank 0's parameters and buffers, one broadcast per dtype."""
     if ds_comm.get_world_size(group) <= 1:
         return
-    tensors = [p.data for p in module.parameters()] + [b for b in module.buffers()]
+    from .zero.stage3.init_context import init_shard  # zero.Init parameters already agree (rank 0's)
+
+    tensors = [p.data for p in module.parameters() if init_shard(p) is None] + [b for b in module.buffers()]
     by_key: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_key.setdefault((t.dtype, t.device), []).append(t)
@@ -160,10 +158,9 @@ def wrap_optimizer(engine: Any) -> Any:
         if engine.stage.shard_parameters:
             from .zero.stage3.optimizer import Stage3Optimizer
 
-            # Not registered with tensor_fragment: safe_get_* are not implemented at stage 3 yet and
-            # give None (no link) rather than a released parameter's empty placeholder.
-            return Stage3Optimizer(engine.basic_optimizer, engine._stage3, policy, engine.gradient_clipping(),
-                                   names, group=engine.data_parallel_group, master_device=master_device)
+            return register_optimizer(Stage3Optimizer(engine.basic_optimizer, engine._stage3, policy,
+                                                      engine.gradient_clipping(), names,
+                                                      group=engine.data_parallel_group, master_device=master_device))
         return register_optimizer(ZeroOptimizer(engine.basic_optimizer, engine._reducer, policy,
                                                 engine.gradient_clipping(), names,
                                                 group=engine.data_parallel_group, master_device=master_device))
@@ -175,8 +172,13 @@ def wrap_optimizer(engine: Any) -> Any:
 
 
 def prepare_module(engine: Any) -> None:
-    """Cast the module to the compute dtype and mark torch_autocast's lower-precision params."""
+    """Cast the module to the compute dtype and mark torch_autocast's lower-precision params.
+    Below stage 3, parameters partitioned by zero.Init are made whole first."""
     policy = engine.precision
+    if not engine.stage.shard_parameters:
+        from .zero.stage3.init_context import materialize
+
+        materialize(engine.module)
     if policy.param_dtype != torch.float32:
         engine.module.to(policy.param_dtype)
     if policy.autocast_dtype is not None:
@@ -196,9 +198,13 @@ def build_stage3_coordinator(engine: Any) -> Any:
 
     zero = engine._config.model.zero_optimization
     apply_zero_leaf_module_config(engine.module, zero.leaf_module)  # flags join any set through the API
+    offload = zero.offload_param
+    offloaded = offload is not None and offload.device == "cpu"
     return Stage3Coordinator(engine.module, persistence_threshold=zero.param_persistence_threshold,
                              model_persistence_threshold=zero.model_persistence_threshold,
-                             group=engine.data_parallel_group)
+                             group=engine.data_parallel_group,
+                             shard_device=torch.device("cpu") if offloaded else None,
+                             pin_memory=offloaded and offload.pin_memory and torch.cuda.is_available())
 
 
 def check_zero_layout(engine: Any) -> None:

@@ -14,6 +14,14 @@ parameter, where its state lives, in a weak-keyed table:
   The `full` getters are collective over the data-parallel group: each rank writes its
   fragment into a zero buffer of the parameter's size and one all-reduce (SUM) assembles it;
   fragments are disjoint, so the sum is exact.
+* ZeRO stage 3 (`Stage3Optimizer`): the same, with the optimizer's per-unit masters
+  (`optimizer.units`, same attributes as a bucket) in place of buckets: a unit is split with
+  the same BucketPartition, so a parameter again has at most one fragment per rank. Only
+  trainable parameters are linked (a frozen one in a trained unit gives None), and the full
+  shape comes from the unit (`unit.shapes`), the model parameter being a released placeholder.
+  Setting the full fp32 value also writes this rank's fragment into `unit.shard` (the model
+  side) and, where the unit is gathered (persistent, or inside a forward), its visible values:
+  every rank holds the full value, so nothing communicates.
 * Stage 0 mixed precision (`MixedPrecisionOptimizer`): the fp32 master; the gradient is the
   reducer's bucket view. Stage 0 fp32 (bare torch optimizer): the parameter itself.
   Everything is replicated, so nothing communicates.
@@ -33,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from deepspeed import comm as ds_comm
 
-_LOCAL_ONLY = "This API is only defined for ZeRO-partitioned parameters (zero_optimization.stage 1 or 2 here)"
+_LOCAL_ONLY = "This API is only defined for ZeRO-partitioned parameters (zero_optimization.stage 1, 2 or 3)"
 
 
 @dataclass
@@ -47,8 +55,8 @@ class fragment_address:
 
 @dataclass(frozen=True)
 class _Link:
-    optimizer: weakref.ref                  # ZeroOptimizer, MixedPrecisionOptimizer or a torch optimizer
-    bucket: int = -1                        # ZeRO: index into optimizer.buckets (-1: not sharded)
+    optimizer: weakref.ref                  # Zero/Stage3/MixedPrecisionOptimizer or a torch optimizer
+    bucket: int = -1                        # ZeRO: index into _shards(optimizer) (-1: not sharded)
     index: int = -1                         # ZeRO: position of the parameter in that bucket
     master: Optional[weakref.ref] = None    # stage 0 mixed precision: the fp32 master tensor
 
@@ -62,8 +70,26 @@ _LINKS: Any = WeakIdKeyDictionary()  # model parameter -> _Link; see [Note: para
 
 def _is_zero(optimizer: Any) -> bool:
     from deepspeed.runtime.zero.optimizer import ZeroOptimizer
+    from deepspeed.runtime.zero.stage3.optimizer import Stage3Optimizer
 
-    return isinstance(optimizer, ZeroOptimizer)
+    return isinstance(optimizer, (ZeroOptimizer, Stage3Optimizer))
+
+
+def _shards(optimizer: Any) -> list[Any]:
+    """A ZeRO optimizer's shards: buckets (stages 1/2) or unit masters (stage 3), each with
+    `master`, `grad_source`, `fragments` (this rank's) and `params`."""
+    from deepspeed.runtime.zero.stage3.optimizer import Stage3Optimizer
+
+    return optimizer.units if isinstance(optimizer, Stage3Optimizer) else optimizer.buckets
+
+
+def _zero_links(optimizer: Any) -> Any:
+    """(shard index, position, parameter) of every parameter a ZeRO optimizer trains. Bucket
+    parameters all are; in a stage-3 unit only the trainable ones (frozen ones give None)."""
+    for b, sb in enumerate(_shards(optimizer)):
+        unit = getattr(sb, "unit", None)
+        for i in (unit.trainable if unit is not None else range(len(sb.params))):
+            yield b, i, sb.params[i]
 
 
 def _is_mixed(optimizer: Any) -> bool:
@@ -78,9 +104,8 @@ def register_optimizer(optimizer: Any) -> Any:
         return None
     ref = weakref.ref(optimizer)
     if _is_zero(optimizer):
-        for b, sb in enumerate(optimizer.buckets):
-            for i, p in enumerate(sb.params):
-                _LINKS[p] = _Link(ref, b, i)
+        for b, i, p in _zero_links(optimizer):
+            _LINKS[p] = _Link(ref, b, i)
     elif _is_mixed(optimizer):
         masters = {id(p): m for p, m in optimizer._pairs}
         for p in optimizer.grads.params():
@@ -97,11 +122,10 @@ def register_param_owner(param: torch.nn.Parameter, optimizer: Any) -> None:
     """Link one model parameter to the (engine-wrapped) optimizer that trains it."""
     ref = weakref.ref(optimizer)
     if _is_zero(optimizer):
-        for b, sb in enumerate(optimizer.buckets):
-            for i, p in enumerate(sb.params):
-                if p is param:
-                    _LINKS[param] = _Link(ref, b, i)
-                    return
+        for b, i, p in _zero_links(optimizer):
+            if p is param:
+                _LINKS[param] = _Link(ref, b, i)
+                return
         raise ValueError("register_param_owner: the ZeRO optimizer does not own this parameter")
     if _is_mixed(optimizer):
         master = next((m for p, m in optimizer._pairs if p is param), None)
@@ -116,11 +140,17 @@ def _lookup(param: torch.Tensor) -> tuple[Optional[_Link], Any]:
     return (link, optimizer) if optimizer is not None else (None, None)
 
 
-# --- ZeRO stages 1/2 ----------------------------------------------------------------------
+# --- ZeRO stages 1-3 ----------------------------------------------------------------------
 def _fragment(link: _Link, optimizer: Any) -> tuple[Any, Any]:
-    """(bucket, this rank's Fragment of the parameter or None)."""
-    sb = optimizer.buckets[link.bucket]
+    """(bucket or unit master, this rank's Fragment of the parameter or None)."""
+    sb = _shards(optimizer)[link.bucket]
     return sb, next((f for f in sb.fragments if f.index == link.index), None)
+
+
+def _full_shape(sb: Any, link: _Link, param: torch.Tensor) -> torch.Size:
+    """The parameter's full shape: from the unit at stage 3 (`param` is released there)."""
+    unit = getattr(sb, "unit", None)
+    return unit.shapes[link.index] if unit is not None else param.shape
 
 
 def _state_key(param: torch.Tensor, optimizer: Any) -> torch.Tensor:
@@ -135,7 +165,7 @@ def _local_state(param: torch.Tensor, optimizer: Any, key: str) -> Optional[torc
     return value if torch.is_tensor(value) and value.shape == fragment.shape else None
 
 
-def _assemble(param: torch.Tensor, optimizer: Any, frag: Any, piece: Optional[torch.Tensor],
+def _assemble(shape: torch.Size, device: torch.device, optimizer: Any, frag: Any, piece: Optional[torch.Tensor],
               key: Optional[str] = None) -> torch.Tensor:
     """Collective: the full fp32 tensor from every rank's fragment, with one all-reduce.
 
@@ -143,8 +173,8 @@ def _assemble(param: torch.Tensor, optimizer: Any, frag: Any, piece: Optional[to
     but no such state", so that every rank raises alike instead of leaving the others waiting
     in the collective.
     """
-    numel = param.numel()
-    buffer = torch.zeros(numel + (key is not None), dtype=torch.float32, device=param.device)
+    numel = shape.numel()
+    buffer = torch.zeros(numel + (key is not None), dtype=torch.float32, device=device)
     if frag is not None and piece is not None:
         buffer[frag.param_start:frag.param_start + frag.numel].copy_(piece.reshape(-1))
     if key is not None and frag is not None and piece is None:
@@ -153,12 +183,12 @@ def _assemble(param: torch.Tensor, optimizer: Any, frag: Any, piece: Optional[to
         ds_comm.all_reduce(buffer, group=optimizer.group)
     if key is not None and buffer[numel].item() > 0:
         raise _missing_key(key)
-    return buffer[:numel].reshape(param.shape)
+    return buffer[:numel].reshape(shape)
 
 
-def _slice(value: torch.Tensor, param: torch.Tensor, frag: Any) -> torch.Tensor:
-    if value.numel() != param.numel():
-        raise ValueError(f"value has {value.numel()} elements, the parameter {param.numel()}")
+def _slice(value: torch.Tensor, shape: torch.Size, frag: Any) -> torch.Tensor:
+    if value.numel() != shape.numel():
+        raise ValueError(f"value has {value.numel()} elements, the parameter {shape.numel()}")
     return value.reshape(-1)[frag.param_start:frag.param_start + frag.numel]
 
 
@@ -197,7 +227,7 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor
     if link.sharded:
         sb, frag = _fragment(link, optimizer)
         piece = sb.master[frag.shard_start:frag.shard_start + frag.numel] if frag is not None else None
-        return _assemble(param, optimizer, frag, piece)
+        return _assemble(_full_shape(sb, link, param), param.device, optimizer, frag, piece)
     return _master(link, param).detach().to(dtype=torch.float32, copy=True).reshape(param.shape)
 
 
@@ -205,18 +235,27 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
     """Set the parameter's fp32 master weights (and its visible weights) to `value` (full shape).
 
     Every rank passes the same full value; nothing communicates. The model parameter is
-    updated at once on every rank (upstream refreshes it only at the next step's all-gather).
+    updated at once on every rank (upstream refreshes it only at the next step's all-gather);
+    at stage 3 through this rank's shard, and the visible values where the unit is gathered.
     """
     link, optimizer = _lookup(param)
     if link is None:
         return
-    if value.numel() != param.numel():
-        raise ValueError(f"value has {value.numel()} elements, the parameter {param.numel()}")
+    sb, frag = _fragment(link, optimizer) if link.sharded else (None, None)
+    shape = _full_shape(sb, link, param) if link.sharded else param.shape
+    if value.numel() != shape.numel():
+        raise ValueError(f"value has {value.numel()} elements, the parameter {shape.numel()}")
     with torch.no_grad():
         if link.sharded:
-            sb, frag = _fragment(link, optimizer)
-            if frag is not None:
-                sb.master[frag.shard_start:frag.shard_start + frag.numel].copy_(_slice(value, param, frag))
+            piece = _slice(value, shape, frag) if frag is not None else None
+            if piece is not None:
+                sb.master[frag.shard_start:frag.shard_start + frag.numel].copy_(piece)
+            unit = getattr(sb, "unit", None)
+            if unit is not None:  # stage 3: the model side is the unit's shard
+                if piece is not None:
+                    unit.shard[frag.shard_start:frag.shard_start + frag.numel].copy_(piece)
+                if not unit.available:  # released: its next gather reads the shard
+                    return
         else:
             master = _master(link, param)
             if master is not param:
@@ -234,7 +273,7 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
     if link.sharded:
         sb, frag = _fragment(link, optimizer)
         piece = _local_state(param, optimizer, optim_state_key) if frag is not None else None
-        return _assemble(param, optimizer, frag, piece, key=optim_state_key)
+        return _assemble(_full_shape(sb, link, param), param.device, optimizer, frag, piece, key=optim_state_key)
     master = _master(link, param)
     value = optimizer.state.get(master, {}).get(optim_state_key)
     if not torch.is_tensor(value) or value.shape != master.shape:
@@ -255,7 +294,7 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
             state = _local_state(param, optimizer, optim_state_key)
             if state is None:
                 raise _missing_key(optim_state_key)
-            state.copy_(_slice(value, param, frag).reshape(state.shape))
+            state.copy_(_slice(value, _full_shape(sb, link, param), frag).reshape(state.shape))
             return
         master = _master(link, param)
         state = optimizer.state.get(master, {}).get(optim_state_key)
@@ -271,7 +310,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
 
     Meaningful between the backward of an accumulation boundary and `engine.step()` (after the
     step the buffers are zero). Still multiplied by the loss scale under fp16, as upstream. Under
-    ZeRO a new fp32 tensor; at stage 0 `param.grad` itself when set (as upstream), else a new
+    ZeRO (stage 3 included: the unit's reduced `grad_shard`) a new fp32 tensor; at stage 0 `param.grad` itself when set (as upstream), else a new
     fp32 tensor from the gradient bucket; None for a parameter without gradient.
     """
     link, optimizer = _lookup(param)
@@ -280,7 +319,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     if link.sharded:
         sb, frag = _fragment(link, optimizer)
         piece = sb.grad_source[frag.shard_start:frag.shard_start + frag.numel] if frag is not None else None
-        return _assemble(param, optimizer, frag, piece)
+        return _assemble(_full_shape(sb, link, param), param.device, optimizer, frag, piece)
     if param.grad is not None:
         return param.grad
     grad = _replicated_grad(link, optimizer, param)
@@ -294,7 +333,8 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
         if link is not None and link.sharded:
             sb, frag = _fragment(link, optimizer)
             if frag is not None:
-                sb.grad_source[frag.shard_start:frag.shard_start + frag.numel].copy_(_slice(value, param, frag))
+                sb.grad_source[frag.shard_start:frag.shard_start + frag.numel].copy_(
+                    _slice(value, _full_shape(sb, link, param), frag))
             return
         grad = param.grad if link is None else _replicated_grad(link, optimizer, param)
         if grad is not None:

@@ -24,6 +24,11 @@ STATE_FIELDS = ("exp_avg", "exp_avg_sq")
 MODEL_FILE = "mp_rank_00_model_states.pt"
 
 
+def model_files(stage: int, world: int) -> list[str]:
+    """Model-states file names: one per rank at ZeRO-3 (each holds its frozen pieces), else one."""
+    return [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)] if stage == 3 else [MODEL_FILE]
+
+
 def optim_file(rank: int, bf16: bool = False) -> str:
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
@@ -191,9 +196,18 @@ def state(engine: Any) -> dict:
         "scaler": None if scaler is None else {k: getattr(scaler, k, None) for k in (
             "cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")},
         "adam_step": sorted(steps),
-        "module": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+        "module": module_state(engine),
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in _base_optimizer(engine).param_groups],
     }
+
+
+def module_state(engine: Any) -> dict:
+    """The module's full state dict; ZeRO-3 gathers it (collective) from the released shards."""
+    import contextlib
+
+    gathered = engine._stage3.gathered() if engine._stage3 is not None else contextlib.nullcontext()
+    with gathered:
+        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
 
 
 def _rank0(value: Any) -> Any:

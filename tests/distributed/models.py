@@ -56,8 +56,9 @@ def micro_slice(x: torch.Tensor, micro: int, gas_index: int, rank: int, world: i
 
 
 def reference_training(config: dict, steps: int, world: int, model_cls: type = TinyMLP,
-                       clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Plain PyTorch on the whole global batch: the ground truth for engine parity tests."""
+                       clip: float | None = None, edit=None) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Plain PyTorch on the whole global batch: the ground truth for engine parity tests.
+    `edit(model, step)` runs after every step (as train_engine's, with the model for the engine)."""
     micro = config["train_micro_batch_size_per_gpu"]
     gas = config.get("gradient_accumulation_steps", 1)
     model = make_model(cls=model_cls)
@@ -79,5 +80,7 @@ def reference_training(config: dict, steps: int, world: int, model_cls: type = T
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        if edit is not None:
+            edit(model, len(losses) - 1)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return losses, state, first_grads

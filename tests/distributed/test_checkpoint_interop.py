@@ -30,9 +30,15 @@ def _fixture(name: str) -> tuple[str, dict, dict]:
     with open(os.path.join(path, "ds_config.json")) as handle:
         config = json.load(handle)
     config.pop("seed", None)  # the fixture driver's own key, not a DeepSpeed config key
-    if config["zero_optimization"]["stage"] == 3:  # our runtime has no stage 3 yet: resume its files at 2
-        config["zero_optimization"] = {"stage": 2}
     return path, expected, config
+
+
+def _frozen(engine) -> torch.Tensor:
+    """The frozen parameter's full value (gathered from the shards at ZeRO-3)."""
+    import contextlib
+
+    with engine._stage3.gathered() if engine._stage3 is not None else contextlib.nullcontext():
+        return engine.module.frozen.detach().float().clone()
 
 
 def resume_fixture(path: str, config: dict, steps: list[int], save_dir: str | None = None) -> dict:
@@ -49,7 +55,7 @@ def resume_fixture(path: str, config: dict, steps: list[int], save_dir: str | No
     engine, *_ = deepspeed.initialize(model=model, model_parameters=fm.trainable_parameters(model), config=config)
     load_path, client = engine.load_checkpoint(path)
     masters = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters() if p.requires_grad}
-    masters["frozen"] = engine.module.frozen.detach().float().clone()
+    masters["frozen"] = _frozen(engine)
     losses, lrs = [], []
     for step in steps:
         x, y = fm.batches(step, rank, world)
@@ -62,7 +68,7 @@ def resume_fixture(path: str, config: dict, steps: list[int], save_dir: str | No
     if save_dir is not None:
         engine.save_checkpoint(save_dir)
         final = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters() if p.requires_grad}
-        final["frozen"] = engine.module.frozen.detach().float().clone()
+        final["frozen"] = _frozen(engine)
     return {"load_path": load_path, "client": client, "masters": masters, "losses": losses, "lrs": lrs,
             "global_steps": engine.global_steps, "final": final}
 
@@ -88,9 +94,12 @@ def test_deepspeed_checkpoint_resumes_with_deepspeeds_losses(case: str) -> None:
 @pytest.mark.parametrize("world", [1, 4])
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith(("stage1", "stage2", "stage3"))])
 def test_deepspeed_checkpoint_loads_on_other_world_sizes(case: str, world: int) -> None:
-    """Saved by 2 DeepSpeed ranks, loaded by 1 or 4 of ours: masters bit-identical."""
+    """Saved by 2 DeepSpeed ranks, loaded by 1 or 4 of ours: masters bit-identical. Stage-3 files
+    load into our stage 2 on 1 rank (another stage), into our stage 3 on 4."""
     path, expected, config = _fixture(case)
     config = dict(config, train_micro_batch_size_per_gpu=8 // world)
+    if case.startswith("stage3") and world == 1:
+        config["zero_optimization"] = {"stage": 2}
     results = run_distributed(world, resume_fixture, path, config, [])
     master_ref = torch.load(os.path.join(path, "master_fp32_step3.pt"), weights_only=True)
     for r in results:
@@ -100,7 +109,7 @@ def test_deepspeed_checkpoint_loads_on_other_world_sizes(case: str, world: int) 
 
 @pytest.mark.skipif(not os.path.isfile(DS_PYTHON), reason="needs DeepSpeed 0.19.8 in /tmp/ds-venv "
                     "(benchmarks/ds_venv.sh)")
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_deepspeeds_zero_to_fp32_consolidates_our_checkpoint(tmp_path, stage: int) -> None:
     """DeepSpeed 0.19.8's own get_fp32_state_dict_from_zero_checkpoint reads what we save."""
     case = f"stage{stage}_fp32"
@@ -143,11 +152,12 @@ def load_universal(load_dir: str, config: dict, universal: bool = True) -> dict:
             "exp_avg_sq": {n: safe_get_full_optimizer_state(p, "exp_avg_sq") for n, p in named}}
 
 
-@pytest.mark.parametrize("stage,world", [(0, 1), (1, 4), (2, 2)])
-def test_ds_to_universal_of_deepspeed_checkpoint_loads_anywhere(tmp_path, stage: int, world: int) -> None:
-    """Our ds_to_universal converts DeepSpeed's stage-2 checkpoint; load_universal reads it on any
-    world size and stage with the masters DeepSpeed held."""
-    case = "stage2_fp32"
+@pytest.mark.parametrize("source,stage,world", [(2, 0, 1), (2, 1, 4), (2, 2, 2), (3, 3, 4), (3, 2, 1)])
+def test_ds_to_universal_of_deepspeed_checkpoint_loads_anywhere(tmp_path, source: int, stage: int,
+                                                                world: int) -> None:
+    """Our ds_to_universal converts DeepSpeed's stage-2 and stage-3 checkpoints; load_universal reads
+    them on any world size and stage with the masters DeepSpeed held."""
+    case = f"stage{source}_fp32"
     if case not in CASES:
         pytest.skip(f"fixture {case} missing")
     path, expected, config = _fixture(case)

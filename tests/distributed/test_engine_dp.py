@@ -22,14 +22,17 @@ def _config(micro: int = 2, gas: int = 1, opt: str = "AdamW", **extra) -> dict:
     return cfg
 
 
-def train_engine(config: dict, steps: int, style: str = "engine", model_cls: type = TinyMLP) -> dict:
-    """Runs on every rank; returns global-mean losses and final parameters."""
+def train_engine(config: dict, steps: int, style: str = "engine", model_cls: type = TinyMLP, edit=None) -> dict:
+    """Runs on every rank; returns global-mean losses and final parameters. `edit(engine, step)`
+    runs after initialize (step -1) and after every global step."""
     import deepspeed
     import deepspeed.comm as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     engine, _, _, _ = deepspeed.initialize(model=make_model(cls=model_cls), config=copy.deepcopy(config))
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    if edit is not None:
+        edit(engine, -1)
     dist.comms_counter.reset()
     losses, first_grads = [], None
     for x, y in global_batches(steps, micro * gas * world):
@@ -61,6 +64,8 @@ def train_engine(config: dict, steps: int, style: str = "engine", model_cls: typ
         mean = torch.tensor([total / gas])
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
+        if edit is not None:
+            edit(engine, len(losses) - 1)
     comm = dist.comms_counter.summary()
     stage3 = getattr(engine, "_stage3", None)  # ZeRO-3: parameters are released shards between uses
     with stage3.gathered() if stage3 is not None else contextlib.nullcontext():

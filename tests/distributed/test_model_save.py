@@ -77,12 +77,14 @@ def test_save_16bit_model_tied_and_frozen(tmp_path) -> None:
     assert torch.equal(saved["embed.weight"], results[0]["live"]["embed.weight"])
 
 
-def save_on_rank0_only(save_dir: str) -> str:
+def save_on_rank0_only(save_dir: str, engine: object = None) -> str:
+    """Rank 0 alone calls save_16bit_model; returns the error it got."""
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.comm import rendezvous
 
-    engine, *_ = deepspeed.initialize(model=make_model(), config=_config(micro=2, zero_optimization={"stage": 1}))
+    if engine is None:
+        engine, *_ = deepspeed.initialize(model=make_model(), config=_config(micro=2, zero_optimization={"stage": 1}))
     rendezvous.DEFAULT_TIMEOUT_S, before = 2.0, rendezvous.DEFAULT_TIMEOUT_S
     try:
         if dist.get_rank() == 0:
@@ -91,12 +93,16 @@ def save_on_rank0_only(save_dir: str) -> str:
             except rendezvous.RanksDidNotArrive as error:
                 return str(error)
             return "no error"
+        next(rendezvous._calls)  # keep this worker's arrival count in step with rank 0's for later tests
         return "skipped"
     finally:
         rendezvous.DEFAULT_TIMEOUT_S = before
 
 
-def test_save_16bit_model_on_one_rank_fails_instead_of_hanging(tmp_path) -> None:
-    results = run_distributed(2, save_on_rank0_only, str(tmp_path), timeout=60)
+def assert_one_rank_save_failed(results: list[str], save_dir) -> None:
     assert "ranks [1] of 2 did not call it" in results[0] and "all ranks must call save_16bit_model" in results[0]
-    assert not (tmp_path / "pytorch_model.bin").exists()
+    assert not (save_dir / "pytorch_model.bin").exists()
+
+
+def test_save_16bit_model_on_one_rank_fails_instead_of_hanging(tmp_path) -> None:
+    assert_one_rank_save_failed(run_distributed(2, save_on_rank0_only, str(tmp_path), timeout=60), tmp_path)

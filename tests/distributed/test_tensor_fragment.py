@@ -135,21 +135,32 @@ def test_full_accessors_match_plain_adamw(world: int, stage: int, gas: int, prec
         assert any(not torch.equal(last[n], weights[n].float()) for n in last)
 
 
-def local_parts(stage: int) -> dict:
-    """World 2: local views of a ZeRO engine, straddling parameters, and error cases."""
+def visible_weights(engine) -> dict:
+    """The values the model computes with (stage 3: gathered from the shards; persistent units
+    as they are)."""
+    import contextlib
+
+    stage3 = getattr(engine, "_stage3", None)
+    with stage3.gathered() if stage3 is not None else contextlib.nullcontext():
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def local_parts(stage: int, zero: dict | None = None) -> dict:
+    """World 2: local views of a ZeRO engine (stage 1, 2 or 3), straddling parameters, and error cases."""
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
                                  safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
-                                 safe_set_local_fp32_param, safe_set_local_optimizer_state,
+                                 safe_set_local_fp32_param, safe_set_local_grad, safe_set_local_optimizer_state,
                                  safe_update_full_grad_vectorized)
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = _config(micro=2, zero_optimization={"stage": stage, "reduce_bucket_size": 500})
+    cfg = _config(micro=2, zero_optimization={"stage": stage, "reduce_bucket_size": 500, **(zero or {})})
     engine, opt, _, _ = deepspeed.initialize(model=make_model(), config=cfg)
     named = list(engine.module.named_parameters())
-    where = {id(p): (b, i) for b, sb in enumerate(opt.buckets) for i, p in enumerate(sb.params)}
-    owners = {n: opt.buckets[where[id(p)][0]].partition.owners(where[id(p)][1]) for n, p in named}
+    shards = opt.units if stage == 3 else opt.buckets  # unit masters at stage 3: same attributes
+    where = {id(p): (b, i) for b, sb in enumerate(shards) for i, p in enumerate(sb.params)}
+    owners = {n: shards[where[id(p)][0]].partition.owners(where[id(p)][1]) for n, p in named}
     x, y = next(global_batches(1, 2 * world))
     engine.backward(engine(micro_slice(x, 2, 0, rank, world), micro_slice(y, 2, 0, rank, world)))
     out: dict = {"owners": owners, "local": {}, "full": {}}
@@ -157,6 +168,9 @@ def local_parts(stage: int) -> dict:
     out["full"]["grad"] = {n: safe_get_full_grad(p) for n, p in named}
     safe_update_full_grad_vectorized([p for _, p in named], lambda g, p: 2 * g)
     out["doubled"] = all(torch.equal(safe_get_full_grad(p), 2 * out["full"]["grad"][n]) for n, p in named)
+    for n, p in named:  # a local write of the gradient: halve it back
+        safe_set_local_grad(p, 0.5 * safe_get_local_grad(p))
+    out["halved"] = all(torch.equal(safe_get_full_grad(p), out["full"]["grad"][n]) for n, p in named)
     engine.step()
     for kind, get_local, get_full in (("fp32", safe_get_local_fp32_param, safe_get_full_fp32_param),
                                       ("exp_avg", lambda p: safe_get_local_optimizer_state(p, "exp_avg"),
@@ -171,23 +185,23 @@ def local_parts(stage: int) -> dict:
             errors.append(str(err))
     out["errors"] = errors
     # local writes: this rank's part only; the model follows at the next step's all-gather
-    before = {n: p.detach().clone() for n, p in named}
+    before = visible_weights(engine)
     for n, p in named:
         part = safe_get_local_fp32_param(p)
         safe_set_local_fp32_param(p, torch.full_like(part, float(rank + 1)))
         safe_set_local_optimizer_state(p, torch.full_like(part, 0.5), "exp_avg")
     out["after_local_set"] = {n: safe_get_full_fp32_param(p) for n, p in named}
     out["exp_avg_after_set"] = {n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in named}
-    out["model_unchanged"] = all(torch.equal(p, before[n]) for n, p in named)
+    after = visible_weights(engine)
+    out["model_unchanged"] = all(torch.equal(after[n], before[n]) and after[n].numel() for n in before)
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_local_parts_concatenate_to_full_and_straddle(stage: int) -> None:
-    r0, r1 = run_distributed(2, local_parts, stage)
+def assert_local_parts(r0: dict, r1: dict) -> None:
+    """Both ranks' local parts concatenate to the full tensors; local writes touch only them."""
     straddling = [n for n, ranks in r0["owners"].items() if ranks == [0, 1]]
-    assert straddling, r0["owners"]  # bucket 500 splits fc2.weight (its own bucket) and head.weight
-    assert r0["doubled"] and r1["doubled"]
+    assert straddling, r0["owners"]
+    assert r0["doubled"] and r1["doubled"] and r0["halved"] and r1["halved"]
     for kind in ("grad", "fp32", "exp_avg"):
         for name, full in r0["full"][kind].items():
             torch.testing.assert_close(r1["full"][kind][name], full, rtol=0, atol=0)
@@ -203,6 +217,12 @@ def test_local_parts_concatenate_to_full_and_straddle(stage: int) -> None:
     assert r0["model_unchanged"] and r1["model_unchanged"]
     assert r0["errors"] == r1["errors"] == ["step not found in optimizer state fragment",
                                               "no_such_state not found in optimizer state fragment"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_local_parts_concatenate_to_full_and_straddle(stage: int) -> None:
+    # bucket 500 splits fc2.weight (its own bucket) and head.weight between the ranks
+    assert_local_parts(*run_distributed(2, local_parts, stage))
 
 
 def stage0_and_unowned() -> dict:

@@ -19,6 +19,7 @@ from ... import comm as ds_comm
 from ...checkpoint import files
 from ...checkpoint.reader import CheckpointReader
 from ...utils.logging import log_dist, logger
+from . import zero3_io
 from .hp_state import HpState
 from .writer import dp_rank, model_states, partitioned_optimizer_state, rng_state, set_rng_state
 
@@ -65,13 +66,19 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
 
     hp = HpState(engine) if engine.optimizer is not None else None
     partitioned = _partitioned(engine)
-    optimizer_state = None
-    if partitioned:  # collective: every rank takes part in re-cutting the partitions
-        optimizer_state = partitioned_optimizer_state(engine, hp, dp_rank(engine), engine.dp_world_size)
+    optimizer_state, zero3 = None, engine._stage3 is not None
+    # collectives, on every rank alike: re-cutting the partitions, gathering frozen ZeRO-3 pieces
+    if partitioned:
+        cut = zero3_io.optimizer_state if zero3 else partitioned_optimizer_state
+        optimizer_state = cut(engine, hp, dp_rank(engine), engine.dp_world_size)
+    frozen = zero3_io.frozen_fragments(engine, dp_rank(engine), engine.dp_world_size) \
+        if zero3 and not exclude_frozen_parameters else None
     try:
-        if rank == 0:
-            state = model_states(engine, hp, dict(client_state or {}), exclude_frozen_parameters, partitioned)
-            files.save_file(state, os.path.join(staging, files.model_file()))
+        if rank == 0 or zero3:  # ZeRO-3: every rank writes its own model-states file
+            state = model_states(engine, hp, dict(client_state or {}), exclude_frozen_parameters, partitioned,
+                                 zero3_frozen=frozen if zero3 else None)
+            name = files.model_file(zero3_dp_rank=dp_rank(engine)) if zero3 else files.model_file()
+            files.save_file(state, os.path.join(staging, name))
         if optimizer_state is not None:
             name = files.optim_file(dp_rank(engine), bf16=engine.bfloat16_enabled())
             files.save_file({"optimizer_state_dict": optimizer_state, "ds_config": engine.config,
@@ -161,7 +168,9 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
         if os.path.isfile(rng):
             set_rng_state(files.load_file(rng, mmap=False))
     client_state = {k: v for k, v in state.items() if k not in _DEEPSPEED_KEYS}
-    path = os.path.join(load_dir, tag, files.model_file())
+    # DeepSpeed returns the model-states file this engine's layout reads (one per rank at ZeRO-3)
+    name = files.model_file(zero3_dp_rank=dp_rank(engine)) if engine._stage3 is not None else files.model_file()
+    path = os.path.join(load_dir, tag, name)
     log_dist(f"Loaded checkpoint {reader.path} (saved by {reader.world_size} rank(s), stage {reader.stage})",
              ranks=[0])
     return path, client_state
@@ -178,7 +187,8 @@ def _load_module(engine: Any, reader: CheckpointReader, hp: HpState | None, stri
     """Buffers and frozen parameters from the module state; trained parameters from fp32 masters.
 
     Names are checked first: a checkpoint of another model fails with the missing and the
-    unexpected names rather than a shape error deep inside."""
+    unexpected names rather than a shape error deep inside. At ZeRO-3 parameter values go into
+    this rank's slices of the gather units (zero3_io.write_params), not the released placeholders."""
     module = engine.module
     expected = set(module.state_dict().keys())
     saved = set(reader.model_states.get("module", {}).keys()) | set(reader.param_names())
@@ -190,22 +200,35 @@ def _load_module(engine: Any, reader: CheckpointReader, hp: HpState | None, stri
         raise files.CheckpointError(f"{reader.path} does not match this model (load_module_strict=True): "
                                     f"missing {missing}, unexpected {unexpected}")
     trained = set(reader.param_names())
+    named = dict(module.named_parameters())
+    zero3 = engine._stage3 is not None
+    shapes = zero3_io.param_shapes(engine) if zero3 else {n: p.shape for n, p in named.items()}
+    by_param = {id(p): n for n, p in named.items()}
+    params: dict[str, torch.Tensor] = {}   # parameter values to write, by first name
     with torch.no_grad():
         for name, tensor in module.state_dict(keep_vars=True).items():
             if name in trained or name not in saved:
                 continue
             value = reader.module_tensor(shared.get(name, name))
-            if value is None or name in trained:
+            if value is None:
                 continue
-            if value.shape != tensor.shape:
+            first = by_param.get(id(tensor))
+            shape = shapes[first] if first is not None else tensor.shape
+            if value.shape != shape:
                 raise files.CheckpointError(f"{reader.path}: {name} has shape {tuple(value.shape)} in the "
-                                            f"checkpoint, {tuple(tensor.shape)} in the model")
-            tensor.copy_(value)
-        named = dict(module.named_parameters())
+                                            f"checkpoint, {tuple(shape)} in the model")
+            if first is not None:
+                params[first] = value
+            else:
+                tensor.copy_(value)
         for name in trained & set(named):
             if hp is None or not named[name].requires_grad:
-                value = reader.read(name, "fp32")
-                named[name].copy_(value.view_as(named[name]))
+                params[name] = reader.read(name, "fp32").view(shapes[name])
+        if zero3:
+            zero3_io.write_params(engine, params)
+        else:
+            for name, value in params.items():
+                named[name].copy_(value)
 
 
 def _load_masters(hp: HpState, reader: CheckpointReader) -> None:

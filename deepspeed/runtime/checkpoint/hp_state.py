@@ -35,23 +35,31 @@ class HpState:
     def __init__(self, engine: Any) -> None:
         from ..precision.mixed_optimizer import MixedPrecisionOptimizer
         from ..zero.optimizer import ZeroOptimizer
+        from ..zero.stage3.optimizer import Stage3Optimizer
 
         wrapper = engine.optimizer
         self.wrapper = wrapper
         self.names = {id(p): n for n, p in engine.module.named_parameters()}
-        self.zero = isinstance(wrapper, ZeroOptimizer)
+        self.stage3 = isinstance(wrapper, Stage3Optimizer)
+        self.zero = isinstance(wrapper, ZeroOptimizer) or self.stage3
         self.mixed = isinstance(wrapper, MixedPrecisionOptimizer)
         self.base: torch.optim.Optimizer = wrapper.optimizer if (self.zero or self.mixed) else wrapper
+        # the sharded layout: per bucket (stages 1-2) or gather unit (stage 3), a BucketPartition
+        # over `params`, this rank's fp32 `master` slice of it and the trained `fragments`
+        self.sources = (wrapper.units if self.stage3 else wrapper.buckets) if self.zero else []
+        # ZeRO-3 parameters are released between uses: their shapes come from their units
+        shapes = {id(p): s for u in wrapper.coordinator.units for p, s in zip(u.params, u.shapes)} \
+            if self.stage3 else {}
         all_groups = wrapper.model_param_groups if (self.zero or self.mixed) else \
             [list(g["params"]) for g in self.base.param_groups]
         # every parameter the optimizer was given, frozen ones included (torch state_dict indices)
         self.optimizer_names = [[self.names[id(p)] for p in g] for g in all_groups]
         model_groups = [[p for p in g if p.requires_grad] for g in all_groups]
-        self.groups = [[(self.names[id(p)], p.shape) for p in g] for g in model_groups]
+        self.groups = [[(self.names[id(p)], shapes.get(id(p), p.shape)) for p in g] for g in model_groups]
         self.pieces: list[Piece] = []
         group_of = {id(p): i for i, g in enumerate(model_groups) for p in g}
         if self.zero:
-            for sb in wrapper.buckets:
+            for sb in self.sources:
                 for f in sb.fragments:
                     p = sb.params[f.index]
                     key = wrapper._fragments_of[id(p)][0]
@@ -104,36 +112,25 @@ class HpState:
                 yield piece.name, piece.start, value.float()
 
     def recut(self, field: str, layouts: list[Any], rank: int, strip_padding: bool = False) -> list[torch.Tensor]:
-        """This rank's slice of every param group's flat (`layouts`: one BucketPartition per group
-        over `self.groups`), gathered from the ranks holding the pieces.
+        """This rank's slice of every param group's flat (`layouts`: one BucketPartition or
+        ParamwisePartition per group over `self.groups`), gathered from the ranks holding the pieces.
 
         Replicated state is cut locally. Under ZeRO the plan of who sends what to whom follows
-        from the bucket and group partitions, which every rank knows, so one all-to-all per field
-        moves exactly the elements each rank lacks (1/N of the field per rank) and nothing else.
+        from the bucket (or unit) and group partitions, which every rank knows, so one all-to-all
+        per field moves exactly the elements each rank lacks (1/N of the field per rank) and
+        nothing else. `strip_padding` drops a BucketPartition's end padding.
         """
         flats = []
-        for layout in layouts:  # every real element is written below: only the padding needs zeros
-            pad = layout.padding(rank)
-            flat = torch.empty(layout.shard_numel - (pad if strip_padding else 0), dtype=torch.float32)
-            if pad and not strip_padding:
-                flat[layout.shard_numel - pad:].zero_()
-            flats.append(flat)
+        for layout in layouts:  # padding stays zero; every real element is written below
+            pad = layout.padding(rank) if strip_padding else 0
+            flats.append(torch.zeros(layout.shard_numel - pad, dtype=torch.float32))
         where = {n: (g, i) for g, group in enumerate(self.groups) for i, (n, _) in enumerate(group)}
-        offsets = [[0] * len(group) for group in self.groups]
-        for g, group in enumerate(self.groups):
-            for i in range(1, len(group)):
-                offsets[g][i] = offsets[g][i - 1] + group[i - 1][1].numel()
 
         def cuts(name: str, start: int, numel: int):
             """(destination rank, group, offset in its slice, length, offset in the piece)."""
             g, i = where[name]
-            size, lo = layouts[g].shard_numel, offsets[g][i] + start
-            hi, first = lo + numel, lo
-            while lo < hi:
-                dst = lo // size
-                end = min(hi, (dst + 1) * size)
-                yield dst, g, lo - dst * size, end - lo, lo - first
-                lo = end
+            for dst, at, n, src in layouts[g].placements(i, start, numel):
+                yield dst, g, at, n, src
 
         if not self.zero or self.wrapper.dp_world == 1:
             for name, start, values in self.local_values(field):
@@ -145,10 +142,12 @@ class HpState:
         sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
         mine = {(p.name, p.start): p for p in self.pieces}
         receives: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
-        for sb in self.wrapper.buckets:  # every rank walks the same plan in the same order
+        for sb in self.sources:  # every rank walks the same plan in the same order
             for src_rank in range(world):
                 for f in sb.partition.fragments(src_rank):
                     name = self.names[id(sb.params[f.index])]
+                    if name not in where:   # frozen: no master, no optimizer state
+                        continue
                     value = None
                     if src_rank == rank:
                         piece = mine[(name, f.param_start)]
@@ -159,7 +158,7 @@ class HpState:
                             sends[dst].append(value[src:src + n])
                         if dst == rank:
                             receives[src_rank].append((g, at, n))
-        device = self.wrapper.buckets[0].param_flat.device
+        device = self.wrapper._comm_device if self.stage3 else self.sources[0].param_flat.device
         in_splits = [sum(t.numel() for t in ts) for ts in sends]
         send, offset = torch.empty(sum(in_splits), dtype=torch.float32, device=device), 0
         for t in (t for ts in sends for t in ts):
@@ -178,7 +177,9 @@ class HpState:
     # --- writing back -------------------------------------------------------------------------
     def refresh_model(self) -> None:
         """Copy the masters into the model's parameters after they were loaded."""
-        if self.zero:
+        if self.stage3:
+            self.wrapper.refresh_from_masters()
+        elif self.zero:
             self.wrapper._all_gather_params()
         elif self.mixed:
             pairs = self.wrapper._pairs

@@ -5,6 +5,15 @@ other ranks only take part in the arrival check and the final agreement (a call 
 fails instead of hanging, and an error on rank 0 is raised on every rank). Tied parameters are
 written once per name with their own storage (safetensors refuses shared storage). A
 `.safetensors` file name writes safetensors.
+
+At stage 3 parameters are partitioned, so the weights are gathered only when
+`zero_optimization.stage3_gather_16bit_weights_on_model_save` is true (save_16bit_model returns
+False on every rank otherwise, writing nothing: upstream's behaviour). Units are gathered one at
+a time, in unit order on every rank (one all-gather each, from the shards); rank 0 keeps a CPU
+copy of each unit's tensors, the other ranks drop them at once, so the extra memory per rank is
+one gathered unit (plus, on rank 0, the CPU result). `_zero3_consolidated_16bit_state_dict`
+gathers whatever the flag says, as upstream. Keys and order are `module.state_dict()`'s: every
+name of a tied parameter gets its value, buffers come from the module.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ import torch
 
 from ... import comm as ds_comm
 from ...checkpoint import files
-from ...utils.logging import log_dist
+from ...utils.logging import log_dist, logger
 from .writer import own_storage
 
 _ALL_RANKS = "all ranks must call save_16bit_model (it is collective under ZeRO), not only rank 0."
@@ -25,6 +34,8 @@ _ALL_RANKS = "all ranks must call save_16bit_model (it is collective under ZeRO)
 def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool = False) -> dict | None:
     """The full state dict on rank 0 (None elsewhere); every rank must call it."""
     ds_comm.arrive_and_wait("_zero3_consolidated_16bit_state_dict", hint=_ALL_RANKS)
+    if engine._stage3 is not None:
+        return _gathered_state_dict(engine, exclude_frozen_parameters)
     if engine.global_rank != 0:
         return None
     frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
@@ -32,10 +43,44 @@ def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool =
             if not (exclude_frozen_parameters and k in frozen)}
 
 
+def _gathered_state_dict(engine: Any, exclude_frozen_parameters: bool) -> dict | None:
+    """ZeRO-3: `module.state_dict()` with every parameter gathered from its unit's shards, on
+    rank 0 (None elsewhere). Collective: one all-gather per unit holding a wanted parameter."""
+    rank0 = engine.global_rank == 0
+    wanted = {id(p) for p in engine.module.parameters() if p.requires_grad or not exclude_frozen_parameters}
+    gathered: dict[int, torch.Tensor] = {}
+    for unit in engine._stage3.units:  # unit order: the same collectives on every rank
+        if not any(id(p) in wanted for p in unit.params):
+            continue
+        tensors = unit.gather_full(unit.shard)
+        if rank0:
+            gathered.update((id(p), t.cpu()) for p, t in zip(unit.params, tensors) if id(p) in wanted)
+        del tensors
+    if not rank0:
+        return None
+    state, copies = {}, {}
+    # keep_vars: the parameters themselves, so every name of a tied parameter finds its value
+    for name, value in engine.module.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.nn.Parameter):
+            if id(value) in wanted:
+                state[name] = gathered[id(value)]
+        else:
+            state[name] = own_storage(value, copies)
+    return state
+
+
 def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_model.bin",
                      exclude_frozen_parameters: bool = False) -> bool:
     if not save_dir:
         raise ValueError(f"save_16bit_model: save_dir must be a non-empty path, got {save_dir!r}")
+    if engine._stage3 is not None and not engine.zero_gather_16bit_weights_on_model_save():
+        if engine.global_rank == 0:
+            logger.warning(f"save_16bit_model: did not save {os.path.join(save_dir, save_filename)}: under ZeRO "
+                           "stage 3 the parameters are partitioned and "
+                           "zero_optimization.stage3_gather_16bit_weights_on_model_save is false, so they are "
+                           "not gathered. Set it to true to save the 16-bit weights, or use save_checkpoint "
+                           "and zero_to_fp32 (deepspeed.utils.zero_to_fp32) to get fp32 weights.")
+        return False
     state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
     error = None
     if state is not None:

@@ -27,26 +27,39 @@ ALIGNMENT = 2
 
 
 def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_frozen: bool,
-                 partitioned: bool) -> dict:
-    """The model-states dictionary (DeepSpeed's keys, then the client's)."""
+                 partitioned: bool, zero3_frozen: dict | None = None) -> dict:
+    """The model-states dictionary (DeepSpeed's keys, then the client's). At stage 3 parameters
+    are released placeholders (saved empty, as DeepSpeed does) and `zero3_frozen` holds this
+    rank's pieces of the frozen ones (zero3_io.frozen_fragments)."""
     module = engine.module
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
     copies: dict[tuple, torch.Tensor] = {}  # tied weights stay one tensor (one storage) in the file
     state = {k: own_storage(v, copies) for k, v in module.state_dict().items() if not (exclude_frozen and k in frozen)}
+    if zero3_frozen is not None:  # every parameter saved as an empty placeholder (persistent ones too):
+        params = {n for n, _ in module.named_parameters(remove_duplicate=False)}  # values live elsewhere
+        state = {k: v.new_empty(0) if k in params else v for k, v in state.items()}
     buffers = [n for n, _ in _persistent_buffers(module)]
     shared = _shared_params(module)
     zero_frozen = engine.zero_optimization_stage() >= 2 and not exclude_frozen
     named = dict(module.named_parameters())
+    if zero3_frozen is not None:
+        from .zero3_io import param_shapes
+
+        shapes = param_shapes(engine)
+        frozen_shapes = OrderedDict((n, shapes[n]) for n in named if n in frozen) if zero_frozen else None
+        frozen_fragments = zero3_frozen if zero_frozen else None
+    else:
+        ordered = sorted(frozen, key=list(named).index)
+        frozen_shapes = OrderedDict((n, named[n].shape) for n in ordered) if zero_frozen else None
+        frozen_fragments = OrderedDict((n, own_storage(named[n])) for n in ordered) if zero_frozen else None
     out = dict(
         module=state,
         buffer_names=buffers,
         optimizer=hp.base.state_dict() if hp is not None and not partitioned else None,
         param_shapes=[OrderedDict((n, s) for n, s in g) for g in hp.groups] if hp is not None else None,
-        frozen_param_shapes=OrderedDict((n, named[n].shape) for n in sorted(frozen, key=list(named).index))
-        if zero_frozen else None,
+        frozen_param_shapes=frozen_shapes,
         shared_params=shared,
-        frozen_param_fragments=OrderedDict((n, own_storage(named[n])) for n in sorted(frozen, key=list(named).index))
-        if zero_frozen else None,
+        frozen_param_fragments=frozen_fragments,
         lr_scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None and
         hasattr(engine.lr_scheduler, "state_dict") else None,
         data_sampler=None,

@@ -1,1 +1,20 @@
-"""ZeRO: the sharding core shared by stages 1-3 (stage 3 to come)."""
+"""ZeRO: the sharding core shared by stages 1-3; also `deepspeed.zero` (upstream exposes this
+package under that name). Its public names resolve lazily, so importing a submodule stays cheap."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_PUBLIC = ("Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
+           "ZeroParamStatus")
+
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(".partition_parameters", __name__), name)
+    globals()[name] = value
+    return value

@@ -11,7 +11,10 @@ parameter may straddle two ranks' slices; its pieces are "fragments".
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterator
 
 
 @dataclass(frozen=True)
@@ -54,12 +57,12 @@ class BucketPartition:
     def padded_numel(self) -> int:
         return self.shard_numel * self.world_size
 
+    @cached_property
+    def _starts(self) -> tuple[int, ...]:
+        return tuple(itertools.accumulate(self.numels[:-1], initial=0)) if self.numels else ()
+
     def offsets(self) -> list[int]:
-        starts, offset = [], 0
-        for n in self.numels:
-            starts.append(offset)
-            offset += n
-        return starts
+        return list(self._starts)
 
     def fragments(self, rank: int) -> list[Fragment]:
         """Fragments owned by `rank`, in bucket order."""
@@ -70,6 +73,17 @@ class BucketPartition:
             if a < b:
                 found.append(Fragment(index, a - start, a - lo, b - a))
         return found
+
+    def placements(self, index: int, start: int, numel: int) -> Iterator[tuple[int, int, int, int]]:
+        """Where elements [start, start+numel) of parameter `index` go: (rank, offset in that
+        rank's shard, length, offset from `start`) per contiguous run."""
+        lo = self._starts[index] + start
+        hi, first, size = lo + numel, lo, self.shard_numel
+        while lo < hi:
+            rank = lo // size
+            end = min(hi, (rank + 1) * size)
+            yield rank, lo - rank * size, end - lo, lo - first
+            lo = end
 
     def owners(self, index: int) -> list[int]:
         """Ranks holding a piece of parameter `index`."""
@@ -88,12 +102,30 @@ class ParamwisePartition:
     numels: tuple[int, ...]
     world_size: int
 
+    @cached_property
+    def _starts(self) -> tuple[int, ...]:
+        """Offset of each parameter's piece inside any rank's shard."""
+        sizes = [-(-n // self.world_size) for n in self.numels]
+        return tuple(itertools.accumulate(sizes[:-1], initial=0)) if sizes else ()
+
     @property
     def shard_numel(self) -> int:
         return sum(-(-n // self.world_size) for n in self.numels)
 
     def padding(self, rank: int) -> int:
         return self.shard_numel - sum(f.numel for f in self.fragments(rank))
+
+    def placements(self, index: int, start: int, numel: int) -> Iterator[tuple[int, int, int, int]]:
+        """As BucketPartition.placements: parameter `index`'s piece s of ceil(numel/N) elements
+        goes to rank s, after the pieces of the parameters before it."""
+        size = -(-self.numels[index] // self.world_size)
+        before = self._starts[index]
+        lo, hi = start, start + numel
+        while lo < hi:
+            rank = lo // size
+            end = min(hi, (rank + 1) * size)
+            yield rank, before + lo - rank * size, end - lo, lo - start
+            lo = end
 
     def fragments(self, rank: int) -> list[Fragment]:
         found, offset = [], 0

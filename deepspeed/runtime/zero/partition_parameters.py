@@ -1,7 +1,12 @@
 # compat: upstream path deepspeed.runtime.zero.partition_parameters (DeepSpeed 0.19.8 names).
-"""`ZeroParamStatus`, which downstream code compares `param.ds_status` against. The status is
-published by ShardedUnit (zero/stage3/sharded_param.py), the one owner of a ZeRO-3 parameter's state."""
+"""Upstream's ZeRO-3 parameter API at upstream's path: `Init` (stage3/init_context.py),
+`GatheredParameters`, `register_external_parameter`, `unregister_external_parameter`
+(stage3/gathered.py) and `ZeroParamStatus`, which downstream code compares `param.ds_status`
+against (published by ShardedUnit and, before initialize, by the zero.Init registry)."""
 
+from .stage3.gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
+from .stage3.init_context import Init
 from .stage3.sharded_param import ZeroParamStatus
 
-__all__ = ["ZeroParamStatus"]
+__all__ = ["Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
+           "ZeroParamStatus"]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from functools import partial
 from typing import Any, Iterator
 
@@ -43,31 +44,64 @@ import torch
 from torch import nn
 
 from ...backward_hooks import output_tensors, queue_autograd_callback
+from . import init_context
 from .sharded_param import ShardedUnit
 from .units import UnitPlan, plan_units
 
+_LIVE: "weakref.WeakSet[Stage3Coordinator]" = weakref.WeakSet()   # told about external parameters
+
+
+def external_parameters_changed(module: nn.Module) -> None:
+    """register/unregister_external_parameter after initialize: re-plan the engines holding `module`."""
+    for coordinator in list(_LIVE):
+        if any(m is module for m in coordinator.module.modules()):
+            coordinator.replan()
+
 
 class Stage3Coordinator:
-    """Partitions `module`'s parameters into gather units and installs the ZeRO-3 hooks."""
+    """Partitions `module`'s parameters into gather units and installs the ZeRO-3 hooks.
+    `shard_device`: where shards live between uses (CPU for offload_param)."""
 
     def __init__(self, module: nn.Module, persistence_threshold: int = 0,
-                 model_persistence_threshold: int = sys.maxsize, group: Any = None) -> None:
-        self.module = module
-        self.plan: UnitPlan = plan_units(module, persistence_threshold, model_persistence_threshold)
+                 model_persistence_threshold: int = sys.maxsize, group: Any = None,
+                 shard_device: torch.device | None = None, pin_memory: bool = False) -> None:
+        self.module, self.shard_device = module, shard_device
+        self._thresholds = (persistence_threshold, model_persistence_threshold)
+        self.plan: UnitPlan = plan_units(module, *self._thresholds, numel_of=init_context.full_numel)
         named = dict(module.named_parameters())
-        self.units = [ShardedUnit(spec, [named[n] for n in spec.param_names], group) for spec in self.plan.units]
+        self.units = [ShardedUnit(spec, [named[n] for n in spec.param_names], group, shard_device, pin_memory)
+                      for spec in self.plan.units]
         self._in_backward = False
         self._handles: list[Any] = []
-        modules = dict(module.named_modules())
-        for name, unit_ids in self.plan.module_units.items():
-            units = [self.units[u] for u in unit_ids]
-            m = modules[name]
-            self._handles.append(m.register_forward_pre_hook(partial(self._pre_forward, units), prepend=True))
-            self._handles.append(m.register_forward_hook(partial(self._post_forward, units), always_call=True))
+        self._forward_handles: list[Any] = []
+        self._install_forward_hooks()
+        _LIVE.add(self)
         for unit in self.units:
             for i in unit.trainable:
                 hook = partial(self._grad_accumulated, unit, i)
                 self._handles.append(unit.params[i].register_post_accumulate_grad_hook(hook))
+
+    def _install_forward_hooks(self) -> None:
+        for handle in self._forward_handles:
+            handle.remove()
+        modules = dict(self.module.named_modules())
+        self._forward_handles = []
+        for name, unit_ids in self.plan.module_units.items():
+            units = [self.units[u] for u in unit_ids]
+            m = modules[name]
+            self._forward_handles.append(m.register_forward_pre_hook(partial(self._pre_forward, units), prepend=True))
+            self._forward_handles.append(m.register_forward_hook(partial(self._post_forward, units), always_call=True))
+
+    def replan(self) -> None:
+        """Re-plan after external parameters changed (see [Note: external parameters] in
+        units.py): units stay as they are, modules' hooks gather the new `uses`."""
+        numels = {p: n for unit in self.units for p, n in zip(unit.params, unit.spec.numels)}
+        plan = plan_units(self.module, *self._thresholds, numel_of=lambda p: numels.get(p, -1))
+        if plan.units != self.plan.units:
+            raise RuntimeError("ZeRO-3: the model's parameters changed since deepspeed.initialize; "
+                               "gather units cannot be re-planned")
+        self.plan = plan
+        self._install_forward_hooks()
 
     # --- hooks --------------------------------------------------------------------------------
     def _pre_forward(self, units: list[ShardedUnit], module: nn.Module, args: Any) -> None:
@@ -145,10 +179,13 @@ class Stage3Coordinator:
 
     def remove(self) -> None:
         """Uninstall the hooks and give every parameter its full value back (as a plain tensor)."""
-        for handle in self._handles:
+        for handle in self._handles + self._forward_handles:
             handle.remove()
         self._handles.clear()
+        self._forward_handles.clear()
+        _LIVE.discard(self)
         full = self.full_state()
         for unit in self.units:
+            unit.disown()
             for name, p in zip(unit.spec.param_names, unit.params):
                 p.data = full[name]

@@ -9,7 +9,8 @@ parameter fragment of the master (`partition.fragments(rank)`), so per-group lr 
 apply and its state is exactly this rank's 1/N. The step: unscale and overflow check, global
 norm clipping (one all-reduce), base step, masters cast back into `unit.shard`, then
 `coordinator.after_shard_update()` (persistent units re-gathered; the others pick the new
-values up at their next gather).
+values up at their next gather). GatheredParameters(modifier_rank=...) also writes shards; each
+master listens to its unit (`add_shard_listener`) and takes exactly the elements that changed.
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ class _UnitMaster:
         trainable = set(unit.trainable)
         self.fragments = [f for f in unit.partition.fragments(unit.rank) if f.index in trainable]
         self.params = unit.params
+        self.partition = unit.partition
+        unit.add_shard_listener(self._take_changed)   # GatheredParameters(modifier_rank=...) wrote the shard
+
+    def _take_changed(self, changed: torch.Tensor) -> None:
+        """Copy the shard elements flagged in `changed` into the master (the others keep fp32)."""
+        changed = changed.to(self.master.device)
+        self.master[changed] = self.unit.shard.to(self.master.device, self.master.dtype)[changed]
 
 
 class Stage3Optimizer(OptimizerWrapper, ZeROOptimizer):
@@ -61,7 +69,7 @@ class Stage3Optimizer(OptimizerWrapper, ZeROOptimizer):
             raise ValueError(f"ZeRO-3: the optimizer trains parameters that are not the engine module's: {strangers}")
         self.units = [_UnitMaster(u, policy.master_dtype, master_device or u.shard.device)
                       for u in coordinator.units if any(id(p) in trained for p in u.params)]
-        self._comm_device = coordinator.units[0].shard.device if coordinator.units else torch.device("cpu")
+        self._comm_device = coordinator.units[0].flat.device if coordinator.units else torch.device("cpu")
         self._fragments_of, self.model_param_groups = attach_fragment_masters(optimizer, self.units, names)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -84,11 +92,16 @@ class Stage3Optimizer(OptimizerWrapper, ZeROOptimizer):
             self._global_grad_norm = clip_sharded_grads(grads, self.clip, self._comm_device, self.group,
                                                         self.dp_world)
         self.optimizer.step()
+        self.refresh_from_masters()
+        self.loss_scaler.update_scale(False)
+        return True
+
+    def refresh_from_masters(self) -> None:
+        """Copy the fp32 masters into the units' shards (the model side), e.g. after a step or a
+        checkpoint load; persistent units are re-gathered."""
         for um in self.units:
             um.unit.shard.copy_(um.master)   # casts to the parameters' dtype and device
         self.coordinator.after_shard_update()
-        self.loss_scaler.update_scale(False)
-        return True
 
     def __repr__(self) -> str:
         return (f"Stage3Optimizer({type(self.optimizer).__name__}, units={len(self.units)}, "

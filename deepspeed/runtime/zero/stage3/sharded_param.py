@@ -4,7 +4,8 @@ Each unit's parameters are flattened back to back and split with the same `Bucke
 as stages 1/2 (see [Note: per-bucket shards] in zero/partition.py): padded to a multiple of N,
 rank r owns slice r. Between uses a rank holds only that slice (`shard`, parameters' dtype)
 and its fp32 gradient slice (`grad_shard`); `gather()` is ONE all-gather into the unit's flat
-buffer, whose views become the parameters' `.data`.
+buffer, whose views become the parameters' `.data`. With `offload_param` both slices live in
+CPU memory (`shard_device`) and each gather copies the shard to the compute device first.
 
 This class is the only writer of the parameters' `.data` while they are sharded and of the
 upstream-compatible attributes `ds_id`, `ds_shape`, `ds_numel`, `ds_status`, `ds_persist` and
@@ -31,13 +32,15 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .... import comm as ds_comm
 from ..partition import BucketPartition
+from . import watchdog
 from .units import UnitSpec
 
 
@@ -50,19 +53,30 @@ class ZeroParamStatus(enum.Enum):
 
 
 _DS_IDS = itertools.count()
+# parameter -> the unit owning it, for callers that hold only a parameter (GatheredParameters).
+_UNIT_OF: Any = WeakIdKeyDictionary()   # nn.Parameter -> ShardedUnit (identity keys)
 
 
-def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
-    """All-gather through deepspeed.comm (counted); a plain copy in a process without a group."""
-    if ds_comm.is_initialized():
-        ds_comm.all_gather_into_tensor(out, shard, group=group)
-    else:
+def unit_of(param: Any) -> "ShardedUnit | None":
+    return _UNIT_OF.get(param) if isinstance(param, nn.Parameter) else None
+
+
+def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec | None = None,
+                phase: str = "") -> None:
+    """All-gather through deepspeed.comm (counted); a plain copy in a process without a group.
+    A unit's collective (`spec` given) is bounded in time and checked across ranks: see
+    [Note: ZeRO-3 divergence] in watchdog.py."""
+    if not ds_comm.is_initialized():
         out.copy_(shard)
+    elif spec is not None:
+        watchdog.all_gather(out, shard, group, spec, phase)
+    else:
+        ds_comm.all_gather_into_tensor(out, shard, group=group)
 
 
-def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any) -> None:
+def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any, spec: UnitSpec, phase: str) -> None:
     if ds_comm.is_initialized():
-        ds_comm.reduce_scatter_tensor(out, flat, group=group)
+        watchdog.reduce_scatter(out, flat, group, spec, phase)
     else:
         out.copy_(flat)
 
@@ -77,7 +91,12 @@ class ShardedUnit:
     grad_shard: torch.Tensor     # 1D, fp32: this rank's slice of the reduced gradients, accumulated
     status: ZeroParamStatus
 
-    def __init__(self, spec: UnitSpec, params: list[nn.Parameter], group: Any = None) -> None:
+    def __init__(self, spec: UnitSpec, params: list[nn.Parameter], group: Any = None,
+                 shard_device: torch.device | None = None, pin_memory: bool = False) -> None:
+        """`shard_device`: where `shard` and `grad_shard` live between uses (CPU with
+        offload_param; default: the parameters' device, where gathers and compute happen)."""
+        from . import init_context   # it imports this module
+
         dtypes = {(p.dtype, p.device) for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"ZeRO-3 unit of module '{spec.owner}' mixes dtypes/devices {sorted(map(str, dtypes))}; "
@@ -85,19 +104,28 @@ class ShardedUnit:
         self.spec, self.params, self.group = spec, params, group
         self.rank, self.world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
         self.partition = BucketPartition(spec.numels, self.world)
-        self.shapes = [p.shape for p in params]
+        self.shapes = [init_context.full_shape(p) for p in params]
         self.offsets = self.partition.offsets()
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
         first = params[0]
-        # Every rank built the full model (no zero.Init yet): flatten it and keep our slice.
         self.flat = torch.zeros(self.partition.padded_numel, dtype=first.dtype, device=first.device)
-        self._views = [self.flat[o:o + p.numel()].view(p.shape) for p, o in zip(params, self.offsets)]
+        self._views = [self.flat[o:o + n].view(s) for o, n, s in zip(self.offsets, spec.numels, self.shapes)]
+        # Flatten the unit and keep our slice: a full parameter is copied; a zero.Init one is
+        # all-gathered into place, one parameter at a time (the full model never exists).
         for view, p in zip(self._views, params):
-            view.copy_(p.detach())
+            if init_context.init_shard(p) is not None:
+                init_context.adopt_into(p, view)
+            else:
+                view.copy_(p.detach())
             p.data = view
+            _UNIT_OF[p] = self
+        self.shard_device = shard_device if shard_device is not None else first.device
         lo = self.rank * self.partition.shard_numel
-        self.shard = self.flat[lo:lo + self.partition.shard_numel].clone()
-        self.grad_shard = torch.zeros(self.partition.shard_numel, dtype=torch.float32, device=first.device)
+        self.shard = self.flat[lo:lo + self.partition.shard_numel].to(self.shard_device, copy=True)
+        self.grad_shard = torch.zeros(self.partition.shard_numel, dtype=torch.float32, device=self.shard_device)
+        if pin_memory:
+            self.shard, self.grad_shard = self.shard.pin_memory(), self.grad_shard.pin_memory()
+        self._shard_listeners: list[Callable[[torch.Tensor], None]] = []
         self.status = ZeroParamStatus.AVAILABLE
         self._refs = 0                       # active forward uses (nested / re-entrant calls)
         self._held = False                   # needed by the current backward until reduced
@@ -133,7 +161,8 @@ class ShardedUnit:
         if self.available:
             return
         self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
-        _all_gather(self.flat, self.shard, self.group)
+        phase = "backward" if self._held else ("forward" if self._refs else "post-step")
+        _all_gather(self.flat, self.shard.to(self.flat.device), self.group, self.spec, phase)
         for view, p in zip(self._views, self.params):
             p.data = view
         self._set_status(ZeroParamStatus.AVAILABLE)
@@ -173,6 +202,40 @@ class ShardedUnit:
             self.status = ZeroParamStatus.NOT_AVAILABLE   # force the collective; storage stays allocated
             self.gather()
 
+    # --- writes from outside the optimizer (GatheredParameters with a modifier rank) ----------
+    def add_shard_listener(self, listener: Callable[[torch.Tensor], None]) -> None:
+        """`listener(changed)` runs after `scatter_from` rewrote `shard`; `changed` is a bool mask
+        over the shard (Stage3Optimizer refreshes those elements of its fp32 master)."""
+        self._shard_listeners.append(listener)
+
+    def scatter_from(self, src: int) -> None:
+        """The unit is gathered and group rank `src` may have changed its parameters: broadcast
+        the flat buffer from it and rewrite every rank's `shard` (collective)."""
+        if not self.available:
+            raise RuntimeError(f"ZeRO-3: {self} must be gathered to take new values")
+        for view, p in zip(self._views, self.params):
+            if p.data.shape != view.shape:
+                raise RuntimeError(f"ZeRO-3: a parameter of '{self.spec.owner}' of shape {tuple(view.shape)} was "
+                                   f"given a tensor of shape {tuple(p.data.shape)}; sizes are fixed at initialize")
+            if p.data.data_ptr() != view.data_ptr():   # `.data` replaced: take the new values
+                view.copy_(p.data)
+                p.data = view
+        if self.world > 1 and self.flat.numel():
+            ds_comm.broadcast(self.flat, src=ds_comm.get_global_rank(self.group, src), group=self.group)
+        lo = self.rank * self.partition.shard_numel
+        new = self.flat[lo:lo + self.partition.shard_numel].to(self.shard_device)
+        changed = new != self.shard
+        if bool(changed.any()):
+            self.shard.copy_(new)
+            for listener in self._shard_listeners:
+                listener(changed)
+
+    def disown(self) -> None:
+        """The unit stops owning its parameters (the coordinator was removed)."""
+        for p in self.params:
+            if _UNIT_OF.get(p) is self:
+                del _UNIT_OF[p]
+
     # --- gradients --------------------------------------------------------------------------
     def grad_arrived(self, param_index: int) -> bool:
         """Record that a trainable param's gradient is accumulated; True when the unit is complete."""
@@ -195,8 +258,8 @@ class ShardedUnit:
                 if g is not None:
                     flat_grad[self.offsets[i]:self.offsets[i] + g.numel()].copy_(g.reshape(-1))
             out = torch.empty(self.partition.shard_numel, dtype=dtype, device=self.flat.device)
-            _reduce_scatter(out, flat_grad, self.group)
-            self.grad_shard.add_(out.float(), alpha=1.0 / self.world)
+            _reduce_scatter(out, flat_grad, self.group, self.spec, "gradient")
+            self.grad_shard.add_(out.to(self.grad_shard.device, torch.float32), alpha=1.0 / self.world)
         for p in self.params:
             p.grad = None
         self._reduced, self._held = True, False
@@ -220,9 +283,9 @@ class ShardedUnit:
     # --- whole-unit views -------------------------------------------------------------------
     def gather_full(self, shard: torch.Tensor) -> list[torch.Tensor]:
         """All-gather a shard laid out like this unit (params or grads) and split it per parameter."""
-        full = torch.empty(self.partition.padded_numel, dtype=shard.dtype, device=shard.device)
+        full = torch.empty(self.partition.padded_numel, dtype=shard.dtype, device=self.flat.device)
         if full.numel():
-            _all_gather(full, shard, self.group)
+            _all_gather(full, shard.to(self.flat.device), self.group, self.spec, "full-state")
         return [full[o:o + n].view(s).clone() for o, n, s in zip(self.offsets, self.spec.numels, self.shapes)]
 
     def __repr__(self) -> str:

@@ -24,13 +24,23 @@ released, trading a little memory for not issuing a tiny latency-bound collectiv
 unit because the collective is per unit). `model_persistence_threshold` caps the persistent
 total, units taken in plan order. Empty units (numel 0) are always persistent, so no
 zero-sized collective is ever issued.
+
+[Note: external parameters]
+A module may read a parameter another module owns (an output head reusing `embed.weight`
+without holding it). `register_external_parameter(module, p)` records that here, in
+`_EXTERNAL`, the one registry; the plan adds the owner unit of `p` to that module's uses, so
+its hooks gather it. Ownership ignores the registry (a unit's layout never depends on it), so
+registering after initialize only changes which units a module gathers.
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
+from typing import Callable
 
+import torch
 from torch import nn
 
 from ....utils.z3_leaf_module import z3_leaf_module
@@ -62,18 +72,42 @@ class UnitPlan:
         return sum(not self.units[u].persistent for u in self.module_units.get(module_name, ()))
 
 
+# module -> parameters it reads but another module owns, in registration order.
+_EXTERNAL: "weakref.WeakKeyDictionary[nn.Module, dict[nn.Parameter, None]]" = weakref.WeakKeyDictionary()
+
+
+def add_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
+    _EXTERNAL.setdefault(module, {})[param] = None
+
+
+def remove_external_parameter(module: nn.Module, param: nn.Parameter) -> bool:
+    """False when `param` was not registered on `module`."""
+    found = _EXTERNAL.get(module, {})
+    return found.pop(param, False) is None
+
+
+def external_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return list(_EXTERNAL.get(module, ()))
+
+
 def _used_params(module: nn.Module, leaf: bool) -> list[nn.Parameter]:
     params = module.parameters() if leaf else module.parameters(recurse=False)
     return list(dict.fromkeys(p for p in params if p is not None))
+
+
+def _external_params(module: nn.Module, leaf: bool) -> list[nn.Parameter]:
+    modules = module.modules() if leaf else (module,)
+    return [p for m in modules for p in external_parameters(m)]
 
 
 def _inside_leaf(name: str, leaves: list[str]) -> bool:
     return any(name.startswith(leaf + ".") or (leaf == "" and name != "") for leaf in leaves)
 
 
-def plan_units(model: nn.Module, persistence_threshold: int = 0,
-               model_persistence_threshold: int = sys.maxsize) -> UnitPlan:
-    """Plan the gather units of `model`. See [Note: unit ownership and tied parameters]."""
+def plan_units(model: nn.Module, persistence_threshold: int = 0, model_persistence_threshold: int = sys.maxsize,
+               numel_of: Callable[[nn.Parameter], int] = torch.Tensor.numel) -> UnitPlan:
+    """Plan the gather units of `model`. See [Note: unit ownership and tied parameters].
+    `numel_of` gives a parameter's full size when `.data` is a placeholder (zero.Init, released)."""
     param_name = {}
     for name, p in model.named_parameters():
         param_name.setdefault(p, name)
@@ -88,9 +122,8 @@ def plan_units(model: nn.Module, persistence_threshold: int = 0,
         if leaf:
             leaves.append(name)
         used = _used_params(module, leaf)
-        if not used:
-            continue
-        uses[name] = used
+        if used or _external_params(module, leaf):
+            uses[name] = list(dict.fromkeys(used + _external_params(module, leaf)))
         mine = [p for p in used if p not in owned]
         if mine:
             for p in mine:
@@ -98,12 +131,17 @@ def plan_units(model: nn.Module, persistence_threshold: int = 0,
             raw.append((name, mine))
     units, persistent_total = [], 0
     for index, (owner, params) in enumerate(raw):
-        numel = sum(p.numel() for p in params)
+        numels = tuple(numel_of(p) for p in params)
+        numel = sum(numels)
         persistent = numel == 0 or (numel <= persistence_threshold
                                     and persistent_total + numel <= model_persistence_threshold)
         persistent_total += numel if persistent else 0
         units.append(UnitSpec(index, owner, tuple(param_name[p] for p in params),
-                              tuple(p.numel() for p in params), persistent))
+                              numels, persistent))
+    strangers = [name for name, used in uses.items() for p in used if p not in owned]
+    if strangers:
+        raise ValueError(f"ZeRO-3: modules {sorted(set(strangers))} have an external parameter that is not a "
+                         f"parameter of the model; register only parameters some module of the model holds")
     module_units = {name: tuple(dict.fromkeys(owned[p] for p in used)) for name, used in uses.items()}
     param_unit = {param_name[p]: u for p, u in owned.items()}
     return UnitPlan(tuple(units), module_units, param_unit)

@@ -1,0 +1,76 @@
+"""Collectives with a deadline of their own, shorter than the process group's timeout.
+
+`torch.distributed`'s collectives take no timeout: an operation that a peer never joins waits
+for the process group's timeout (30 minutes by default). The backend options do carry one
+(`AllgatherOptions.timeout`, `ReduceScatterOptions.timeout`), and gloo honours it per
+operation: after `timeout_s` the operation itself fails with a RuntimeError ("Timed out
+waiting ... for recv operation"), its worker thread is freed and the connection closed, so
+the peers' pending and later operations fail at once too ("Connection closed by peer").
+Waiting on an asynchronous Work with a timeout is no substitute: gloo's reduce-scatter Work
+ignores it, and an abandoned operation keeps the process from exiting until the group's own
+timeout. NCCL's watchdog uses the group's timeout, not this one (see docs/zero.md).
+
+`break_group` turns the same gloo behaviour into a way to fail a whole group at once.
+
+Counted and logged like every collective of deepspeed.comm, under the same op names.
+"""
+
+from __future__ import annotations
+
+import datetime
+from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.distributed as _tdist
+from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
+
+from .comm import ReduceOp, _timed, get_backend
+
+_UNMATCHED_TAG = 0x5EED0FF   # no rank ever sends with this tag
+
+
+@lru_cache(maxsize=32)
+def _options(kind: type, timeout_s: float, op: Any = None) -> Any:
+    opts = kind()
+    opts.timeout = datetime.timedelta(seconds=timeout_s)
+    opts.asyncOp = False
+    if op is not None:
+        opts.reduceOp = op
+    return opts
+
+
+def _group(group: Any) -> Any:
+    return group if group is not None else _tdist.distributed_c10d._get_default_group()
+
+
+def all_gather_into_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,
+                                  group: Any = None) -> None:
+    """`all_gather_into_tensor` that fails after `timeout_s` seconds (where the backend honours it)."""
+    pg, opts = _group(group), _options(AllgatherOptions, float(timeout_s))
+    _timed("all_gather_into_tensor", output, group, lambda: pg.all_gather_single(output, tensor, opts).wait())
+
+
+def reduce_scatter_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,
+                                 group: Any = None, op: Any = ReduceOp.SUM) -> None:
+    """`reduce_scatter_tensor` that fails after `timeout_s` seconds (where the backend honours it)."""
+    pg, opts = _group(group), _options(ReduceScatterOptions, float(timeout_s), op)
+    _timed("reduce_scatter_tensor", tensor, group, lambda: pg.reduce_scatter_single(output, tensor, opts).wait())
+
+
+def break_group(group: Any = None) -> None:
+    """Make the pending and later operations of `group` fail on every rank (gloo; elsewhere a no-op).
+
+    A receive that no rank matches times out after a millisecond, and gloo closes this rank's
+    connections when an operation times out, so every peer's pending or next operation of the
+    group fails at once ("Connection closed by peer") instead of waiting for its timeout. For a
+    group whose ranks are known to be out of step (the group is unusable anyway)."""
+    pg = _group(group)
+    if pg.size() == 1 or get_backend(group) != "gloo":
+        return
+    peer = (pg.rank() + 1) % pg.size()
+    try:
+        _timed("recv", None, group, lambda: pg.recv([torch.empty(1)], peer, _UNMATCHED_TAG).wait(
+            datetime.timedelta(milliseconds=1)))
+    except RuntimeError:
+        pass   # the expected timeout

@@ -1,0 +1,94 @@
+"""ZeRO-3 specifics of checkpoints: DeepSpeed's stage-3 files from our gather units, and back.
+
+Our ZeRO-3 shards per gather unit (one BucketPartition per module's parameter set, so that a
+gather is one collective); DeepSpeed's stage-3 files shard per parameter: rank r holds
+elements [r*s, (r+1)*s) of every parameter (s = ceil(numel/N), zero-padded), concatenated in
+param-group order (`ParamwisePartition`). Trained state (fp32 masters, optimizer fields) is
+re-cut into that layout by HpState.recut, one all-to-all per field. Frozen parameters have no
+master: their per-rank pieces (`frozen_param_fragments` of each rank's model-states file) are
+cut from one gathered unit at a time, so no rank ever holds more than one unit in full.
+Loading writes values into this rank's slice of each unit (and of its fp32 master, which the
+next step copies back into the shard) and re-gathers persistent units.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ..zero.partition import ParamwisePartition
+from .hp_state import HpState
+
+
+def param_shapes(engine: Any) -> dict[str, torch.Size]:
+    """Full shape of every parameter by (first) name; ZeRO-3 parameters are released placeholders."""
+    return {n: s for u in engine._stage3.units for n, s in zip(u.spec.param_names, u.shapes)}
+
+
+def frozen_fragments(engine: Any, rank: int, world: int) -> OrderedDict:
+    """{frozen parameter name: this rank's paramwise piece}, in module order. Collective: every
+    rank gathers the units holding frozen parameters, one at a time, in unit order."""
+    pieces: dict[str, torch.Tensor] = {}
+    for unit in engine._stage3.units:
+        frozen = [i for i in range(len(unit.params)) if i not in set(unit.trainable)]
+        if not frozen:
+            continue
+        full = unit.gather_full(unit.shard)
+        for i in frozen:
+            value, size = full[i].reshape(-1), -(-unit.spec.numels[i] // world)
+            piece = torch.zeros(size, dtype=value.dtype)
+            mine = value[rank * size:(rank + 1) * size]
+            piece[:mine.numel()].copy_(mine)
+            pieces[unit.spec.param_names[i]] = piece
+        del full
+    order = [n for n, _ in engine.module.named_parameters()]
+    return OrderedDict((n, pieces[n]) for n in order if n in pieces)
+
+
+def optimizer_state(engine: Any, hp: HpState, rank: int, world: int) -> dict:
+    """Rank `rank`'s `optimizer_state_dict` in DeepSpeed's ZeRO-3 layout (collective): per param
+    group one fp32 flat (`fp32_flat_groups`, padding included) and its base optimizer state."""
+    from ..zero.config import ZeroStageEnum
+    from .writer import upstream_scaler
+
+    layouts = [ParamwisePartition(tuple(s.numel() for _, s in g), world) for g in hp.groups]
+    fields, step = hp.agreed_fields(engine.data_parallel_group)
+    parts = {field: hp.recut(field, layouts, rank) for field in ["fp32"] + fields}
+    base_state = {}
+    for g in range(len(layouts)):
+        entry: dict[str, Any] = {} if step is None else {"step": torch.tensor(float(step))}
+        entry.update({field: parts[field][g] for field in fields})
+        base_state[g] = entry
+    param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [g]}
+                    for g, group in enumerate(hp.base.param_groups)]
+    scaler = hp.wrapper.loss_scaler
+    return {
+        "zero_stage": ZeroStageEnum(3),
+        "loss_scaler": upstream_scaler(scaler),
+        "dynamic_loss_scale": bool(scaler.dynamic),
+        "overflow": bool(getattr(hp.wrapper, "overflow", False)),
+        "partition_count": world,
+        "optimizer_state_dict": {"state": base_state, "param_groups": param_groups},
+        "fp32_flat_groups": parts["fp32"],
+    }
+
+
+def write_params(engine: Any, values: dict[str, torch.Tensor]) -> None:
+    """Write full values (by parameter name) into this rank's slice of their units, and of the
+    units' fp32 masters when an optimizer trains them; then re-gather persistent units."""
+    coordinator = engine._stage3
+    masters = {id(um.unit): um.master for um in getattr(engine.optimizer, "units", [])}
+    with torch.no_grad():
+        for unit in coordinator.units:
+            master = masters.get(id(unit))
+            for f in unit.partition.fragments(unit.rank):
+                value = values.get(unit.spec.param_names[f.index])
+                if value is None:
+                    continue
+                piece = value.reshape(-1)[f.param_start:f.param_start + f.numel]
+                unit.shard[f.shard_start:f.shard_start + f.numel].copy_(piece)
+                if master is not None:
+                    master[f.shard_start:f.shard_start + f.numel].copy_(piece)
+    coordinator.after_shard_update()

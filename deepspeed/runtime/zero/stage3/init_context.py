@@ -1,0 +1,329 @@
+"""zero.Init: parameters partitioned while modules are constructed, before deepspeed.initialize.
+
+[Note: zero.Init]
+While an Init context is active, the `__init__` of every nn.Module subclass is wrapped (as
+upstream does: existing classes are patched, classes defined inside the context are caught by
+`__init_subclass__`). When the outermost `__init__` of a module returns, its direct parameters
+not yet partitioned are broadcast from rank 0 of the group -- so every rank holds the same
+values whatever its RNG did -- and each rank keeps one slice of each: ceil(numel/N) elements,
+the last ranks' zero-padded (upstream's per-parameter `ds_tensor`). `p.data` becomes an empty
+placeholder of the parameter's dtype. Once built, a rank holds ~1/N of the parameters; at any
+moment at most one module's parameters (and one broadcast buffer) are full, so a model larger
+than one process's memory can be built as long as its largest module fits.
+
+`_SHARDS` (parameter -> InitShard) is the one owner of this state; the `ds_*` attributes are
+published from it for downstream readers (Hugging Face reads `param.ds_numel` right after
+building under Init). deepspeed.initialize adopts the slices (`adopt_into`): at stage 3 each
+parameter is all-gathered, one at a time, into its gather unit's flat buffer and the unit keeps
+its own slice (the full model never exists in one process); at stages 0-2 the parameters are
+made whole again (`materialize`). GatheredParameters (gathered.py) gathers and re-partitions
+them in between (`acquire` / `release`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .... import comm as ds_comm
+from .sharded_param import _DS_IDS, ZeroParamStatus, _all_gather
+
+
+@dataclass(eq=False)
+class InitShard:
+    """This rank's slice of one parameter partitioned under zero.Init."""
+
+    shard: torch.Tensor            # 1-D, ceil(numel / world) elements (zero-padded at the end)
+    shape: torch.Size
+    group: Any
+    rank: int
+    world: int
+    device: torch.device           # compute device: gathers and broadcasts run there
+    ds_id: int
+    gathered: int = 0              # GatheredParameters nesting depth holding the parameter full
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def bounds(self) -> tuple[int, int]:
+        """This rank's [lo, hi) inside the flattened parameter (hi - lo <= shard.numel())."""
+        size = self.shard.numel()
+        return min(self.numel, self.rank * size), min(self.numel, (self.rank + 1) * size)
+
+
+_SHARDS: Any = WeakIdKeyDictionary()   # nn.Parameter -> InitShard (identity keys: tensors compare by value)
+
+
+def init_shard(param: Any) -> InitShard | None:
+    """The zero.Init slice of `param`, None when it is not partitioned by zero.Init."""
+    return _SHARDS.get(param) if isinstance(param, nn.Parameter) else None
+
+
+def full_numel(param: nn.Parameter) -> int:
+    record = init_shard(param)
+    return record.numel if record is not None else param.numel()
+
+
+def full_shape(param: nn.Parameter) -> torch.Size:
+    record = init_shard(param)
+    return record.shape if record is not None else param.shape
+
+
+def _publish(param: nn.Parameter, record: InitShard) -> None:
+    param.ds_id, param.ds_shape, param.ds_numel, param.ds_persist = record.ds_id, record.shape, record.numel, False
+    param.ds_tensor = record.shard
+    param.ds_status = ZeroParamStatus.AVAILABLE if record.gathered else ZeroParamStatus.NOT_AVAILABLE
+
+
+def _unpublish(param: nn.Parameter) -> None:
+    for name in ("ds_id", "ds_shape", "ds_numel", "ds_persist", "ds_tensor", "ds_status"):
+        param.__dict__.pop(name, None)
+
+
+def _broadcast(tensor: torch.Tensor, src: int, group: Any, world: int) -> None:
+    """Broadcast from group rank `src` (a no-op in a one-rank group)."""
+    if world > 1:
+        ds_comm.broadcast(tensor, src=ds_comm.get_global_rank(group, src), group=group)
+
+
+def _placeholder(param: nn.Parameter) -> torch.Tensor:
+    return torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+# --- partitioning ---------------------------------------------------------------------------
+def partition(params: Iterable[nn.Parameter], settings: "Init") -> None:
+    """Broadcast `params` from group rank 0 and keep this rank's slice of each (one broadcast
+    per dtype). Parameters already partitioned, or owned by a ZeRO-3 engine, are left alone."""
+    from .sharded_param import unit_of
+
+    todo = [p for p in dict.fromkeys(params) if p is not None and p not in _SHARDS and unit_of(p) is None]
+    if not todo:
+        return
+    group, device = settings.group, settings.device
+    rank, world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in todo:
+        if settings.dtype is not None and p.is_floating_point():
+            p.data = p.data.to(settings.dtype)
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for dtype, members in by_dtype.items():
+        flat = torch.cat([p.detach().reshape(-1).to(device) for p in members])
+        _broadcast(flat, 0, group, world)
+        offset = 0
+        for p in members:
+            size = -(-p.numel() // world)
+            shard = torch.zeros(size, dtype=dtype, device=settings.shard_device)
+            record = InitShard(shard, p.shape, group, rank, world, device, next(_DS_IDS))
+            lo, hi = record.bounds()
+            shard[:hi - lo].copy_(flat[offset + lo:offset + hi])
+            if settings.pin_memory:
+                record.shard = shard.pin_memory()
+            offset += p.numel()
+            _SHARDS[p] = record
+            p.data = torch.empty(0, dtype=dtype, device=device)
+            _publish(p, record)
+
+
+def _gather_full(record: InitShard) -> torch.Tensor:
+    """The whole parameter (record's dtype, compute device): one all-gather of the slices."""
+    full = torch.empty(record.shard.numel() * record.world, dtype=record.shard.dtype, device=record.device)
+    _all_gather(full, record.shard.to(record.device), record.group)
+    return full[:record.numel].view(record.shape)
+
+
+def acquire(param: nn.Parameter) -> None:
+    """Make `param` whole (one all-gather unless a GatheredParameters block already did)."""
+    record = _SHARDS[param]
+    record.gathered += 1
+    if record.gathered == 1:
+        param.data = _gather_full(record).to(device=param.device, dtype=param.dtype)
+    _publish(param, record)
+
+
+def release(param: nn.Parameter, modifier_rank: int | None) -> None:
+    """End of a GatheredParameters block: with `modifier_rank`, its values are broadcast and
+    re-partitioned into every rank's slice; the outermost block frees the full tensor."""
+    record = _SHARDS[param]
+    if modifier_rank is not None:
+        data = param.data
+        if data.shape != record.shape:
+            raise RuntimeError(f"GatheredParameters: a parameter of shape {tuple(record.shape)} was given a "
+                               f"tensor of shape {tuple(data.shape)}; build a new parameter (under zero.Init) "
+                               f"to change its size")
+        buf = data.detach().to(record.device, record.shard.dtype).contiguous().view(-1)
+        _broadcast(buf, modifier_rank, record.group, record.world)
+        if buf.data_ptr() != data.data_ptr():
+            data.copy_(buf.view(record.shape))      # an outer block still holds it full
+        lo, hi = record.bounds()
+        record.shard[:hi - lo].copy_(buf[lo:hi])
+    record.gathered -= 1
+    if record.gathered == 0:
+        param.data = _placeholder(param)
+    _publish(param, record)
+
+
+def adopt_into(param: nn.Parameter, out: torch.Tensor) -> None:
+    """deepspeed.initialize takes `param` over: its full value is all-gathered into `out` (cast
+    to out's dtype) and the zero.Init slice is dropped. Collective: every rank, same order."""
+    record = _SHARDS.pop(param)
+    if record.gathered:
+        raise RuntimeError("deepspeed.initialize was called inside a GatheredParameters block of one of the "
+                           "model's parameters; call it after the block")
+    out.copy_(_gather_full(record).view(out.shape))
+
+
+def materialize(module: nn.Module) -> None:
+    """Make every zero.Init parameter of `module` whole again and plain (ZeRO stages 0-2)."""
+    for p in module.parameters():
+        if p in _SHARDS:
+            full = torch.empty(_SHARDS[p].shape, dtype=p.dtype, device=p.device)
+            adopt_into(p, full)
+            p.data = full
+            _unpublish(p)
+
+
+# --- the context manager ---------------------------------------------------------------------
+_ACTIVE: list["Init"] = []           # entered, enabled contexts; the outermost one partitions
+_CONSTRUCTING: set[int] = set()      # id() of modules whose outermost __init__ is running
+_PATCHED: dict[type, Callable] = {}  # class -> its original __init__
+_NO_HOOK = object()
+_SAVED_INIT_SUBCLASS: Any = _NO_HOOK  # nn.Module's own __init_subclass__, if torch defines one
+
+
+def _wrap_init(init: Callable) -> Callable:
+    @functools.wraps(init)
+    def wrapper(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        outer = id(module) not in _CONSTRUCTING
+        _CONSTRUCTING.add(id(module))
+        try:
+            init(module, *args, **kwargs)
+        finally:
+            if outer:
+                _CONSTRUCTING.discard(id(module))
+        if outer and _ACTIVE:
+            partition(module.parameters(recurse=False), _ACTIVE[0])
+    return wrapper
+
+
+def _patch_class(cls: type) -> None:
+    if "__init__" in cls.__dict__ and cls not in _PATCHED:
+        _PATCHED[cls] = cls.__dict__["__init__"]
+        cls.__init__ = _wrap_init(cls.__dict__["__init__"])
+
+
+def _init_subclass(cls: type, **kwargs: Any) -> None:
+    if _SAVED_INIT_SUBCLASS is _NO_HOOK:
+        super(nn.Module, cls).__init_subclass__(**kwargs)
+    else:
+        _SAVED_INIT_SUBCLASS.__get__(None, cls)(**kwargs)
+    _patch_class(cls)
+
+
+def _patch() -> None:
+    global _SAVED_INIT_SUBCLASS
+    todo = [nn.Module]
+    while todo:
+        cls = todo.pop()
+        _patch_class(cls)
+        todo.extend(cls.__subclasses__())
+    _SAVED_INIT_SUBCLASS = nn.Module.__dict__.get("__init_subclass__", _NO_HOOK)
+    nn.Module.__init_subclass__ = classmethod(_init_subclass)
+
+
+def _unpatch() -> None:
+    for cls, init in _PATCHED.items():
+        cls.__init__ = init
+    _PATCHED.clear()
+    if _SAVED_INIT_SUBCLASS is _NO_HOOK:
+        del nn.Module.__init_subclass__
+    else:
+        nn.Module.__init_subclass__ = _SAVED_INIT_SUBCLASS
+
+
+def _not_supported(what: str) -> Exception:
+    from ...engine_setup import NotSupportedYet
+
+    return NotSupportedYet(f"deepspeed.zero.Init: {what} is not implemented in this build of deepspeed")
+
+
+def _config_settings(config: Any) -> tuple[torch.dtype | None, str | None, bool | None]:
+    """(dtype, offload device, pin_memory) a DeepSpeed config asks for; None where it is silent."""
+    from ...config.loader import load_config_dict
+
+    raw = load_config_dict(config)
+    enabled = [name for name in ("bf16", "fp16") if (raw.get(name) or {}).get("enabled") is True]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[enabled[0]] if enabled else None
+    offload = (raw.get("zero_optimization") or {}).get("offload_param") or {}
+    device = offload.get("device")
+    return dtype, device.lower() if isinstance(device, str) else None, offload.get("pin_memory")
+
+
+class Init:
+    """Partition parameters as modules are constructed (a context manager), or those of an
+    already-built `module`. DeepSpeed 0.19.8's signature; see [Note: zero.Init].
+
+    Honoured: `module`, `data_parallel_group` / `mpu` / `sequence_data_parallel_group` (the
+    group the parameters are split over), `remote_device` "cpu" or None (where the slices
+    live), `pin_memory` (only with CUDA), `dtype` (floating parameters cast before being
+    split; else fp16/bf16 from `config_dict_or_path`, else left as built), `enabled`. Ignored:
+    `mem_efficient_linear`, `zero_param_parallel_group` (hpZ: a communication optimisation).
+    Rejected: NVMe (`remote_device="nvme"`, `param_swapper`) and quantized weights.
+    """
+
+    def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
+                 mem_efficient_linear: bool = True, remote_device: Any = None, pin_memory: bool = False,
+                 config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
+                 dtype: torch.dtype | None = None, mpu: Any = None, zero_param_parallel_group: Any = None,
+                 zero_quantized_weights: bool = False, zero_quantized_nontrainable_weights: bool = False,
+                 sequence_data_parallel_group: Any = None, param_swapper: Any = None) -> None:
+        self.enabled = enabled
+        if not enabled:
+            return
+        if zero_quantized_weights or zero_quantized_nontrainable_weights:
+            raise _not_supported("quantized weights (zero_quantized_weights / zero_quantized_nontrainable_weights)")
+        if param_swapper is not None:
+            raise _not_supported("param_swapper (NVMe parameter offload)")
+        config = config_dict_or_path if config_dict_or_path is not None else config
+        config_dtype, config_device, config_pin = _config_settings(config) if config is not None else (None, None, None)
+        device = getattr(remote_device, "value", remote_device)
+        device = str(device).lower() if device is not None else config_device
+        if device not in (None, "none", "cpu"):
+            raise _not_supported(f"remote_device={device!r} (only None or \"cpu\")")
+        if not ds_comm.is_initialized() and ds_comm.get_world_size() > 1:
+            ds_comm.init_distributed()   # launched (WORLD_SIZE > 1) but not initialised yet, as upstream
+        if sequence_data_parallel_group is not None:
+            self.group = sequence_data_parallel_group
+        elif data_parallel_group is not None:
+            self.group = data_parallel_group
+        else:
+            self.group = mpu.get_data_parallel_group() if mpu is not None else None
+        from ....accelerator import get_accelerator
+
+        self.device = torch.device(get_accelerator().current_device_name())
+        self.shard_device = torch.device("cpu") if device == "cpu" else self.device
+        pin = pin_memory or (config_pin is True and remote_device is None)
+        self.pin_memory = bool(pin) and self.shard_device.type == "cpu" and torch.cuda.is_available()
+        self.dtype = dtype if dtype is not None else config_dtype
+        if module is not None:
+            for m in module.modules():   # one module's parameters full at a time
+                partition(m.parameters(recurse=False), self)
+
+    def __enter__(self) -> "Init":
+        if self.enabled:
+            _ACTIVE.append(self)
+            if len(_ACTIVE) == 1:
+                _patch()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled:
+            _ACTIVE.remove(self)
+            if not _ACTIVE:
+                _unpatch()
