@@ -27,7 +27,8 @@ In each job:
    one optimizer step) also the loaded Adam state; the table shows max |diff| over ranks.
 
 Theoretical bytes, Ψ parameters: fp32: module 4Ψ + fp32 master 4Ψ (stage > 0 only; at stage 0
-the fp32 module is the master) + Adam's two moments 8Ψ; bf16: module 2Ψ + master 4Ψ + 8Ψ.
+the fp32 module is the master) + Adam's two moments 8Ψ; bf16: module 2Ψ + master 4Ψ + 8Ψ;
+stage 3: no module weights (the model-states files hold placeholders).
 
 Checkpoints go to the job's temp dir under ``$TMPDIR`` (local disk here), removed afterwards.
 Loads read files just written, so they come from the page cache on both sides. Cells run in
@@ -110,8 +111,9 @@ def run_worker(args) -> int:
     def build(seed):
         torch.manual_seed(seed)
         model = GPT(GPTConfig(block_size=args.block, **(bz.QUICK_MODEL if args.quick else bz.FULL_MODEL)))
+        count = model.num_parameters()  # before initialize: ZeRO-3 leaves released placeholders
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-        return engine, model.num_parameters()
+        return engine, count
 
     def step(engine, i, train=True):
         x, y = batches[i]
@@ -198,9 +200,10 @@ def launch(args, impl: str, stage: int, dtype: str) -> dict:
 
 
 def theoretical(params: int, stage: int, dtype: str) -> int:
-    if dtype == "bf16":
-        return (2 + 4 + 8) * params
-    return (4 + (4 if stage > 0 else 0) + 8) * params
+    """Module weights (none at stage 3: placeholders), fp32 masters (stage > 0) and Adam's two moments."""
+    module = 0 if stage == 3 else (2 if dtype == "bf16" else 4)
+    master = 4 if (stage > 0 or dtype == "bf16") else 0
+    return (module + master + 8) * params
 
 
 def size(b: float) -> str:

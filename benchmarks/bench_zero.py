@@ -98,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reduce-bucket-size", type=int, default=5_000_000, help="zero_optimization.reduce_bucket_size")
     p.add_argument("--allgather-bucket-size", type=int, default=5_000_000,
                    help="zero_optimization.allgather_bucket_size")
+    p.add_argument("--prefetch-bucket-size", type=int, default=None,
+                   help="zero_optimization.stage3_prefetch_bucket_size (0: no prefetch; default: the config default)")
     p.add_argument("--no-comms-logger", action="store_true",
                    help="leave the comms_logger config section out (own-logger columns then stay empty "
                         "for DeepSpeed; the neutral counts are always taken)")
@@ -261,6 +263,8 @@ def ds_config(args) -> dict:
                               "allgather_bucket_size": args.allgather_bucket_size},
         "bf16": {"enabled": args.dtype == "bf16"},
     }
+    if getattr(args, "prefetch_bucket_size", None) is not None:  # bench_checkpoint's args have none
+        cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = args.prefetch_bucket_size
     if not args.no_comms_logger:
         cfg["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False, "debug": False}
     return cfg
@@ -368,6 +372,8 @@ def worker_argv(args, impl: str, stage: int, dtype: str, out: str) -> list[str]:
             "--block", str(args.block), "--threads-per-rank", str(args.threads_per_rank), "--clip", str(args.clip),
             "--overlap-comm", str(args.overlap_comm), "--reduce-bucket-size", str(args.reduce_bucket_size),
             "--allgather-bucket-size", str(args.allgather_bucket_size), "--seed", str(args.seed)]
+    if args.prefetch_bucket_size is not None:
+        argv += ["--prefetch-bucket-size", str(args.prefetch_bucket_size)]
     if args.quick:
         argv.append("--quick")
     if args.no_comms_logger:

@@ -31,10 +31,10 @@ _UNMATCHED_TAG = 0x5EED0FF   # no rank ever sends with this tag
 
 
 @lru_cache(maxsize=32)
-def _options(kind: type, timeout_s: float, op: Any = None) -> Any:
+def _options(kind: type, timeout_s: float, op: Any = None, async_op: bool = False) -> Any:
     opts = kind()
     opts.timeout = datetime.timedelta(seconds=timeout_s)
-    opts.asyncOp = False
+    opts.asyncOp = async_op
     if op is not None:
         opts.reduceOp = op
     return opts
@@ -49,6 +49,15 @@ def all_gather_into_tensor_within(output: torch.Tensor, tensor: torch.Tensor, ti
     """`all_gather_into_tensor` that fails after `timeout_s` seconds (where the backend honours it)."""
     pg, opts = _group(group), _options(AllgatherOptions, float(timeout_s))
     _timed("all_gather_into_tensor", output, group, lambda: pg.all_gather_single(output, tensor, opts).wait())
+
+
+def start_all_gather_into_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,
+                                        group: Any = None) -> Any:
+    """Issue the bounded all-gather without waiting; returns its Work. The deadline travels in the
+    operation's options (gloo fails the operation itself after `timeout_s`), so `Work.wait()`
+    without a timeout still returns or raises in bounded time. Counted when issued."""
+    pg, opts = _group(group), _options(AllgatherOptions, float(timeout_s), async_op=True)
+    return _timed("all_gather_into_tensor", output, group, lambda: pg.all_gather_single(output, tensor, opts))
 
 
 def reduce_scatter_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,

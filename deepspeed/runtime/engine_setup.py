@@ -204,7 +204,9 @@ def build_stage3_coordinator(engine: Any) -> Any:
                              model_persistence_threshold=zero.model_persistence_threshold,
                              group=engine.data_parallel_group,
                              shard_device=torch.device("cpu") if offloaded else None,
-                             pin_memory=offloaded and offload.pin_memory and torch.cuda.is_available())
+                             pin_memory=offloaded and offload.pin_memory and torch.cuda.is_available(),
+                             prefetch_bucket_size=zero.prefetch_bucket_size,
+                             max_live_parameters=zero.max_live_parameters)
 
 
 def check_zero_layout(engine: Any) -> None:

@@ -7,7 +7,8 @@ ShardedUnit). Under `torch.no_grad()` that is all that happens. With grad enable
 also arms a pre-backward hook on the module's outputs.
 
 Backward: see [Note: ZeRO-3 backward]. This coordinator owns only *when* things happen; what a
-unit holds and how it is gathered or reduced is ShardedUnit's business.
+unit holds and how it is gathered or reduced is ShardedUnit's business. Hooks on the root
+module delimit forward passes for the Prefetcher ([Note: ZeRO-3 prefetch trace] in prefetch.py).
 
 [Note: ZeRO-3 backward]
 1. Pre-backward: `register_multi_grad_hook(outputs, mode="any")` fires once per backward
@@ -45,7 +46,8 @@ from torch import nn
 
 from ...backward_hooks import output_tensors, queue_autograd_callback
 from . import init_context
-from .sharded_param import ShardedUnit
+from .prefetch import BACKWARD, FORWARD, Prefetcher
+from .sharded_param import GatherStats, ShardedUnit
 from .units import UnitPlan, plan_units
 
 _LIVE: "weakref.WeakSet[Stage3Coordinator]" = weakref.WeakSet()   # told about external parameters
@@ -64,13 +66,17 @@ class Stage3Coordinator:
 
     def __init__(self, module: nn.Module, persistence_threshold: int = 0,
                  model_persistence_threshold: int = sys.maxsize, group: Any = None,
-                 shard_device: torch.device | None = None, pin_memory: bool = False) -> None:
+                 shard_device: torch.device | None = None, pin_memory: bool = False,
+                 prefetch_bucket_size: int = 0, max_live_parameters: int = sys.maxsize) -> None:
         self.module, self.shard_device = module, shard_device
         self._thresholds = (persistence_threshold, model_persistence_threshold)
         self.plan: UnitPlan = plan_units(module, *self._thresholds, numel_of=init_context.full_numel)
         named = dict(module.named_parameters())
-        self.units = [ShardedUnit(spec, [named[n] for n in spec.param_names], group, shard_device, pin_memory)
-                      for spec in self.plan.units]
+        self.stats = GatherStats()
+        self.units = [ShardedUnit(spec, [named[n] for n in spec.param_names], group, shard_device, pin_memory,
+                                  self.stats) for spec in self.plan.units]
+        self.prefetcher = Prefetcher(self.units, prefetch_bucket_size, max_live_parameters)
+        self._forward_depth = 0
         self._in_backward = False
         self._handles: list[Any] = []
         self._forward_handles: list[Any] = []
@@ -91,6 +97,9 @@ class Stage3Coordinator:
             m = modules[name]
             self._forward_handles.append(m.register_forward_pre_hook(partial(self._pre_forward, units), prepend=True))
             self._forward_handles.append(m.register_forward_hook(partial(self._post_forward, units), always_call=True))
+        # installed last: the pass begins before the root's own units are acquired, ends after their release
+        self._forward_handles.append(self.module.register_forward_pre_hook(self._begin_forward, prepend=True))
+        self._forward_handles.append(self.module.register_forward_hook(self._end_forward, always_call=True))
 
     def replan(self) -> None:
         """Re-plan after external parameters changed (see [Note: external parameters] in
@@ -104,9 +113,20 @@ class Stage3Coordinator:
         self._install_forward_hooks()
 
     # --- hooks --------------------------------------------------------------------------------
+    def _begin_forward(self, module: nn.Module, args: Any) -> None:
+        self._forward_depth += 1
+        if self._forward_depth == 1 and not self._in_backward:
+            self.prefetcher.begin(FORWARD)
+
+    def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._forward_depth -= 1
+        if self._forward_depth == 0:
+            self.prefetcher.end(FORWARD)
+
     def _pre_forward(self, units: list[ShardedUnit], module: nn.Module, args: Any) -> None:
         for unit in units:
             unit.acquire()
+            self.prefetcher.acquired(FORWARD, unit)
 
     def _post_forward(self, units: list[ShardedUnit], module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled():
@@ -119,11 +139,13 @@ class Stage3Coordinator:
     def _begin_backward(self) -> None:
         if not self._in_backward and queue_autograd_callback(self._end_backward):
             self._in_backward = True
+            self.prefetcher.begin(BACKWARD)
 
     def _pre_backward(self, units: list[ShardedUnit], grad: Any) -> None:
         self._begin_backward()
         for unit in units:
             unit.hold_for_backward()
+            self.prefetcher.acquired(BACKWARD, unit)
 
     def _grad_accumulated(self, unit: ShardedUnit, index: int, param: nn.Parameter) -> None:
         self._begin_backward()
@@ -132,6 +154,7 @@ class Stage3Coordinator:
 
     def _end_backward(self) -> None:
         self._in_backward = False
+        self.prefetcher.end(BACKWARD)
         for unit in self.units:        # unit order: the same collectives on every rank
             if unit.needs_reduce:
                 unit.reduce_grads()

@@ -4,8 +4,10 @@ Each unit's parameters are flattened back to back and split with the same `Bucke
 as stages 1/2 (see [Note: per-bucket shards] in zero/partition.py): padded to a multiple of N,
 rank r owns slice r. Between uses a rank holds only that slice (`shard`, parameters' dtype)
 and its fp32 gradient slice (`grad_shard`); `gather()` is ONE all-gather into the unit's flat
-buffer, whose views become the parameters' `.data`. With `offload_param` both slices live in
-CPU memory (`shard_device`) and each gather copies the shard to the compute device first.
+buffer, whose views become the parameters' `.data`; `prefetch()` issues that all-gather
+asynchronously ahead of use (prefetch.py) and `gather()` then waits for it instead. With
+`offload_param` both slices live in CPU memory (`shard_device`) and each gather copies the
+shard to the compute device first.
 
 This class is the only writer of the parameters' `.data` while they are sharded and of the
 upstream-compatible attributes `ds_id`, `ds_shape`, `ds_numel`, `ds_status`, `ds_persist` and
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -49,7 +52,24 @@ class ZeroParamStatus(enum.Enum):
 
     AVAILABLE = 1       # gathered: `.data` is the full parameter
     NOT_AVAILABLE = 2   # released: only this rank's shard exists
-    INFLIGHT = 3        # an asynchronous gather is running (unused: gathers are synchronous here)
+    INFLIGHT = 3        # a prefetch (asynchronous all-gather) is running; see prefetch.py
+
+
+@dataclass
+class GatherStats:
+    """Gather bookkeeping shared by a coordinator's units: what prefetching did, and the resident
+    (gathered or in-flight) elements of non-persistent units that max_live_parameters bounds."""
+
+    sync: int = 0          # all-gathers issued and waited for on the spot
+    prefetched: int = 0    # asynchronous all-gathers issued ahead of use
+    waited: int = 0        # uses that waited on a prefetched all-gather instead of issuing one
+    wasted: int = 0        # prefetches completed and released unused (the trace changed)
+    live: int = 0
+    peak_live: int = 0
+
+    def resident(self, delta: int) -> None:
+        self.live += delta
+        self.peak_live = max(self.peak_live, self.live)
 
 
 _DS_IDS = itertools.count()
@@ -92,9 +112,13 @@ class ShardedUnit:
     status: ZeroParamStatus
 
     def __init__(self, spec: UnitSpec, params: list[nn.Parameter], group: Any = None,
-                 shard_device: torch.device | None = None, pin_memory: bool = False) -> None:
+                 shard_device: torch.device | None = None, pin_memory: bool = False,
+                 stats: GatherStats | None = None) -> None:
         """`shard_device`: where `shard` and `grad_shard` live between uses (CPU with
-        offload_param; default: the parameters' device, where gathers and compute happen)."""
+        offload_param; default: the parameters' device, where gathers and compute happen).
+        `stats`: shared with the coordinator's other units (a private one by default)."""
+        self.stats = stats if stats is not None else GatherStats()
+        self._pending: watchdog.PendingGather | None = None
         from . import init_context   # it imports this module
 
         dtypes = {(p.dtype, p.device) for p in params}
@@ -127,6 +151,7 @@ class ShardedUnit:
             self.shard, self.grad_shard = self.shard.pin_memory(), self.grad_shard.pin_memory()
         self._shard_listeners: list[Callable[[torch.Tensor], None]] = []
         self.status = ZeroParamStatus.AVAILABLE
+        self.stats.resident(0 if spec.persistent else spec.numel)
         self._refs = 0                       # active forward uses (nested / re-entrant calls)
         self._held = False                   # needed by the current backward until reduced
         self._ready: set[int] = set()        # trainable params whose grad arrived in this backward
@@ -146,7 +171,11 @@ class ShardedUnit:
             p.ds_status = self.status
 
     def _set_status(self, status: ZeroParamStatus) -> None:
+        was = self.status is not ZeroParamStatus.NOT_AVAILABLE
         self.status = status
+        now = status is not ZeroParamStatus.NOT_AVAILABLE
+        if was != now and not self.spec.persistent:
+            self.stats.resident(self.spec.numel if now else -self.spec.numel)
         for p in self.params:
             p.ds_status = status
 
@@ -156,16 +185,51 @@ class ShardedUnit:
         return self.status is ZeroParamStatus.AVAILABLE
 
     def gather(self) -> None:
-        """ONE all-gather of the unit; parameters become views of the flat buffer.
-        See [Note: ZeRO-3 release and autograd's saved tensors]."""
+        """ONE all-gather of the unit, or the wait for its prefetch; parameters become views of
+        the flat buffer. See [Note: ZeRO-3 release and autograd's saved tensors]."""
         if self.available:
             return
+        if self.status is ZeroParamStatus.INFLIGHT:
+            self.stats.waited += 1
+            return self._finish_prefetch()
         self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
         phase = "backward" if self._held else ("forward" if self._refs else "post-step")
         _all_gather(self.flat, self.shard.to(self.flat.device), self.group, self.spec, phase)
+        self.stats.sync += 1
+        self._show_gathered()
+
+    def _show_gathered(self) -> None:
         for view, p in zip(self._views, self.params):
             p.data = view
         self._set_status(ZeroParamStatus.AVAILABLE)
+
+    def prefetch(self, phase: str) -> None:
+        """Start the unit's all-gather without waiting (asynchronous, into `flat`); the next
+        `gather()` waits for it instead of issuing one. `.data` stays the placeholder meanwhile."""
+        if self.status is not ZeroParamStatus.NOT_AVAILABLE:
+            raise RuntimeError(f"ZeRO-3: prefetch of {self}, which is not released")
+        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+        shard = self.shard.to(self.flat.device)
+        if ds_comm.is_initialized():
+            self._pending = watchdog.start_all_gather(self.flat, shard, self.group, self.spec, phase)
+        else:
+            self.flat.copy_(shard)
+        self.stats.prefetched += 1
+        self._set_status(ZeroParamStatus.INFLIGHT)
+
+    def _finish_prefetch(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.finish()
+        self._show_gathered()
+
+    def drop_prefetch(self) -> None:
+        """A prefetch nobody used: wait for it (every rank issued it, so it completes) and
+        release the unit unless something acquired it meanwhile."""
+        if self.status is ZeroParamStatus.INFLIGHT:
+            self.stats.wasted += 1
+            self._finish_prefetch()
+            self._maybe_free()
 
     def _free(self) -> None:
         for p in self.params:

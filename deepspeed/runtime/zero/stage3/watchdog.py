@@ -33,6 +33,8 @@ remedy. The others fail the same way -- their collective failed (at once when it
 failed rank, else at its deadline) or their check saw the flag -- so every rank that keeps
 running ZeRO-3 collectives raises within timeout + 10 s. The process group is unusable
 afterwards. Settings come from the environment at import (`configure()` changes them).
+A prefetch (`start_all_gather`) is journaled, checked and counted when issued -- issue order is
+what pairs collectives -- and its `finish()` fails like a synchronous collective would.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ import torch
 import torch.distributed as _tdist
 
 from .... import comm as ds_comm
-from ....comm.bounded import all_gather_into_tensor_within, break_group, reduce_scatter_tensor_within
+from ....comm.bounded import (all_gather_into_tensor_within, break_group, reduce_scatter_tensor_within,
+                              start_all_gather_into_tensor_within)
 from .units import UnitSpec
 
 TIMEOUT_ENV, CHECK_ENV = "DEEPSPEED_ZERO3_TIMEOUT_S", "DEEPSPEED_ZERO3_CHECK_EVERY"
@@ -151,22 +154,27 @@ class _GroupWatch:
         return "/".join([self.prefix, *map(str, parts)])
 
     # --- the three mechanisms ---------------------------------------------------------------
-    def run(self, s: Site, device: torch.device, call: Callable[[float], None]) -> None:
+    def run(self, s: Site, device: torch.device, call: Callable[[float], Any]) -> Any:
+        """Journal, (strict) verify, issue `call(timeout)`, check the schedule; returns call's
+        result. An asynchronous call is journaled here, at issue: issue order is what must match."""
         settings = SETTINGS
-        timeout = settings.timeout_s
         self.seq += 1
         seq = self.seq
         self.journal.append((seq, s))
         self.hash = ((self.hash * 1099511628211) ^ s.token) & _MASK
         if settings.strict:
-            self._verify(seq, s, device, timeout)
+            self._verify(seq, s, device, settings.timeout_s)
+        result = self.guard(seq, s, lambda: call(settings.timeout_s))
+        if settings.check_every > 0 and seq % settings.check_every == 0:
+            self._check_schedule(seq, s)
+        return result
+
+    def guard(self, seq: int, s: Site, call: Callable[[], Any]) -> Any:
         try:
-            call(timeout)
+            return call()
         except RuntimeError as exc:  # a backend error or timeout: every cause ends in the same report
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             self.fail(seq, s, f"the collective failed ({first})", cause=exc)
-        if settings.check_every > 0 and seq % settings.check_every == 0:
-            self._check_schedule(seq, s)
 
     def _verify(self, seq: int, s: Site, device: torch.device, timeout: float) -> None:
         mine = torch.tensor([seq, s.token, s.numel, _OPS[s.op]], dtype=torch.int64, device=device)
@@ -269,17 +277,46 @@ def _watch(group: Any) -> _GroupWatch:
 
 
 def _unit_collective(op: str, phase: str, spec: UnitSpec, group: Any, device: torch.device,
-                     call: Callable[[float], None]) -> None:
+                     call: Callable[[float], Any]) -> Any:
     watch = _watch(group)
     if watch.world == 1:
         return call(SETTINGS.timeout_s)
-    watch.run(site(op, phase, spec), device, call)
+    return watch.run(site(op, phase, spec), device, call)
 
 
 def all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec, phase: str) -> None:
     """The unit's one all-gather, bounded and checked; see [Note: ZeRO-3 divergence]."""
     _unit_collective("all-gather", phase, spec, group, out.device,
                      lambda t: all_gather_into_tensor_within(out, shard, t, group))
+
+
+class PendingGather:
+    """An issued asynchronous unit all-gather; `finish()` waits for it (bounded by the deadline the
+    operation carries) and reports a failure like a synchronous collective would."""
+
+    def __init__(self, work: Any, watch: "_GroupWatch | None", seq: int, s: Site | None, inputs: Any) -> None:
+        self.work, self.watch, self.seq, self.site = work, watch, seq, s
+        self.inputs = inputs   # the output and shard stay alive until the backend is done with them
+
+    def finish(self) -> None:
+        work, self.work, self.inputs = self.work, None, None
+        if work is None:
+            return
+        if self.watch is None:
+            work.wait()
+        else:
+            self.watch.guard(self.seq, self.site, work.wait)
+
+
+def start_all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec,
+                     phase: str) -> PendingGather:
+    """`all_gather` issued asynchronously (prefetch): journaled and schedule-checked at issue, in
+    issue order like any unit collective; bounded by the per-operation deadline."""
+    work = _unit_collective("all-gather", phase, spec, group, out.device,
+                            lambda t: start_all_gather_into_tensor_within(out, shard, t, group))
+    watch = _watch(group)
+    return PendingGather(work, watch if watch.world > 1 else None, watch.seq, site("all-gather", phase, spec),
+                         (out, shard))
 
 
 def reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any, spec: UnitSpec, phase: str) -> None:
