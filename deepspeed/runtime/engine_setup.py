@@ -206,7 +206,8 @@ def build_stage3_coordinator(engine: Any) -> Any:
                              shard_device=torch.device("cpu") if offloaded else None,
                              pin_memory=offloaded and offload.pin_memory and torch.cuda.is_available(),
                              prefetch_bucket_size=zero.prefetch_bucket_size,
-                             max_live_parameters=zero.max_live_parameters)
+                             max_live_parameters=zero.max_live_parameters,
+                             max_reuse_distance=zero.max_reuse_distance)
 
 
 def check_zero_layout(engine: Any) -> None:

@@ -210,3 +210,48 @@ def test_leaf_module_config_is_applied_at_stage_3() -> None:
     config = _config(micro=2, zero_optimization={"stage": 3, "leaf_module": {"names": ["fc2"]}})
     flags = run_distributed(2, leaf_from_config, config)[0]
     assert flags["fc2"] and not flags["fc1"] and not flags["head"]
+
+
+def gathers_per_step(zero: dict, forward_only_first: bool = False) -> dict:
+    """On every rank: all-gathers of one training step (micro 1, gas 1), the units it may gather,
+    and the peak of gathered elements; optionally a forward without backward before it."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine, *_ = deepspeed.initialize(model=make_model(), config=_config(micro=1, gas=1, zero_optimization=zero))
+    x, y = next(iter(global_batches(1, world)))
+    x, y = micro_slice(x, 1, 0, rank, world), micro_slice(y, 1, 0, rank, world)
+    if forward_only_first:   # its kept units must be given back, not trip the step
+        engine(x, y)
+    coordinator = engine._stage3
+    coordinator.stats.peak_live = coordinator.stats.live
+    dist.comms_counter.reset()
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    count = dist.comms_counter.summary().get("all_gather_into_tensor", {}).get("count", 0)
+    sharded = [u for u in coordinator.units if not u.spec.persistent]
+    return {"gathers": count, "units": len(sharded), "peak": coordinator.stats.peak_live,
+            "largest": max(u.spec.numel for u in sharded), "total": sum(u.spec.numel for u in sharded),
+            "loss": loss.item(), "left": len(coordinator.gathered_units())}
+
+
+@pytest.mark.parametrize("forward_only_first", [False, True])
+def test_units_kept_for_the_backward_within_the_budget(forward_only_first: bool) -> None:
+    """[Note: keeping units for the backward]: DeepSpeed's default budget keeps every unit gathered
+    from its forward to its backward (one all-gather per unit per step); a budget of 0 releases
+    after the forward (two); a small budget keeps what fits. Losses are identical."""
+    no_prefetch = {"stage3_prefetch_bucket_size": 0}   # only what the budget keeps is resident
+    keep = run_distributed(2, gathers_per_step, _z3(**no_prefetch), forward_only_first)[0]
+    none = run_distributed(2, gathers_per_step, _z3(stage3_max_reuse_distance=0, **no_prefetch),
+                           forward_only_first)[0]
+    small = run_distributed(2, gathers_per_step, _z3(stage3_max_live_parameters=none["largest"], **no_prefetch))[0]
+    # after a forward without backward the kept units are still valid: the step gathers nothing
+    assert keep["gathers"] == (0 if forward_only_first else keep["units"]), keep
+    assert none["gathers"] == 2 * none["units"], none
+    assert keep["units"] < small["gathers"] < none["gathers"], small
+    assert keep["peak"] == keep["total"] and none["peak"] <= none["largest"] < keep["peak"], (keep, none)
+    assert small["peak"] <= 2 * none["largest"], small
+    assert keep["loss"] == none["loss"] == small["loss"]
+    assert keep["left"] == none["left"] == small["left"] == 0   # nothing gathered after the step

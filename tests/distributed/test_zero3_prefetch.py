@@ -52,8 +52,10 @@ class SkippingMLP(DeepMLP):
 
 
 def _zero(bucket: int, max_live: int = 1_000_000_000) -> dict:
+    # max_reuse_distance 0: every unit is released after its forward and gathered again for its
+    # backward, so both passes prefetch (units kept for the backward need no gather)
     return {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": bucket,
-            "stage3_max_live_parameters": max_live}
+            "stage3_max_live_parameters": max_live, "stage3_max_reuse_distance": 0}
 
 
 def train(zeros: list[dict], model_cls: type = DeepMLP) -> list[dict]:

@@ -67,8 +67,12 @@ class Stage3Coordinator:
     def __init__(self, module: nn.Module, persistence_threshold: int = 0,
                  model_persistence_threshold: int = sys.maxsize, group: Any = None,
                  shard_device: torch.device | None = None, pin_memory: bool = False,
-                 prefetch_bucket_size: int = 0, max_live_parameters: int = sys.maxsize) -> None:
+                 prefetch_bucket_size: int = 0, max_live_parameters: int = sys.maxsize,
+                 max_reuse_distance: int = 0) -> None:
+        """`max_reuse_distance`/`max_live_parameters`: see [Note: keeping units for the backward]."""
         self.module, self.shard_device = module, shard_device
+        self._keep_budget = min(max_reuse_distance, max_live_parameters)
+        self._kept: list[ShardedUnit] = []   # gathered by a forward, held for its backward
         self._thresholds = (persistence_threshold, model_persistence_threshold)
         self.plan: UnitPlan = plan_units(module, *self._thresholds, numel_of=init_context.full_numel)
         named = dict(module.named_parameters())
@@ -133,8 +137,29 @@ class Stage3Coordinator:
             tensors = output_tensors(output)
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, partial(self._pre_backward, units), mode="any")
+                if not self._in_backward:
+                    self._keep_for_backward(units)
         for unit in reversed(units):
             unit.release()
+
+    def _keep_for_backward(self, units: list[ShardedUnit]) -> None:
+        """[Note: keeping units for the backward]
+        A unit released after its module's forward is gathered again before the module's
+        backward: 2 all-gathers per unit per step. Like DeepSpeed (`stage3_max_reuse_distance`,
+        `stage3_max_live_parameters`, both 1e9 by default), units are instead kept gathered from
+        the forward to their backward while the kept elements stay within min(max_reuse_distance,
+        max_live_parameters): one all-gather per unit per step for models below the budget, at
+        the cost of holding them (0 keeps nothing: lowest memory). The decision depends only on
+        the plan, the config and the order of modules, the same on every rank. Kept units are
+        released when reduced (or at the end of the backward); a forward never followed by a
+        backward gives them back at the next optimizer step (`after_shard_update`)."""
+        kept = sum(u.spec.numel for u in self._kept)
+        for unit in units:
+            if unit.spec.persistent or unit.held or kept + unit.spec.numel > self._keep_budget:
+                continue
+            unit.hold_for_backward()
+            self._kept.append(unit)
+            kept += unit.spec.numel
 
     def _begin_backward(self) -> None:
         if not self._in_backward and queue_autograd_callback(self._end_backward):
@@ -160,6 +185,7 @@ class Stage3Coordinator:
                 unit.reduce_grads()
         for unit in self.units:
             unit.end_backward()
+        self._kept.clear()
 
     # --- API for the optimizer side ------------------------------------------------------------
     def grad_shards(self) -> list[torch.Tensor]:
@@ -173,6 +199,9 @@ class Stage3Coordinator:
     def after_shard_update(self) -> None:
         """Call after changing the shards (an optimizer step): persistent units are refreshed
         now (one all-gather each); the others pick the new values up at their next gather."""
+        for unit in self._kept:   # kept by a forward whose backward never came
+            unit.end_backward()
+        self._kept.clear()
         for unit in self.units:
             if unit.available and not unit.spec.persistent:
                 raise RuntimeError(f"ZeRO-3: {unit} is gathered while its shard was updated")

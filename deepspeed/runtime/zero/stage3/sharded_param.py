@@ -255,6 +255,10 @@ class ShardedUnit:
         self._refs -= 1
         self._maybe_free()
 
+    @property
+    def held(self) -> bool:
+        return self._held
+
     def hold_for_backward(self) -> None:
         """A module using this unit is about to run its backward: keep it gathered until reduced."""
         self._held = True
