@@ -230,11 +230,14 @@ def gathers_per_step(zero: dict, forward_only_first: bool = False) -> dict:
     loss = engine(x, y)
     engine.backward(loss)
     engine.step()
-    count = dist.comms_counter.summary().get("all_gather_into_tensor", {}).get("count", 0)
+    summary = dist.comms_counter.summary()
+    count = summary.get("all_gather_into_tensor", {}).get("count", 0)
+    wire = sum(summary.get(op, {}).get("wire_bytes", 0) for op in ("all_gather_into_tensor", "reduce_scatter_tensor"))
     sharded = [u for u in coordinator.units if not u.spec.persistent]
     return {"gathers": count, "units": len(sharded), "peak": coordinator.stats.peak_live,
             "largest": max(u.spec.numel for u in sharded), "total": sum(u.spec.numel for u in sharded),
-            "loss": loss.item(), "left": len(coordinator.gathered_units())}
+            "loss": loss.item(), "left": len(coordinator.gathered_units()), "wire_elements": wire / 4,
+            "psi": sum(p.numel() for p in make_model().parameters()), "world": world}
 
 
 @pytest.mark.parametrize("forward_only_first", [False, True])
@@ -255,3 +258,17 @@ def test_units_kept_for_the_backward_within_the_budget(forward_only_first: bool)
     assert small["peak"] <= 2 * none["largest"], small
     assert keep["loss"] == none["loss"] == small["loss"]
     assert keep["left"] == none["left"] == small["left"] == 0   # nothing gathered after the step
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("reuse", [None, 0])
+def test_bytes_per_step_within_the_bound(world: int, reuse) -> None:
+    """Per step each rank sends at most 1.05 x 3Psi(N-1)/N elements with units released after their
+    forward (two all-gathers and one reduce-scatter per unit) and 1.05 x 2Psi(N-1)/N with units kept
+    for the backward (the default), counted through deepspeed.comm (ring volume: (N-1)/N of each
+    all-gather's output and reduce-scatter's input); the only other collective is the clipping norm."""
+    extra = {} if reuse is None else {"stage3_max_reuse_distance": reuse}
+    r = run_distributed(world, gathers_per_step, _z3(stage3_prefetch_bucket_size=0, **extra))[0]
+    passes = 3 if reuse == 0 else 2
+    bound = passes * r["psi"] * (world - 1) / world
+    assert passes * r["total"] * (world - 1) / world <= r["wire_elements"] <= 1.05 * bound, (r, bound)

@@ -222,3 +222,80 @@ def test_offload_param_and_optimizer_equal_stage_0(model_fn) -> None:
     found = run_distributed(1, offload_devices, _config(zero_optimization=offload))[0]
     assert found == {"shard_device": torch.device("cpu"), "units": {("cpu", "cpu")}}
     assert run_distributed(1, offload_devices, _config(zero_optimization=_z3()))[0]["shard_device"] is None
+
+
+# --- a model larger than a rank's memory cap (RLIMIT_DATA) -----------------------------------------
+class Tower(nn.Module):
+    """`layers` equal Linear units: any one of them is small next to the whole."""
+
+    def __init__(self, layers: int = 64, dim: int = 1024) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def _data_bytes() -> int:
+    """What RLIMIT_DATA is checked against: private writable mappings (VmData, Linux >= 4.7)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+
+
+def train_under_data_cap(layers: int, dim: int, cap_fraction: float) -> dict:
+    """Caps this rank's data segment below baseline + the model's full fp32 size, checks the cap
+    bites (a full-size tensor, a plain construction), then builds and trains under zero.Init."""
+    import gc
+    import resource
+
+    import deepspeed.comm as dist
+
+    full_bytes = layers * (dim * dim + dim) * 4
+    gc.collect()
+    baseline = _data_bytes()
+    cap = baseline + int(cap_fraction * full_bytes)
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY and hard < cap:
+        return {"skip": f"hard RLIMIT_DATA {hard} below the cap {cap}"}
+    out: dict = {"baseline": baseline, "cap": cap, "full_bytes": full_bytes}
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))   # soft only: restorable without privileges
+    try:
+        try:
+            torch.empty(full_bytes // 4, dtype=torch.float32).fill_(1.0)
+            out["bites"] = False
+        except (MemoryError, RuntimeError):
+            out["bites"] = True
+        if not dist.all_reduce_bool(out["bites"]) if hasattr(dist, "all_reduce_bool") else not out["bites"]:
+            return out
+        try:   # the same model built plainly does not fit either
+            Tower(layers, dim)
+            out["plain_fits"] = True
+        except (MemoryError, RuntimeError):
+            out["plain_fits"] = False
+        gc.collect()
+        torch.manual_seed(0)
+        with deepspeed.zero.Init():
+            model = Tower(layers, dim)
+        out["after_init"] = _data_bytes() - baseline
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                        "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}}
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        out["after_initialize"] = _data_bytes() - baseline
+        losses = []
+        g = torch.Generator().manual_seed(1 + dist.get_rank())
+        for _ in range(2):
+            loss = engine(torch.randn(2, dim, generator=g))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        out["losses"] = losses
+        out["after_train"] = _data_bytes() - baseline
+        del engine, model
+        gc.collect()
+        return out
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
