@@ -10,6 +10,11 @@ the same batches with the same global batch:
 * ``plain``     one process, the whole global batch, ``--plain-threads`` torch threads
 * ``ddp``       ``--ranks`` processes, torch DistributedDataParallel
 * ``deepspeed`` ``--ranks`` processes, ``deepspeed.initialize`` with a config dict
+* ``fsdp2``     ``--ranks`` processes, torch FSDP2: ``fully_shard`` per transformer block, then
+                the root (parameters sharded; all-gather per block, reduce-scatter of gradients)
+* ``zero3``     ``--ranks`` processes, our engine at ZeRO stage 3 (defaults for every stage3 key)
+
+(not in the default set: ``--variants fsdp2,zero3``; they compare sharded training).
 
 Every run is a fresh set of processes (so peak RSS belongs to one variant) and the
 variants are interleaved ``--repeats`` times (ddp, ours, ddp, ours, ...) so slow drifts
@@ -39,7 +44,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
 
-VARIANTS = ("plain", "ddp", "deepspeed")
+VARIANTS = ("plain", "ddp", "deepspeed", "fsdp2", "zero3")
+DEFAULT_VARIANTS = ("plain", "ddp", "deepspeed")
 # ~19.3M parameters: 6 x 12 x 512^2 in the blocks plus byte and position embeddings.
 FULL_MODEL = dict(n_layer=6, n_head=8, n_embd=512)
 QUICK_MODEL = dict(n_layer=2, n_head=2, n_embd=64)
@@ -48,7 +54,7 @@ LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma list of " + ",".join(VARIANTS))
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per run")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs of every variant")
@@ -131,8 +137,8 @@ def our_comm_bytes(reset: bool = False) -> dict:
     return {op: dict(s) for op, s in dist.comms_counter.summary().items()}
 
 
-def deepspeed_config(args) -> dict:
-    """Plain fp32 data parallelism with the optimizer the other variants use (torch AdamW)."""
+def deepspeed_config(args, stage: int = 0) -> dict:
+    """fp32 data parallelism (ZeRO `stage`) with the optimizer the other variants use (torch AdamW)."""
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -141,7 +147,7 @@ def deepspeed_config(args) -> dict:
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
                                                    "weight_decay": WD, "torch_adam": True}},
-        "zero_optimization": {"stage": 0},
+        "zero_optimization": {"stage": stage},
     }
 
 
@@ -149,11 +155,11 @@ def build_variant(args, variant: str, model):
     """Return (step_fn(x, y) -> loss tensor, bytes_fn(reset) -> comm dict)."""
     import torch
 
-    if variant == "deepspeed":
+    if variant in ("deepspeed", "zero3"):
         import deepspeed
 
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=deepspeed_config(args))
+                                          config=deepspeed_config(args, 3 if variant == "zero3" else 0))
 
         def ds_step(x, y):
             loss = engine(x.to(engine.device), y.to(engine.device))
@@ -174,6 +180,12 @@ def build_variant(args, variant: str, model):
                 counter.calls = counter.bytes = 0
                 return {}
             return {"all_reduce": {"count": counter.calls, "bytes": counter.bytes}}
+    if variant == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
 
     def torch_step(x, y):
@@ -189,7 +201,7 @@ def build_variant(args, variant: str, model):
 def init_process_group(variant: str) -> None:
     import torch.distributed as tdist
 
-    if variant == "deepspeed":
+    if variant in ("deepspeed", "zero3"):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")

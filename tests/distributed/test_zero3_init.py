@@ -244,14 +244,23 @@ def _data_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
 
 
+_M_MMAP_THRESHOLD = -3
+
+
 def train_under_data_cap(layers: int, dim: int, cap_fraction: float) -> dict:
     """Caps this rank's data segment below baseline + the model's full fp32 size, checks the cap
     bites (a full-size tensor, a plain construction), then builds and trains under zero.Init."""
+    import ctypes
     import gc
     import resource
 
     import deepspeed.comm as dist
 
+    # glibc serves blocks up to a dynamic threshold (up to 32 MiB) from heaps that keep freed
+    # space mapped, and VmData counts it: pin the threshold so freed tensors are unmapped.
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallopt") or not libc.mallopt(_M_MMAP_THRESHOLD, 256 * 1024):
+        return {"skip": "no glibc mallopt(M_MMAP_THRESHOLD)"}
     full_bytes = layers * (dim * dim + dim) * 4
     gc.collect()
     baseline = _data_bytes()
@@ -267,7 +276,9 @@ def train_under_data_cap(layers: int, dim: int, cap_fraction: float) -> dict:
             out["bites"] = False
         except (MemoryError, RuntimeError):
             out["bites"] = True
-        if not dist.all_reduce_bool(out["bites"]) if hasattr(dist, "all_reduce_bool") else not out["bites"]:
+        bites = torch.tensor([int(out["bites"])])
+        dist.all_reduce(bites, op=dist.ReduceOp.MIN)   # every rank goes on, or none (collectives follow)
+        if not bites.item():
             return out
         try:   # the same model built plainly does not fit either
             Tower(layers, dim)
@@ -275,9 +286,17 @@ def train_under_data_cap(layers: int, dim: int, cap_fraction: float) -> dict:
         except (MemoryError, RuntimeError):
             out["plain_fits"] = False
         gc.collect()
+        out["after_plain"] = _data_bytes() - baseline
+        import os
+        if os.environ.get("PROBE_UNCAP"):
+            resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
         torch.manual_seed(0)
-        with deepspeed.zero.Init():
-            model = Tower(layers, dim)
+        try:
+            with deepspeed.zero.Init():
+                model = Tower(layers, dim)
+        except RuntimeError as e:
+            out["init_failed"] = str(e)[:80]
+            return out
         out["after_init"] = _data_bytes() - baseline
         config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                   "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
