@@ -129,8 +129,7 @@ class HpState:
         def cuts(name: str, start: int, numel: int):
             """(destination rank, group, offset in its slice, length, offset in the piece)."""
             g, i = where[name]
-            for dst, at, n, src in layouts[g].placements(i, start, numel):
-                yield dst, g, at, n, src
+            return ((dst, g, at, n, src) for dst, at, n, src in layouts[g].placements(i, start, numel))
 
         if not self.zero or self.wrapper.dp_world == 1:
             for name, start, values in self.local_values(field):

@@ -32,7 +32,8 @@ def frozen_fragments(engine: Any, rank: int, world: int) -> OrderedDict:
     rank gathers the units holding frozen parameters, one at a time, in unit order."""
     pieces: dict[str, torch.Tensor] = {}
     for unit in engine._stage3.units:
-        frozen = [i for i in range(len(unit.params)) if i not in set(unit.trainable)]
+        trained = set(unit.trainable)
+        frozen = [i for i in range(len(unit.params)) if i not in trained]
         if not frozen:
             continue
         full = unit.gather_full(unit.shard)

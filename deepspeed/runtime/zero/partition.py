@@ -110,7 +110,7 @@ class ParamwisePartition:
 
     @property
     def shard_numel(self) -> int:
-        return sum(-(-n // self.world_size) for n in self.numels)
+        return self._starts[-1] + -(-self.numels[-1] // self.world_size) if self.numels else 0
 
     def padding(self, rank: int) -> int:
         return self.shard_numel - sum(f.numel for f in self.fragments(rank))
