@@ -207,7 +207,17 @@ def build_stage3_coordinator(engine: Any) -> Any:
                              pin_memory=offloaded and offload.pin_memory and torch.cuda.is_available(),
                              prefetch_bucket_size=zero.prefetch_bucket_size,
                              max_live_parameters=zero.max_live_parameters,
-                             max_reuse_distance=zero.max_reuse_distance)
+                             max_reuse_distance=zero.max_reuse_distance,
+                             reduce_bucket_size=_stage3_bucket_numel(engine))
+
+
+def _stage3_bucket_numel(engine: Any) -> int:
+    """Elements per ZeRO-3 reduce-scatter bucket ([Note: ZeRO-3 reduce-scatter buckets]): the
+    config's reduce_bucket_size, or DDP's 25 MiB of the parameters' dtype when left at default."""
+    config = engine._config
+    if config.is_set("zero_optimization.reduce_bucket_size"):
+        return config.model.zero_optimization.reduce_bucket_size
+    return _DEFAULT_DP_BUCKET_BYTES // (torch.finfo(engine.precision.param_dtype).bits // 8)
 
 
 def check_zero_layout(engine: Any) -> None:

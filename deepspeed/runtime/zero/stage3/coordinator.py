@@ -19,18 +19,35 @@ module delimit forward passes for the Prefetcher ([Note: ZeRO-3 prefetch trace] 
    incoming gradients in its input buffer before running it, so a parameter used twice (a
    module called twice, a tied weight used by two modules) still gets exactly one
    post-accumulate-grad hook call per backward. A unit is complete when each of its trainable
-   parameters reported once; it is then reduce-scattered and released. Completion implies every
+   parameters reported once; it is then handed to the reducer (reducer.py: reduce-scattered
+   alone or in a bucket with other small units) and released. Completion implies every
    backward node with an edge to those parameters already ran, so nothing reads them later in
    this backward. Cost: a unit stays gathered from the first backward use of any module that
    needs it until its last parameter's gradient is accumulated (a tied embedding stays gathered
    between the output head's backward and the embedding's backward).
+   A unit owned by a z3 leaf module is the exception: see [Note: leaf units complete by module].
 3. Epilogue: a callback queued on the autograd engine (deepspeed/runtime/backward_hooks.py)
    runs when the graph task ends. It reduces, in unit order (the same on every rank), each
-   trainable unit not reduced yet -- parameters that got no gradient contribute zeros -- so
-   every rank issues exactly one reduce-scatter per trainable unit per backward whatever its
-   local graph used, then releases anything still held (frozen units have no gradient hook).
+   trainable unit not reduced yet -- parameters that got no gradient contribute zeros -- and
+   flushes the reducer's last bucket, so every rank reduces every trainable unit exactly once
+   per backward whatever its local graph used, then releases anything still held (frozen units
+   have no gradient hook).
 Collective order must be the same on every rank: the model must run the same modules in the
 same order on every rank (data-dependent routing belongs inside a z3 leaf module).
+
+[Note: leaf units complete by module]
+Inside a leaf module the graph may differ by rank (MoE routing: rank 0's tokens reach experts
+0-3, rank 1's only expert 0). Completion by parameter would then differ too: rank 0 completes
+the leaf's unit during the backward, rank 1 never (expert 1-3 get no gradient there) and only
+reduces it in the epilogue, so the ranks' reduce-scatters pair with different collectives
+(a hang or a wrong sum). A unit owned by a leaf therefore ignores its parameters' hooks. Each
+grad-enabled forward call of a module using it registers a hook that fires once the gradients
+of the call's inputs are computed (`register_multi_grad_hook(mode="all")` on the floating
+inputs that require grad): by then the call's backward has run, and autograd runs a
+parameter's AccumulateGrad as soon as it is ready (highest priority), so its gradients are
+accumulated. When the last call's hook fired the unit is reduced: a point fixed by the module
+structure, the same on every rank. A call whose inputs need no gradient (the first layer)
+registers nothing, and its units wait for the epilogue, on every rank alike.
 """
 
 from __future__ import annotations
@@ -46,7 +63,9 @@ from torch import nn
 
 from ...backward_hooks import output_tensors, queue_autograd_callback
 from . import init_context
+from ....utils.z3_leaf_module import z3_leaf_module
 from .prefetch import BACKWARD, FORWARD, Prefetcher
+from .reducer import UnitGradReducer
 from .sharded_param import GatherStats, ShardedUnit
 from .units import UnitPlan, plan_units
 
@@ -68,8 +87,9 @@ class Stage3Coordinator:
                  model_persistence_threshold: int = sys.maxsize, group: Any = None,
                  shard_device: torch.device | None = None, pin_memory: bool = False,
                  prefetch_bucket_size: int = 0, max_live_parameters: int = sys.maxsize,
-                 max_reuse_distance: int = 0) -> None:
-        """`max_reuse_distance`/`max_live_parameters`: see [Note: keeping units for the backward]."""
+                 max_reuse_distance: int = 0, reduce_bucket_size: int = 0) -> None:
+        """`max_reuse_distance`/`max_live_parameters`: see [Note: keeping units for the backward];
+        `reduce_bucket_size`: see [Note: ZeRO-3 reduce-scatter buckets] (0: one per unit)."""
         self.module, self.shard_device = module, shard_device
         self._keep_budget = min(max_reuse_distance, max_live_parameters)
         self._kept: list[ShardedUnit] = []   # gathered by a forward, held for its backward
@@ -80,6 +100,10 @@ class Stage3Coordinator:
         self.units = [ShardedUnit(spec, [named[n] for n in spec.param_names], group, shard_device, pin_memory,
                                   self.stats) for spec in self.plan.units]
         self.prefetcher = Prefetcher(self.units, prefetch_bucket_size, max_live_parameters)
+        self.reducer = UnitGradReducer(group, reduce_bucket_size)
+        self._by_module: set[ShardedUnit] = set()   # leaf-owned: see [Note: leaf units complete by module]
+        self._calls_left: dict[ShardedUnit, int] = {}   # grad-enabled calls whose backward is pending
+        self._unhooked: set[ShardedUnit] = set()        # used by a call no hook can follow: epilogue
         self._forward_depth = 0
         self._in_backward = False
         self._handles: list[Any] = []
@@ -96,11 +120,13 @@ class Stage3Coordinator:
             handle.remove()
         modules = dict(self.module.named_modules())
         self._forward_handles = []
+        self._by_module = {unit for unit in self.units if unit.trainable and z3_leaf_module(modules[unit.spec.owner])}
         for name, unit_ids in self.plan.module_units.items():
             units = [self.units[u] for u in unit_ids]
             m = modules[name]
             self._forward_handles.append(m.register_forward_pre_hook(partial(self._pre_forward, units), prepend=True))
-            self._forward_handles.append(m.register_forward_hook(partial(self._post_forward, units), always_call=True))
+            self._forward_handles.append(m.register_forward_hook(partial(self._post_forward, units), with_kwargs=True,
+                                                                 always_call=True))
         # installed last: the pass begins before the root's own units are acquired, ends after their release
         self._forward_handles.append(self.module.register_forward_pre_hook(self._begin_forward, prepend=True))
         self._forward_handles.append(self.module.register_forward_hook(self._end_forward, always_call=True))
@@ -132,15 +158,37 @@ class Stage3Coordinator:
             unit.acquire()
             self.prefetcher.acquired(FORWARD, unit)
 
-    def _post_forward(self, units: list[ShardedUnit], module: nn.Module, args: Any, output: Any) -> None:
+    def _post_forward(self, units: list[ShardedUnit], module: nn.Module, args: Any, kwargs: Any,
+                      output: Any) -> None:
         if torch.is_grad_enabled():
             tensors = output_tensors(output)
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, partial(self._pre_backward, units), mode="any")
                 if not self._in_backward:
                     self._keep_for_backward(units)
+                by_module = [u for u in units if u in self._by_module]
+                if by_module:
+                    self._follow_call(by_module, output_tensors((args, kwargs)))
         for unit in reversed(units):
             unit.release()
+
+    def _follow_call(self, units: list[ShardedUnit], inputs: list[torch.Tensor]) -> None:
+        """See [Note: leaf units complete by module]."""
+        if not inputs:
+            self._unhooked.update(units)
+            return
+        for unit in units:
+            self._calls_left[unit] = self._calls_left.get(unit, 0) + 1
+        torch.autograd.graph.register_multi_grad_hook(inputs, partial(self._call_backward_done, units), mode="all")
+
+    def _call_backward_done(self, units: list[ShardedUnit], grads: Any) -> None:
+        for unit in units:
+            left = self._calls_left.get(unit, 0) - 1
+            if left < 0:       # its forward was before the last epilogue: that one reduced it
+                continue
+            self._calls_left[unit] = left
+            if left == 0 and unit not in self._unhooked and unit.needs_reduce:
+                self.reducer.add(unit)
 
     def _keep_for_backward(self, units: list[ShardedUnit]) -> None:
         """[Note: keeping units for the backward]
@@ -174,18 +222,24 @@ class Stage3Coordinator:
 
     def _grad_accumulated(self, unit: ShardedUnit, index: int, param: nn.Parameter) -> None:
         self._begin_backward()
-        if unit.grad_arrived(index):
-            unit.reduce_grads()
+        if unit.grad_arrived(index) and unit not in self._by_module:
+            self.reducer.add(unit)
 
     def _end_backward(self) -> None:
         self._in_backward = False
         self.prefetcher.end(BACKWARD)
         for unit in self.units:        # unit order: the same collectives on every rank
             if unit.needs_reduce:
-                unit.reduce_grads()
+                self.reducer.add(unit)
+        self.reducer.flush()
         for unit in self.units:
             unit.end_backward()
         self._kept.clear()
+        self._forget_calls()
+
+    def _forget_calls(self) -> None:
+        self._calls_left.clear()
+        self._unhooked.clear()
 
     # --- API for the optimizer side ------------------------------------------------------------
     def grad_shards(self) -> list[torch.Tensor]:
@@ -202,6 +256,7 @@ class Stage3Coordinator:
         for unit in self._kept:   # kept by a forward whose backward never came
             unit.end_backward()
         self._kept.clear()
+        self._forget_calls()
         for unit in self.units:
             if unit.available and not unit.spec.persistent:
                 raise RuntimeError(f"ZeRO-3: {unit} is gathered while its shard was updated")

@@ -94,13 +94,6 @@ def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSp
         ds_comm.all_gather_into_tensor(out, shard, group=group)
 
 
-def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any, spec: UnitSpec, phase: str) -> None:
-    if ds_comm.is_initialized():
-        watchdog.reduce_scatter(out, flat, group, spec, phase)
-    else:
-        out.copy_(flat)
-
-
 class ShardedUnit:
     """Shard, gather buffer, gradient shard and gather/release bookkeeping of one unit."""
 
@@ -313,26 +306,30 @@ class ShardedUnit:
         self._ready.add(param_index)
         return len(self._ready) == len(self.trainable)
 
-    def reduce_grads(self) -> None:
-        """ONE reduce-scatter of the unit's padded flat gradient into `grad_shard`, averaged over
-        ranks and accumulated across micro-steps; the full gradients are dropped and the unit
-        released. Parameters without a gradient in this backward contribute zeros (ranks must
-        issue identical collectives)."""
+    def take_grads(self) -> torch.Tensor | None:
+        """The unit's gradients are complete: return them as ONE padded flat tensor (parameters'
+        dtype; parameters without a gradient in this backward contribute zeros, as ranks must
+        issue identical collectives), drop the parameters' `.grad` and release the unit. None
+        when there is nothing to reduce. The caller reduce-scatters it (reducer.py) and hands
+        this rank's slice to `add_reduced`."""
+        flat_grad = None
         if self.partition.padded_numel and self.trainable:
-            dtype = self.params[0].dtype
-            flat_grad = torch.zeros(self.partition.padded_numel, dtype=dtype, device=self.flat.device)
+            flat_grad = torch.zeros(self.partition.padded_numel, dtype=self.params[0].dtype, device=self.flat.device)
             for i in self.trainable:
                 g = self.params[i].grad
                 if g is not None:
                     flat_grad[self.offsets[i]:self.offsets[i] + g.numel()].copy_(g.reshape(-1))
-            out = torch.empty(self.partition.shard_numel, dtype=dtype, device=self.flat.device)
-            _reduce_scatter(out, flat_grad, self.group, self.spec, "gradient")
-            self.grad_shard.add_(out.to(self.grad_shard.device, torch.float32), alpha=1.0 / self.world)
         for p in self.params:
             p.grad = None
         self._reduced, self._held = True, False
         self._ready.clear()
         self._maybe_free()
+        return flat_grad
+
+    def add_reduced(self, summed: torch.Tensor) -> None:
+        """This rank's slice of the gradients summed over ranks: averaged into `grad_shard`
+        (accumulated across micro-steps)."""
+        self.grad_shard.add_(summed.to(self.grad_shard.device, torch.float32), alpha=1.0 / self.world)
 
     def end_backward(self) -> None:
         """The backward finished: forget its bookkeeping and drop the backward hold."""

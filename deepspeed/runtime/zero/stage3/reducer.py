@@ -1,0 +1,92 @@
+"""UnitGradReducer: reduce-scatters the gradients of complete ZeRO-3 units, small ones in buckets.
+
+[Note: ZeRO-3 reduce-scatter buckets]
+One reduce-scatter per unit is right for large units (bandwidth-bound, and the full gradient
+is dropped at once), but a model with many small units (LayerNorms, biases, a tiny model)
+pays one collective's latency per unit. Units are therefore queued in the order they complete
+and reduced together once the queue would exceed `bucket_numel` elements (the config's
+`reduce_bucket_size`, or DDP's 25 MiB when it is left at DeepSpeed's 5e8 default, as at stages
+1-2); a unit at least that large is reduced alone, after the queue. ONE reduce-scatter serves a
+bucket: every rank's input is the N rank-slices of the bucket laid side by side,
+
+    input = [u1 slice 0 | u2 slice 0 | ... | u1 slice 1 | u2 slice 1 | ...]   (N x B elements)
+    output = [u1 slice r | u2 slice r | ...]                                   (B elements)
+
+so rank r receives exactly its shard of every unit in the bucket (each unit is padded to a
+multiple of N by BucketPartition, so its slices are equal). What is queued is each unit's
+padded flat gradient (its parameters' `.grad` are dropped when queued), so memory waiting in
+the queue stays below `bucket_numel` elements. Every rank queues the same units in the same
+order (completion is deterministic; see [Note: ZeRO-3 backward]), so buckets match across
+ranks; the end of the backward flushes what is left.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .... import comm as ds_comm
+from . import watchdog
+from .sharded_param import ShardedUnit
+from .units import UnitSpec
+
+
+def bucket_spec(units: list[ShardedUnit]) -> UnitSpec:
+    """A unit-like description of a bucket, for the watchdog's schedule checks and messages."""
+    owners = [u.spec.owner or "<root>" for u in units]
+    return UnitSpec(-1, f"bucket of {len(units)} units: " + ", ".join(owners),
+                    tuple(n for u in units for n in u.spec.param_names),
+                    tuple(u.partition.padded_numel for u in units), False)
+
+
+class UnitGradReducer:
+    """Reduces queued units' gradients into their `grad_shard`s, one collective per bucket."""
+
+    def __init__(self, group: Any = None, bucket_numel: int = 0) -> None:
+        """`bucket_numel` 0: every unit reduced alone, when it completes."""
+        self.group, self.bucket_numel = group, bucket_numel
+        self.world = ds_comm.get_world_size(group)
+        self._queue: list[tuple[ShardedUnit, torch.Tensor]] = []
+        self._queued = 0
+        self.collectives = 0   # reduce-scatters issued (tests count them)
+
+    def add(self, unit: ShardedUnit) -> None:
+        """`unit`'s gradients are complete: take them (the unit is released) and reduce them now
+        or with the next bucket."""
+        flat = unit.take_grads()
+        if flat is None:
+            return
+        numel = flat.numel()
+        if self._queue and self._queued + numel > self.bucket_numel:
+            self.flush()
+        if numel >= self.bucket_numel:
+            self._reduce([(unit, flat)])
+        else:
+            self._queue.append((unit, flat))
+            self._queued += numel
+
+    def flush(self) -> None:
+        """Reduce whatever is queued (end of backward, or the next unit would not fit)."""
+        queue, self._queue, self._queued = self._queue, [], 0
+        if queue:
+            self._reduce(queue)
+
+    def _reduce(self, items: list[tuple[ShardedUnit, torch.Tensor]]) -> None:
+        units = [u for u, _ in items]
+        if len(items) == 1:
+            flat, spec = items[0][1], units[0].spec
+        else:   # rank-major interleave: row r holds every unit's slice r
+            flat = torch.cat([f.view(self.world, -1) for _, f in items], dim=1).view(-1)
+            spec = bucket_spec(units)
+        out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)
+        if ds_comm.is_initialized():
+            watchdog.reduce_scatter(out, flat, self.group, spec, "gradient")
+        else:
+            out.copy_(flat)
+        self.collectives += 1
+        offset = 0
+        for unit in units:
+            n = unit.partition.shard_numel
+            unit.add_reduced(out[offset:offset + n])
+            offset += n
