@@ -86,15 +86,113 @@ def register_late(engine, step: int) -> None:
         deepspeed.zero.register_external_parameter(head, engine.module.inp.weight)
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
+def expect_found_automatically(engine, step: int) -> None:
+    """Before the first step nothing is registered; after it the head's read was."""
+    from deepspeed.runtime.zero.stage3.units import external_parameters
+
+    found = [p is engine.module.inp.weight for p in external_parameters(engine.module.out[0])]
+    assert found == ([] if step == -1 else [True]), (step, found)
+
+
+def train_without_auto_external(*args):
+    """train_engine with the automatic detection off (DEEPSPEED_ZERO3_AUTO_EXTERNAL=0)."""
+    import os
+
+    os.environ["DEEPSPEED_ZERO3_AUTO_EXTERNAL"] = "0"
+    try:
+        return train_engine(*args)
+    finally:
+        del os.environ["DEEPSPEED_ZERO3_AUTO_EXTERNAL"]
+
+
+@pytest.mark.parametrize("when", ["before", "after", "automatic"])
 def test_external_parameter_trains_like_plain_pytorch(when: str) -> None:
+    """Registered before initialize, registered after a failing forward (automatic detection
+    off), or found by the automatic detection ([Note: automatic external parameters])."""
     # units released after every forward (none kept for the backward): an unregistered external
     # read then certainly meets a released placeholder
     config = _config(micro=2, gas=2, zero_optimization=_z3(stage3_max_reuse_distance=0))
-    cls, edit = (ExternalLM, None) if when == "before" else (ExternalLMLate, register_late)
-    results = run_distributed(2, train_engine, config, 4, "engine", cls, edit)
+    run, cls, edit = {"before": (train_engine, ExternalLM, None),
+                      "after": (train_without_auto_external, ExternalLMLate, register_late),
+                      "automatic": (train_engine, ExternalLMLate, expect_found_automatically)}[when]
+    results = run_distributed(2, run, config, 4, "engine", cls, edit)
     ref_losses, ref_state, _ = reference_training(config, 4, 2, model_cls=ExternalLM)
     _assert_close_to(results, ref_losses, ref_state)
+
+
+class FunctionalTie(nn.Module):
+    """The root reads `embed.weight` itself (a functional tied head), after metadata reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(12, 8)
+        self.body = nn.Linear(8, 8)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight
+        assert weight.dtype == torch.float32 and weight.dim() in (1, 2)   # metadata: no gather
+        return F.linear(torch.tanh(self.body(self.embed(idx))), weight)
+
+
+def automatic_external(steps: int) -> dict:
+    """Per step: all-gathers, and whether the root registered embed.weight; losses and
+    gradients equal a replica's (the read is traced by autograd like any other use)."""
+    import copy
+
+    from deepspeed.runtime.zero.stage3 import Stage3Coordinator
+    from deepspeed.runtime.zero.stage3.units import external_parameters
+
+    rank, world = _rank(), deepspeed.comm.get_world_size()
+    torch.manual_seed(0)
+    model = FunctionalTie()
+    ref = copy.deepcopy(model)
+    coord = Stage3Coordinator(model, max_reuse_distance=0)   # released after each forward
+    gathers, registered = [], []
+    for step in range(steps):
+        deepspeed.comm.comms_counter.reset()
+        idx = [torch.randint(0, 12, (3, 5), generator=torch.Generator().manual_seed(10 * step + r))
+               for r in range(world)]
+        model(idx[rank]).square().mean().backward()
+        for r in range(world):
+            (ref(idx[r]).square().mean() / world).backward()
+        gathers.append(deepspeed.comm.comms_counter.summary()["all_gather_into_tensor"]["count"])
+        registered.append([p is model.embed.weight for p in external_parameters(model)])
+        with torch.no_grad():
+            torch.testing.assert_close(model(idx[rank]), ref(idx[rank]), rtol=1e-6, atol=1e-6)   # inference too
+    grads = coord.full_state(grads=True)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-6, atol=1e-6, msg=name)
+    return {"gathers": gathers, "registered": registered, "units": [u.spec.owner for u in coord.units]}
+
+
+def test_parameter_read_outside_its_module_is_found_automatically() -> None:
+    """[Note: automatic external parameters]: step 1 gathers embed's unit when the root reads it
+    (forward: embed, body, the read; backward: body, root's read, embed) and registers it on the
+    root; later steps gather it with the root's units -- no extra gather, the same count."""
+    for r in run_distributed(2, automatic_external, 3):
+        assert r["units"] == ["embed", "body"]
+        assert r["registered"] == [[True]] * 3
+        assert r["gathers"][1] == r["gathers"][2] <= r["gathers"][0], r
+
+
+def unregistered_read_fails() -> str:
+    import os
+
+    from deepspeed.runtime.zero.stage3 import Stage3Coordinator
+
+    os.environ["DEEPSPEED_ZERO3_AUTO_EXTERNAL"] = "0"
+    try:
+        model = FunctionalTie()
+        Stage3Coordinator(model)
+    finally:
+        del os.environ["DEEPSPEED_ZERO3_AUTO_EXTERNAL"]
+    with pytest.raises(RuntimeError) as failure:
+        model(torch.zeros(2, 3, dtype=torch.long))
+    return str(failure.value)
+
+
+def test_automatic_detection_can_be_turned_off() -> None:
+    assert all("size" in m or "shape" in m for m in run_distributed(2, unregistered_read_fails))
 
 
 # --- GatheredParameters after initialize ------------------------------------------------------------

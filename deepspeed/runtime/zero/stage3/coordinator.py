@@ -61,13 +61,15 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ...backward_hooks import output_tensors, queue_autograd_callback
-from . import init_context
+from ....utils.logging import logger
 from ....utils.z3_leaf_module import z3_leaf_module
+from ...backward_hooks import output_tensors, queue_autograd_callback
+from . import external, init_context
+from .external import ExternalUseDetector
 from .prefetch import BACKWARD, FORWARD, Prefetcher
 from .reducer import UnitGradReducer
-from .sharded_param import GatherStats, ShardedUnit
-from .units import UnitPlan, plan_units
+from .sharded_param import GatherStats, ShardedUnit, unit_of
+from .units import UnitPlan, add_external_parameter, external_parameters, plan_units
 
 _LIVE: "weakref.WeakSet[Stage3Coordinator]" = weakref.WeakSet()   # told about external parameters
 
@@ -87,9 +89,12 @@ class Stage3Coordinator:
                  model_persistence_threshold: int = sys.maxsize, group: Any = None,
                  shard_device: torch.device | None = None, pin_memory: bool = False,
                  prefetch_bucket_size: int = 0, max_live_parameters: int = sys.maxsize,
-                 max_reuse_distance: int = 0, reduce_bucket_size: int = 0) -> None:
+                 max_reuse_distance: int = 0, reduce_bucket_size: int = 0,
+                 auto_external: bool | None = None) -> None:
         """`max_reuse_distance`/`max_live_parameters`: see [Note: keeping units for the backward];
-        `reduce_bucket_size`: see [Note: ZeRO-3 reduce-scatter buckets] (0: one per unit)."""
+        `reduce_bucket_size`: see [Note: ZeRO-3 reduce-scatter buckets] (0: one per unit);
+        `auto_external`: see [Note: automatic external parameters] (None: from the environment)."""
+        auto_external = external.enabled_by_env() if auto_external is None else auto_external
         self.module, self.shard_device = module, shard_device
         self._keep_budget = min(max_reuse_distance, max_live_parameters)
         self._kept: list[ShardedUnit] = []   # gathered by a forward, held for its backward
@@ -99,6 +104,7 @@ class Stage3Coordinator:
         self.stats = GatherStats()
         self.units = [ShardedUnit(spec, [named[n] for n in spec.param_names], group, shard_device, pin_memory,
                                   self.stats) for spec in self.plan.units]
+        self._unit_set = set(self.units)
         self.prefetcher = Prefetcher(self.units, prefetch_bucket_size, max_live_parameters)
         self.reducer = UnitGradReducer(group, reduce_bucket_size)
         self._by_module: set[ShardedUnit] = set()   # leaf-owned: see [Note: leaf units complete by module]
@@ -108,6 +114,11 @@ class Stage3Coordinator:
         self._in_backward = False
         self._handles: list[Any] = []
         self._forward_handles: list[Any] = []
+        self._module_units: dict[str, list[ShardedUnit]] = {}
+        # one frame per running hooked module: (module, units acquired, units gathered for reads)
+        self._frames: list[tuple[nn.Module, list[ShardedUnit], list[ShardedUnit]]] = []
+        self._found_external = False
+        self._detector = ExternalUseDetector(self._is_released, self._external_use) if auto_external else None
         self._install_forward_hooks()
         _LIVE.add(self)
         for unit in self.units:
@@ -121,45 +132,88 @@ class Stage3Coordinator:
         modules = dict(self.module.named_modules())
         self._forward_handles = []
         self._by_module = {unit for unit in self.units if unit.trainable and z3_leaf_module(modules[unit.spec.owner])}
-        for name, unit_ids in self.plan.module_units.items():
-            units = [self.units[u] for u in unit_ids]
+        self._take_plan_uses()
+        for name in {"": None, **self.plan.module_units}:   # the root always: reads are attributed to it
             m = modules[name]
-            self._forward_handles.append(m.register_forward_pre_hook(partial(self._pre_forward, units), prepend=True))
-            self._forward_handles.append(m.register_forward_hook(partial(self._post_forward, units), with_kwargs=True,
+            self._forward_handles.append(m.register_forward_pre_hook(partial(self._pre_forward, name), prepend=True))
+            self._forward_handles.append(m.register_forward_hook(partial(self._post_forward, name), with_kwargs=True,
                                                                  always_call=True))
         # installed last: the pass begins before the root's own units are acquired, ends after their release
         self._forward_handles.append(self.module.register_forward_pre_hook(self._begin_forward, prepend=True))
         self._forward_handles.append(self.module.register_forward_hook(self._end_forward, always_call=True))
 
-    def replan(self) -> None:
+    def replan(self, hooks: bool = True) -> None:
         """Re-plan after external parameters changed (see [Note: external parameters] in
-        units.py): units stay as they are, modules' hooks gather the new `uses`."""
+        units.py): units stay as they are, modules' hooks gather the new `uses`. `hooks=False`:
+        only modules already hooked gained uses (automatic external parameters)."""
         numels = {p: n for unit in self.units for p, n in zip(unit.params, unit.spec.numels)}
         plan = plan_units(self.module, *self._thresholds, numel_of=lambda p: numels.get(p, -1))
         if plan.units != self.plan.units:
             raise RuntimeError("ZeRO-3: the model's parameters changed since deepspeed.initialize; "
                                "gather units cannot be re-planned")
         self.plan = plan
-        self._install_forward_hooks()
+        if hooks:
+            self._install_forward_hooks()
+        else:
+            self._take_plan_uses()
+
+    def _take_plan_uses(self) -> None:
+        """The units each hooked module acquires, looked up by its hooks at each call: changing
+        them needs no hook change (automatic external parameters are found mid-forward)."""
+        self._module_units = {name: [self.units[u] for u in ids] for name, ids in self.plan.module_units.items()}
 
     # --- hooks --------------------------------------------------------------------------------
     def _begin_forward(self, module: nn.Module, args: Any) -> None:
         self._forward_depth += 1
-        if self._forward_depth == 1 and not self._in_backward:
-            self.prefetcher.begin(FORWARD)
+        if self._forward_depth == 1:
+            if not self._in_backward:
+                self.prefetcher.begin(FORWARD)
+            if self._detector is not None:
+                self._detector.__enter__()
 
     def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self._forward_depth -= 1
         if self._forward_depth == 0:
+            if self._detector is not None:
+                self._detector.__exit__(None, None, None)
             self.prefetcher.end(FORWARD)
+            if self._found_external:   # from the next forward, the reading modules gather them
+                self._found_external = False
+                self.replan(hooks=False)
 
-    def _pre_forward(self, units: list[ShardedUnit], module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, name: str, module: nn.Module, args: Any) -> None:
+        units = self._module_units.get(name, [])
+        self._frames.append((module, units, []))
         for unit in units:
             unit.acquire()
             self.prefetcher.acquired(FORWARD, unit)
 
-    def _post_forward(self, units: list[ShardedUnit], module: nn.Module, args: Any, kwargs: Any,
-                      output: Any) -> None:
+    def _is_released(self, param: nn.Parameter) -> bool:
+        unit = unit_of(param)
+        return unit is not None and not unit.available and self._forward_depth > 0 and unit in self._unit_set
+
+    def _external_use(self, param: nn.Parameter) -> None:
+        """See [Note: automatic external parameters]."""
+        module, _, gathered = self._frames[-1]
+        unit = unit_of(param)
+        unit.acquire()
+        gathered.append(unit)
+        if param not in external_parameters(module):
+            add_external_parameter(module, param)
+            self._found_external = True
+            owner = next((n for n, m in self.module.named_modules() if m is module), "?")
+            logger.info(f"ZeRO-3: module '{owner or '<root>'}' read parameter '{self._name_of(unit, param)}' of "
+                        f"module '{unit.spec.owner}' outside that module's forward: gathered it and registered it "
+                        f"as an external parameter of '{owner or '<root>'}' (register_external_parameter)")
+
+    @staticmethod
+    def _name_of(unit: ShardedUnit, param: nn.Parameter) -> str:
+        return next((n for n, p in zip(unit.spec.param_names, unit.params) if p is param), "?")
+
+    def _post_forward(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        at = [i for i, frame in enumerate(self._frames) if frame[0] is module]
+        _, acquired, gathered = self._frames.pop(at[-1]) if at else (module, [], [])  # hooked mid-call: nothing
+        units = acquired + gathered
         if torch.is_grad_enabled():
             tensors = output_tensors(output)
             if tensors:
