@@ -110,7 +110,7 @@ def run_worker(args) -> int:
 
     def build(seed):
         torch.manual_seed(seed)
-        model = GPT(GPTConfig(block_size=args.block, **(bz.QUICK_MODEL if args.quick else bz.FULL_MODEL)))
+        model = GPT(GPTConfig(block_size=args.block, **bz.model_config(args)))
         count = model.num_parameters()  # before initialize: ZeRO-3 leaves released placeholders
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         return engine, count
@@ -269,7 +269,7 @@ def driver(args) -> int:
     bad = (set(impls) - set(IMPLS)) | (set(dtypes) - set(DTYPES)) | {str(s) for s in stages if s not in (0, 1, 2, 3)}
     if bad:
         sys.exit(f"unknown impls/dtypes/stages: {sorted(bad)}")
-    print(f"model {bz.QUICK_MODEL if args.quick else bz.FULL_MODEL} block {args.block}, micro batch "
+    print(f"model {bz.model_config(args)} block {args.block}, micro batch "
           f"{args.micro_batch} x {args.ranks} ranks; {args.train_steps} steps, then {args.repeats} saves + "
           f"{args.repeats} loads per job, {args.jobs} job(s) per cell; cpus {os.cpu_count()}, "
           f"load {os.getloadavg()}", flush=True)

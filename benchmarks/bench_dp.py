@@ -49,6 +49,12 @@ DEFAULT_VARIANTS = ("plain", "ddp", "deepspeed")
 # ~19.3M parameters: 6 x 12 x 512^2 in the blocks plus byte and position embeddings.
 FULL_MODEL = dict(n_layer=6, n_head=8, n_embd=512)
 QUICK_MODEL = dict(n_layer=2, n_head=2, n_embd=64)
+MODELS = {"tiny": QUICK_MODEL, "small": dict(n_layer=4, n_head=4, n_embd=256), "full": FULL_MODEL}
+BF16_VARIANTS = ("deepspeed", "fsdp2", "zero3")   # bf16 parameters, fp32 optimizer state
+
+
+def model_config(args) -> dict:
+    return MODELS[args.model or ("tiny" if args.quick else "full")]
 LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
 
 
@@ -66,6 +72,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plain-threads", type=int, default=None,
                    help="torch threads for plain (default: ranks x threads-per-rank, the same cores)")
     p.add_argument("--quick", action="store_true", help="tiny model, 3+1 steps, 1 repeat: a smoke test")
+    p.add_argument("--model", choices=sorted(MODELS), default=None,
+                   help="GPT size: tiny, small (~3.3M), full (~19.3M; default unless --quick)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: bf16 parameters and gradients, fp32 optimizer state (" + ", ".join(BF16_VARIANTS) +
+                        " only): DeepSpeed's bf16 section, FSDP2's MixedPrecisionPolicy(bf16, reduce bf16)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", default=None, help="also write the aggregated results here")
     # Internal: a worker process runs one variant on one rank and writes its results.
@@ -148,6 +159,7 @@ def deepspeed_config(args, stage: int = 0) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
                                                    "weight_decay": WD, "torch_adam": True}},
         "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": args.dtype == "bf16"},
     }
 
 
@@ -181,11 +193,13 @@ def build_variant(args, variant: str, model):
                 return {}
             return {"all_reduce": {"count": counter.calls, "bytes": counter.bytes}}
     if variant == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        dtype = torch.bfloat16 if args.dtype == "bf16" else None
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
 
     def torch_step(x, y):
@@ -222,7 +236,7 @@ def run_worker(args) -> None:
     rank, world = (tdist.get_rank(), tdist.get_world_size()) if distributed else (0, 1)
     batches = make_batches(args, rank, world)
     torch.manual_seed(args.seed)  # identical initial weights in every variant and rank
-    model = GPT(GPTConfig(block_size=args.block, **(QUICK_MODEL if args.quick else FULL_MODEL)))
+    model = GPT(GPTConfig(block_size=args.block, **model_config(args)))
     n_params = model.num_parameters()
     step, comm_bytes = build_variant(args, args.worker, model)
     times, cpu_times, losses = [], [], []
@@ -353,7 +367,9 @@ def driver(args, argv: list[str]) -> int:
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         sys.exit(f"unknown variants: {sorted(unknown)}")
-    model_cfg = QUICK_MODEL if args.quick else FULL_MODEL
+    if args.dtype == "bf16" and set(variants) - set(BF16_VARIANTS):
+        sys.exit(f"--dtype bf16 runs only the variants {BF16_VARIANTS}")
+    model_cfg = model_config(args)
     print(f"model {model_cfg} block {args.block}; global batch {args.micro_batch * args.ranks} x {args.block} "
           f"tokens; {args.warmup} warmup + {args.steps} timed steps x {args.repeats} repeats; "
           f"threads: plain {args.plain_threads}, per rank {args.threads_per_rank}; cpus {os.cpu_count()}",

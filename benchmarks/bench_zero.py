@@ -78,6 +78,12 @@ IMPLS = ("ours", "deepspeed")
 DTYPES = ("fp32", "bf16")
 FULL_MODEL = dict(n_layer=6, n_head=8, n_embd=512)  # ~19.3M parameters
 QUICK_MODEL = dict(n_layer=2, n_head=2, n_embd=64)
+MODELS = {"tiny": QUICK_MODEL, "small": dict(n_layer=4, n_head=4, n_embd=256), "full": FULL_MODEL}
+
+
+def model_config(args) -> dict:
+    """--model, else the tiny model with --quick and the full one without."""
+    return MODELS[getattr(args, "model", None) or ("tiny" if args.quick else "full")]
 LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
 
 
@@ -104,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="leave the comms_logger config section out (own-logger columns then stay empty "
                         "for DeepSpeed; the neutral counts are always taken)")
     p.add_argument("--quick", action="store_true", help="tiny model, 1+3 steps, 1 repeat: a smoke test")
+    p.add_argument("--model", choices=sorted(MODELS), default=None,
+                   help="GPT size: tiny (0.1M), small (~3.3M), full (~19.3M; default unless --quick)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--ours-venv", default=os.path.join(ROOT, ".venv"))
     p.add_argument("--ds-venv", default=os.environ.get("DS_VENV", "/tmp/ds-venv"))
@@ -312,7 +320,7 @@ def run_worker(args) -> int:
 
     batches = make_batches(args, rank, world)
     torch.manual_seed(args.seed)
-    model = GPT(GPTConfig(block_size=args.block, **(QUICK_MODEL if args.quick else FULL_MODEL)))
+    model = GPT(GPTConfig(block_size=args.block, **model_config(args)))
     n_params = model.num_parameters()
     base = dict(rank=rank, world=world, impl=args.worker, stage=args.stage, dtype=args.dtype,
                 ds_file=ds_file, ds_version=deepspeed.__version__, torch_version=torch.__version__,
@@ -376,6 +384,8 @@ def worker_argv(args, impl: str, stage: int, dtype: str, out: str) -> list[str]:
         argv += ["--prefetch-bucket-size", str(args.prefetch_bucket_size)]
     if args.quick:
         argv.append("--quick")
+    if args.model:
+        argv += ["--model", args.model]
     if args.no_comms_logger:
         argv.append("--no-comms-logger")
     return argv
@@ -533,7 +543,7 @@ def driver(args) -> int:
     bad = (set(impls) - set(IMPLS)) | (set(dtypes) - set(DTYPES)) | {str(s) for s in stages if s not in (0, 1, 2, 3)}
     if bad:
         sys.exit(f"unknown impls/dtypes/stages: {sorted(bad)}")
-    model_cfg = QUICK_MODEL if args.quick else FULL_MODEL
+    model_cfg = model_config(args)
     print(f"model {model_cfg} block {args.block}, micro batch {args.micro_batch} x {args.ranks} ranks x "
           f"{args.threads_per_rank} thread(s); {args.warmup} warmup + {args.steps} timed steps x {args.repeats} "
           f"repeats; clip {args.clip}; overlap_comm {bool(args.overlap_comm)}, reduce/allgather bucket "
