@@ -91,17 +91,28 @@ class WorkerPool:
     def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
         module = sys.modules[fn.__module__]
         message = (fn.__module__, module.__file__, fn.__qualname__, args, kwargs)
-        for conn in self.conns:
-            conn.send(message)
         results: list[Any] = [None] * self.world_size
         errors: dict[int, str] = {}
         for rank, conn in enumerate(self.conns):
+            try:
+                conn.send(message)
+            except (BrokenPipeError, ConnectionError, OSError) as exc:   # died in an earlier call
+                errors[rank] = f"rank {rank}'s process is gone ({exc!r})"
+        for rank, conn in enumerate(self.conns):
+            if rank in errors:
+                continue
             # After a first failure the other ranks get a short grace period (they may be stuck).
             wait = timeout if not errors else 15
-            if not conn.poll(wait):
-                errors[rank] = f"rank {rank} did not answer within {wait:.0f} s (stuck in a collective?)"
+            try:
+                if not conn.poll(wait):
+                    errors[rank] = f"rank {rank} did not answer within {wait:.0f} s (stuck in a collective?)"
+                    continue
+                status, value = conn.recv()
+            except (EOFError, ConnectionError, OSError) as exc:   # the process died (e.g. a gloo abort)
+                self.procs[rank].join(timeout=5)
+                code = self.procs[rank].exitcode
+                errors[rank] = f"rank {rank}'s process died (exit code {code}; {exc!r})"
                 continue
-            status, value = conn.recv()
             if status == "ok":
                 results[rank] = value
             else:
