@@ -300,6 +300,26 @@ def own_logger(impl: str, reset: bool = False) -> dict:
     return out
 
 
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every tensor Python can reach (gc) between steps:
+    parameters (or their shards), gradients, masters, optimizer state, persistent buffers.
+    Implementation-neutral: it asks no engine what it holds."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+        except Exception:  # noqa: BLE001 (tensor-likes without storage)
+            continue
+    return sum(storages.values())
+
+
 def run_worker(args) -> int:
     import torch
 
@@ -358,7 +378,8 @@ def run_worker(args) -> int:
     neutral = counter.summary()
     own = own_logger(args.worker)
     counter.enabled = False
-    write(dict(times=times, losses=losses, neutral=neutral, own=own,
+    del loss
+    write(dict(times=times, losses=losses, neutral=neutral, own=own, live_tensor_mb=live_tensor_bytes() / 2**20,
                peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
     tdist.barrier()
     tdist.destroy_process_group()
@@ -478,6 +499,7 @@ def aggregate(args, cell: tuple, jobs: list[dict]) -> dict:
         jobs=len(good), errors=errors, median_step_s=med, job_medians=job_medians,
         tokens_per_s=args.micro_batch * len(last) * args.block / med,
         peak_rss_mb=[max(ranks[i]["peak_rss_mb"] for ranks in good) for i in range(len(last))],
+        live_tensor_mb=[max(ranks[i].get("live_tensor_mb", 0) for ranks in good) for i in range(len(last))],
         params=r0["params"], ds_version=r0["ds_version"], ds_file=r0["ds_file"], optimizer=r0["optimizer"],
         inner_optimizer=r0["inner_optimizer"], param_dtype=r0["param_dtype"], threads=r0["threads"],
         neutral_count=per_step(r0["neutral"], args.steps, "count"),
@@ -501,25 +523,28 @@ def mb(b: float) -> str:
 
 def print_tables(rows: list[dict], ranks: int) -> None:
     print("| impl | stage | dtype | median step (s) | job medians (s) | tokens/s | peak RSS / rank (MB) "
-          "| collectives / step | bytes / step (message) | wire / rank / step | vs 2Ψ(N-1)/N | last loss |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| live tensors / rank (MB) | collectives / step | bytes / step (message) | wire / rank / step "
+          "| vs 2Ψ(N-1)/N | last loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         head = f"| {r['impl']} | {r['stage']} | {r['dtype']} "
         if "skipped" in r:
-            print(head + f"| skipped: {r['skipped'][:160]} | | | | | | | | |")
+            print(head + f"| skipped: {r['skipped'][:160]} | | | | | | | | | |")
             continue
         if "error" in r:
             msg = r["error"].strip().splitlines()[-1][:160] if r["error"].strip() else "?"
-            print(head + f"| FAILED: {msg} | | | | | | | | |")
+            print(head + f"| FAILED: {msg} | | | | | | | | | |")
             continue
         # Ψ elements of the communicated gradient dtype: 2 bytes under bf16, 4 under fp32.
         elt = 2 if r["dtype"] == "bf16" else 4
         ideal = 2 * r["params"] * elt * (ranks - 1) / ranks
         rss = " / ".join(f"{m:.0f}" for m in r["peak_rss_mb"])
+        ratio = f"{r['neutral_wire'] / ideal:.2f}x" if ideal else "-"   # one rank: nothing to send
+        live = " / ".join(f"{m:.1f}" for m in r["live_tensor_mb"])
         spread = ", ".join(f"{m:.3f}" for m in r["job_medians"])
-        print(head + f"| {r['median_step_s']:.3f} | {spread} | {r['tokens_per_s']:,.0f} | {rss} "
+        print(head + f"| {r['median_step_s']:.3f} | {spread} | {r['tokens_per_s']:,.0f} | {rss} | {live} "
               f"| {fmt_ops(r['neutral_count'], lambda v: f'{v:g}')} | {fmt_ops(r['neutral_bytes'], mb)} "
-              f"| {mb(r['neutral_wire'])} | {r['neutral_wire'] / ideal:.2f}x | {r['final_loss']:.4f} |")
+              f"| {mb(r['neutral_wire'])} | {ratio} | {r['final_loss']:.4f} |")
     print("\nOwn comms loggers (rank 0, per step; DeepSpeed sizes all-gathers by their input shard):\n")
     print("| impl | stage | dtype | deepspeed | optimizer (inner) | param dtype | collectives / step | bytes / step |")
     print("|---|---|---|---|---|---|---|---|")

@@ -139,7 +139,11 @@ def test_buckets_group_small_units_and_keep_the_gradients(world: int) -> None:
     # down 512 alone | big 576 alone | small.3 + small.2 | small.1 + small.0 (scale would not fit) |
     # scale 20 (flushed by the end of the backward): 7 reduce-scatters per backward instead of 10
     assert grouped[0]["collectives"] == grouped[0]["counted"] == 2 * 7, grouped[0]
-    for a, b in zip(alone, grouped):
+    # a bucket larger than the largest unit (big, 576) is capped at it: head + tail.1 + tail.0 |
+    # down (big would not fit) | big alone | small.3-0 + scale: 4 per backward
+    capped = run_distributed(world, bucketed, 10**9)
+    assert capped[0]["collectives"] == capped[0]["counted"] == 2 * 4, capped[0]
+    for a, b in [*zip(alone, grouped), *zip(alone, capped)]:
         for name, g in a["grads"].items():
             torch.testing.assert_close(b["grads"][name], g, rtol=1e-6, atol=1e-7, msg=name)
         assert any(g.abs().sum() > 0 for g in a["grads"].values())

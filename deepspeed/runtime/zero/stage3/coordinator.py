@@ -106,7 +106,8 @@ class Stage3Coordinator:
                                   self.stats) for spec in self.plan.units]
         self._unit_set = set(self.units)
         self.prefetcher = Prefetcher(self.units, prefetch_bucket_size, max_live_parameters)
-        self.reducer = UnitGradReducer(group, reduce_bucket_size)
+        largest = max((u.partition.padded_numel for u in self.units if u.trainable), default=0)
+        self.reducer = UnitGradReducer(group, min(reduce_bucket_size, largest))   # see the reducer's Note
         self._by_module: set[ShardedUnit] = set()   # leaf-owned: see [Note: leaf units complete by module]
         self._calls_left: dict[ShardedUnit, int] = {}   # grad-enabled calls whose backward is pending
         self._unhooked: set[ShardedUnit] = set()        # used by a call no hook can follow: epilogue
