@@ -195,6 +195,8 @@ class Stage3Coordinator:
 
     def _external_use(self, param: nn.Parameter) -> None:
         """See [Note: automatic external parameters]."""
+        if not self._frames:   # between the root's own hooks: nothing holds a unit there
+            return
         module, _, gathered = self._frames[-1]
         unit = unit_of(param)
         unit.acquire()
