@@ -19,6 +19,7 @@ from harness import run_distributed
 
 from deepspeed import comm as ds_comm
 from deepspeed.runtime.zero.stage3 import Stage3Coordinator, watchdog
+from deepspeed.runtime.zero.stage3.reducer import bucket_cap
 from deepspeed.utils import set_z3_leaf_modules
 
 
@@ -116,6 +117,13 @@ class Ladder(nn.Module):
         return self.head(h)
 
 
+def test_bucket_cap() -> None:
+    """[Note: ZeRO-3 reduce-scatter buckets]: the config's size, at most max(largest unit, 2^20)."""
+    assert bucket_cap(5_000_000, 1_050_000) == 1_050_000     # the 19M GPT: its largest unit
+    assert bucket_cap(5_000_000, 16_640) == 1 << 20          # the tiny GPT: one bucket for all
+    assert bucket_cap(160, 576) == 160 and bucket_cap(0, 576) == 0
+
+
 def bucketed(bucket: int) -> dict:
     rank, world = ds_comm.get_rank(), ds_comm.get_world_size()
     torch.manual_seed(0)
@@ -139,11 +147,10 @@ def test_buckets_group_small_units_and_keep_the_gradients(world: int) -> None:
     # down 512 alone | big 576 alone | small.3 + small.2 | small.1 + small.0 (scale would not fit) |
     # scale 20 (flushed by the end of the backward): 7 reduce-scatters per backward instead of 10
     assert grouped[0]["collectives"] == grouped[0]["counted"] == 2 * 7, grouped[0]
-    # a bucket larger than the largest unit (big, 576) is capped at it: head + tail.1 + tail.0 |
-    # down (big would not fit) | big alone | small.3-0 + scale: 4 per backward
-    capped = run_distributed(world, bucketed, 10**9)
-    assert capped[0]["collectives"] == capped[0]["counted"] == 2 * 4, capped[0]
-    for a, b in [*zip(alone, grouped), *zip(alone, capped)]:
+    # a larger bucket holds the whole model (every unit is far below 2^20 elements): 1 per backward
+    whole = run_distributed(world, bucketed, 10**9)
+    assert whole[0]["collectives"] == whole[0]["counted"] == 2 * 1, whole[0]
+    for a, b in [*zip(alone, grouped), *zip(alone, whole)]:
         for name, g in a["grads"].items():
             torch.testing.assert_close(b["grads"][name], g, rtol=1e-6, atol=1e-7, msg=name)
         assert any(g.abs().sum() > 0 for g in a["grads"].values())

@@ -67,7 +67,7 @@ from ...backward_hooks import output_tensors, queue_autograd_callback
 from . import external, init_context
 from .external import ExternalUseDetector
 from .prefetch import BACKWARD, FORWARD, Prefetcher
-from .reducer import UnitGradReducer
+from .reducer import UnitGradReducer, bucket_cap
 from .sharded_param import GatherStats, ShardedUnit, unit_of
 from .units import UnitPlan, add_external_parameter, external_parameters, plan_units
 
@@ -107,7 +107,7 @@ class Stage3Coordinator:
         self._unit_set = set(self.units)
         self.prefetcher = Prefetcher(self.units, prefetch_bucket_size, max_live_parameters)
         largest = max((u.partition.padded_numel for u in self.units if u.trainable), default=0)
-        self.reducer = UnitGradReducer(group, min(reduce_bucket_size, largest))   # see the reducer's Note
+        self.reducer = UnitGradReducer(group, bucket_cap(reduce_bucket_size, largest))
         self._by_module: set[ShardedUnit] = set()   # leaf-owned: see [Note: leaf units complete by module]
         self._calls_left: dict[ShardedUnit, int] = {}   # grad-enabled calls whose backward is pending
         self._unhooked: set[ShardedUnit] = set()        # used by a call no hook can follow: epilogue

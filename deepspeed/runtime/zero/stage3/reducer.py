@@ -5,14 +5,16 @@ One reduce-scatter per unit is right for large units (bandwidth-bound, and the f
 is dropped at once), but a model with many small units (LayerNorms, biases, a tiny model)
 pays one collective's latency per unit. Units are therefore queued in the order they complete
 and reduced together once the queue would exceed `bucket_numel` elements; a unit at least that
-large is reduced alone, after the queue. The coordinator caps `bucket_numel` at the largest
-trained unit (padded), below the config's `reduce_bucket_size` (DDP's 25 MiB when that is left
-at DeepSpeed's 5e8 default, as at stages 1-2): the queue then never holds more gradient than
-the largest unit's flat gradient, which exists at some point anyway, so bucketing does not
-raise the peak. Measured (BENCHMARKS.md): buckets of 5M elements on the 19M GPT grouped its 39
-units into 5 collectives, no faster, and raised peak RSS by ~70 MB per rank (20 MB buffers
-churning glibc's heap); the tiny GPT went from 15 reduce-scatters to 1 and from 1.3x to 0.56x
-DeepSpeed's step time. ONE reduce-scatter serves a bucket: every rank's input is the N
+large is reduced alone, after the queue. `bucket_cap` sets `bucket_numel`: the config's
+`reduce_bucket_size` (DDP's 25 MiB when that is left at DeepSpeed's 5e8 default, as at stages
+1-2), but at most max(the largest trained unit, 2^20 elements). The queue then holds little
+more gradient than the largest unit's flat gradient, which exists at some point anyway, while
+every latency-bound unit still shares a collective: 2^20 elements (4 MB in fp32) is about where
+a collective stops being latency-bound (~1-2 ms over gloo/TCP here, ~40 us over NVLink, both
+well above the per-call latency). Measured (BENCHMARKS.md): 5M-element buckets on the 19M GPT
+(39 units, 5 collectives) were no faster than one collective per unit and raised peak RSS by
+~70 MB per rank (20 MB buffers churning glibc's heap); capped at its largest unit (1M) the RSS
+came back. The tiny GPT's 15 reduce-scatters become 1. ONE reduce-scatter serves a bucket: every rank's input is the N
 rank-slices of the bucket laid side by side,
 
     input = [u1 slice 0 | u2 slice 0 | ... | u1 slice 1 | u2 slice 1 | ...]   (N x B elements)
@@ -36,6 +38,14 @@ from .... import comm as ds_comm
 from . import watchdog
 from .sharded_param import ShardedUnit
 from .units import UnitSpec
+
+
+LATENCY_BOUND_NUMEL = 1 << 20
+
+
+def bucket_cap(reduce_bucket_size: int, largest_unit_numel: int) -> int:
+    """Elements per bucket; see [Note: ZeRO-3 reduce-scatter buckets]."""
+    return min(reduce_bucket_size, max(largest_unit_numel, LATENCY_BOUND_NUMEL))
 
 
 def bucket_spec(units: list[ShardedUnit]) -> UnitSpec:
