@@ -121,20 +121,24 @@ def test_external_parameter_trains_like_plain_pytorch(when: str) -> None:
 
 
 class FunctionalTie(nn.Module):
-    """The root reads `embed.weight` itself (a functional tied head), after metadata reads."""
+    """The root reads `embed.weight` itself (a functional tied head), after metadata reads;
+    `transposed`: through `.T` (a property read) instead of F.linear."""
 
-    def __init__(self) -> None:
+    def __init__(self, transposed: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(12, 8)
         self.body = nn.Linear(8, 8)
+        self.transposed = transposed
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight
         assert weight.dtype == torch.float32 and weight.dim() in (1, 2)   # metadata: no gather
-        return F.linear(torch.tanh(self.body(self.embed(idx))), weight)
+        assert self.body.weight.new_zeros(2).shape == (2,)                 # dtype/device only: no gather
+        h = torch.tanh(self.body(self.embed(idx)))
+        return h @ weight.T if self.transposed else F.linear(h, weight)
 
 
-def automatic_external(steps: int) -> dict:
+def automatic_external(steps: int, transposed: bool = False) -> dict:
     """Per step: all-gathers, and whether the root registered embed.weight; losses and
     gradients equal a replica's (the read is traced by autograd like any other use)."""
     import copy
@@ -144,7 +148,7 @@ def automatic_external(steps: int) -> dict:
 
     rank, world = _rank(), deepspeed.comm.get_world_size()
     torch.manual_seed(0)
-    model = FunctionalTie()
+    model = FunctionalTie(transposed)
     ref = copy.deepcopy(model)
     coord = Stage3Coordinator(model, max_reuse_distance=0)   # released after each forward
     gathers, registered = [], []
@@ -156,7 +160,7 @@ def automatic_external(steps: int) -> dict:
         for r in range(world):
             (ref(idx[r]).square().mean() / world).backward()
         gathers.append(deepspeed.comm.comms_counter.summary()["all_gather_into_tensor"]["count"])
-        registered.append([p is model.embed.weight for p in external_parameters(model)])
+        registered.append([p is model.embed.weight for p in external_parameters(model)])   # not body's
         with torch.no_grad():
             torch.testing.assert_close(model(idx[rank]), ref(idx[rank]), rtol=1e-6, atol=1e-6)   # inference too
     grads = coord.full_state(grads=True)
@@ -165,11 +169,12 @@ def automatic_external(steps: int) -> dict:
     return {"gathers": gathers, "registered": registered, "units": [u.spec.owner for u in coord.units]}
 
 
-def test_parameter_read_outside_its_module_is_found_automatically() -> None:
+@pytest.mark.parametrize("transposed", [False, True])
+def test_parameter_read_outside_its_module_is_found_automatically(transposed: bool) -> None:
     """[Note: automatic external parameters]: step 1 gathers embed's unit when the root reads it
     (forward: embed, body, the read; backward: body, root's read, embed) and registers it on the
     root; later steps gather it with the root's units -- no extra gather, the same count."""
-    for r in run_distributed(2, automatic_external, 3):
+    for r in run_distributed(2, automatic_external, 3, transposed):
         assert r["units"] == ["embed", "body"]
         assert r["registered"] == [[True]] * 3
         assert r["gathers"][1] == r["gathers"][2] <= r["gathers"][0], r
@@ -193,6 +198,44 @@ def unregistered_read_fails() -> str:
 
 def test_automatic_detection_can_be_turned_off() -> None:
     assert all("size" in m or "shape" in m for m in run_distributed(2, unregistered_read_fails))
+
+
+class WritesAndLeafReads(nn.Module):
+    """`mode` "write": the root writes into a released parameter in place; "leaf": a z3 leaf
+    reads another module's parameter that nobody registered."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.embed = nn.Linear(8, 8)
+        self.leaf = TiedHead(self.embed, register=False)   # reads embed.weight in its forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "write":
+            with torch.no_grad():
+                self.leaf.bias.add_(1.0)       # released (the leaf's unit): the write would be lost
+        return self.leaf(torch.tanh(self.embed(x)))
+
+
+def refused(mode: str) -> str:
+    from deepspeed.runtime.zero.stage3 import Stage3Coordinator
+    from deepspeed.utils import set_z3_leaf_modules
+
+    model = WritesAndLeafReads(mode)
+    if mode == "leaf":
+        set_z3_leaf_modules(model, [TiedHead])
+    Stage3Coordinator(model, max_reuse_distance=0)
+    with pytest.raises(RuntimeError) as failure:
+        model(torch.ones(2, 8))
+    return str(failure.value)
+
+
+def test_in_place_writes_and_reads_inside_leaves_are_refused_by_name() -> None:
+    for message in run_distributed(2, refused, "write"):
+        assert "in-place write (add_)" in message and "modifier_rank" in message, message
+    for message in run_distributed(2, refused, "leaf"):
+        assert "leaf module 'leaf' read parameter 'embed.weight'" in message, message
+        assert "register_external_parameter" in message, message
 
 
 # --- GatheredParameters after initialize ------------------------------------------------------------

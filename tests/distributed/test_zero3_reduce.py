@@ -14,6 +14,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from harness import run_distributed
 
@@ -21,6 +22,7 @@ from deepspeed import comm as ds_comm
 from deepspeed.runtime.zero.stage3 import Stage3Coordinator, watchdog
 from deepspeed.runtime.zero.stage3.reducer import bucket_cap
 from deepspeed.utils import set_z3_leaf_modules
+from deepspeed.zero import register_external_parameter
 
 
 class Experts(nn.Module):
@@ -30,23 +32,42 @@ class Experts(nn.Module):
         super().__init__()
         self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(count))
         self.route: list[int] = [0]
+        self.shared: list[nn.Linear] = []   # another module's layer, read when expert 0 runs
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + sum(torch.tanh(self.experts[i](h)) for i in self.route)
+        out = h + sum(torch.tanh(self.experts[i](h)) for i in self.route)
+        if self.shared and 0 in self.route:
+            out = out + h @ self.shared[0].weight.T
+        return out
 
 
 class Routed(nn.Module):
-    def __init__(self) -> None:
+    """`variant`: "plain"; "direct" (the model's input, a leaf tensor requiring grad, goes straight
+    into the first leaf); "checkpointed" (the first leaf under reentrant checkpointing: its input
+    is a detached leaf tensor); "shared" (the first leaf reads `shared.weight`, owned by a module
+    that runs later, registered as its external parameter)."""
+
+    def __init__(self, variant: str = "plain") -> None:
         super().__init__()
+        self.variant = variant
         self.inp = nn.Linear(8, 8)
         self.moe = Experts()
         self.mid = nn.Linear(8, 8)
         self.moe2 = Experts()
+        self.shared = nn.Linear(8, 8, bias=False)
         self.head = nn.Linear(8, 2)
+        if variant == "shared":
+            self.moe.shared.append(self.shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.moe(torch.tanh(self.inp(x)))
-        return self.head(self.moe2(torch.tanh(self.mid(h))))
+        if self.variant == "direct":
+            h = self.moe(x)
+        elif self.variant == "checkpointed":
+            h = checkpoint(self.moe, torch.tanh(self.inp(x)), use_reentrant=True)
+        else:
+            h = self.moe(torch.tanh(self.inp(x)))
+        h = self.moe2(torch.tanh(self.mid(h)))
+        return self.head(torch.tanh(self.shared(h)))
 
 
 ROUTES = {  # rank -> (moe route, moe2 route); rank 0 uses every expert, the others some
@@ -60,6 +81,7 @@ def _grads_equal_replica(model: nn.Module, coord: Stage3Coordinator, ref: nn.Mod
         for k in range(gas):
             for r in range(world):   # the replica runs every rank's micro-batch with its routes
                 x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + 10 * k + r))
+                x.requires_grad_(model.variant == "direct")
                 ref.moe.route, ref.moe2.route = ROUTES[r]
                 (ref(x).square().mean() / (world * gas)).backward()
                 if r == rank:
@@ -73,14 +95,16 @@ def _grads_equal_replica(model: nn.Module, coord: Stage3Coordinator, ref: nn.Mod
         coord.zero_grad()
 
 
-def routing_differs_by_rank(gas: int) -> int:
+def routing_differs_by_rank(gas: int, variant: str = "plain") -> int:
     previous = watchdog.configure(timeout_s=20.0)    # a regression fails in seconds, not minutes
     try:
         rank, world = ds_comm.get_rank(), ds_comm.get_world_size()
         torch.manual_seed(0)
-        model = Routed()
+        model = Routed(variant)
         ref = copy.deepcopy(model)
         set_z3_leaf_modules(model, [Experts])
+        if variant == "shared":
+            register_external_parameter(model.moe, model.shared.weight)
         coord = Stage3Coordinator(model, reduce_bucket_size=0)
         _grads_equal_replica(model, coord, ref, world, steps=2, gas=gas)
         return coord.reducer.collectives
@@ -90,8 +114,16 @@ def routing_differs_by_rank(gas: int) -> int:
 
 @pytest.mark.parametrize("world,gas", [(2, 1), (4, 2)])
 def test_routing_inside_leaves_that_differs_by_rank(world: int, gas: int) -> None:
-    """Every rank reduces every trainable unit once per backward (5 units, 2 of them leaves)."""
-    assert run_distributed(world, routing_differs_by_rank, gas) == [5 * 2 * gas] * world
+    """Every rank reduces every trainable unit once per backward (6 units, 2 of them leaves)."""
+    assert run_distributed(world, routing_differs_by_rank, gas) == [6 * 2 * gas] * world
+
+
+@pytest.mark.parametrize("variant", ["direct", "checkpointed", "shared"])
+def test_leaf_input_without_grad_fn_and_units_shared_with_a_leaf(variant: str) -> None:
+    """An input without grad_fn gives no completion point (the leaf waits for the end of the
+    backward; before, its unit was reduced before a weight's gradient arrived); a unit owned
+    elsewhere but read inside a leaf on some ranks only completes by module too."""
+    assert run_distributed(2, routing_differs_by_rank, 2, variant) == [6 * 2 * 2] * 2
 
 
 class Ladder(nn.Module):

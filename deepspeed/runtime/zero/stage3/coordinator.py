@@ -40,14 +40,18 @@ Inside a leaf module the graph may differ by rank (MoE routing: rank 0's tokens 
 0-3, rank 1's only expert 0). Completion by parameter would then differ too: rank 0 completes
 the leaf's unit during the backward, rank 1 never (expert 1-3 get no gradient there) and only
 reduces it in the epilogue, so the ranks' reduce-scatters pair with different collectives
-(a hang or a wrong sum). A unit owned by a leaf therefore ignores its parameters' hooks. Each
-grad-enabled forward call of a module using it registers a hook that fires once the gradients
-of the call's inputs are computed (`register_multi_grad_hook(mode="all")` on the floating
-inputs that require grad): by then the call's backward has run, and autograd runs a
-parameter's AccumulateGrad as soon as it is ready (highest priority), so its gradients are
-accumulated. When the last call's hook fired the unit is reduced: a point fixed by the module
-structure, the same on every rank. A call whose inputs need no gradient (the first layer)
-registers nothing, and its units wait for the epilogue, on every rank alike.
+(a hang or a wrong sum). Every unit a leaf uses (its own, and tied or external ones owned elsewhere) therefore ignores
+its parameters' hooks. Each grad-enabled forward call of a module using such a unit registers a
+hook that fires once the gradients of the call's inputs are computed
+(`register_multi_grad_hook(mode="all")` on the floating inputs that require grad). Such a hook
+runs as a pre-hook of the input's grad_fn, a node created before the call's nodes: autograd
+runs nodes in decreasing creation order and a parameter's AccumulateGrad as soon as it is ready
+(highest priority), so by then the call's backward has run and its gradients are accumulated.
+When the last call's hook fired the unit is reduced: a point fixed by the module structure, the
+same on every rank. An input without a grad_fn (a leaf tensor: the model's input, or the
+detached input of a reentrant checkpoint) gives no such guarantee -- its hook fires before its
+own AccumulateGrad, possibly before a parameter's -- so a call with one, or with no input that
+needs a gradient, registers nothing and its units wait for the epilogue, on every rank alike.
 """
 
 from __future__ import annotations
@@ -108,7 +112,9 @@ class Stage3Coordinator:
         self.prefetcher = Prefetcher(self.units, prefetch_bucket_size, max_live_parameters)
         largest = max((u.partition.padded_numel for u in self.units if u.trainable), default=0)
         self.reducer = UnitGradReducer(group, bucket_cap(reduce_bucket_size, largest))
-        self._by_module: set[ShardedUnit] = set()   # leaf-owned: see [Note: leaf units complete by module]
+        self._by_module: set[ShardedUnit] = set()   # used by a leaf: [Note: leaf units complete by module]
+        self._leaves: set[str] = set()                  # hooked modules that are z3 leaves
+        self._quiet = False                             # in our hooks: the detector ignores our tensor ops
         self._calls_left: dict[ShardedUnit, int] = {}   # grad-enabled calls whose backward is pending
         self._unhooked: set[ShardedUnit] = set()        # used by a call no hook can follow: epilogue
         self._forward_depth = 0
@@ -132,7 +138,6 @@ class Stage3Coordinator:
             handle.remove()
         modules = dict(self.module.named_modules())
         self._forward_handles = []
-        self._by_module = {unit for unit in self.units if unit.trainable and z3_leaf_module(modules[unit.spec.owner])}
         self._take_plan_uses()
         for name in {"": None, **self.plan.module_units}:   # the root always: reads are attributed to it
             m = modules[name]
@@ -162,6 +167,9 @@ class Stage3Coordinator:
         """The units each hooked module acquires, looked up by its hooks at each call: changing
         them needs no hook change (automatic external parameters are found mid-forward)."""
         self._module_units = {name: [self.units[u] for u in ids] for name, ids in self.plan.module_units.items()}
+        modules = dict(self.module.named_modules())
+        self._leaves = {name for name in self._module_units if z3_leaf_module(modules[name])}
+        self._by_module = {u for name in self._leaves for u in self._module_units[name] if u.trainable}
 
     # --- hooks --------------------------------------------------------------------------------
     def _begin_forward(self, module: nn.Module, args: Any) -> None:
@@ -173,6 +181,8 @@ class Stage3Coordinator:
                 self._detector.__enter__()
 
     def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._forward_depth == 0:   # a pre-hook before ours raised: our begin never ran
+            return
         self._forward_depth -= 1
         if self._forward_depth == 0:
             if self._detector is not None:
@@ -185,13 +195,18 @@ class Stage3Coordinator:
     def _pre_forward(self, name: str, module: nn.Module, args: Any) -> None:
         units = self._module_units.get(name, [])
         self._frames.append((module, units, []))
-        for unit in units:
-            unit.acquire()
-            self.prefetcher.acquired(FORWARD, unit)
+        self._quiet = True
+        try:
+            for unit in units:
+                unit.acquire()
+                self.prefetcher.acquired(FORWARD, unit)
+        finally:
+            self._quiet = False
 
     def _is_released(self, param: nn.Parameter) -> bool:
         unit = unit_of(param)
-        return unit is not None and not unit.available and self._forward_depth > 0 and unit in self._unit_set
+        return (unit is not None and not unit.available and not self._quiet and self._forward_depth > 0
+                and unit in self._unit_set)
 
     def _external_use(self, param: nn.Parameter) -> None:
         """See [Note: automatic external parameters]."""
@@ -199,12 +214,17 @@ class Stage3Coordinator:
             return
         module, _, gathered = self._frames[-1]
         unit = unit_of(param)
+        owner = next((n for n, m in self.module.named_modules() if m is module), "?")
+        if owner in self._leaves:   # routing inside a leaf may differ by rank: a gather here could hang
+            raise RuntimeError(f"ZeRO-3: leaf module '{owner}' read parameter '{self._name_of(unit, param)}' of "
+                               f"module '{unit.spec.owner}', which is not gathered; inside a leaf the read may happen "
+                               f"on some ranks only, so it is not gathered automatically. Register it: "
+                               f"deepspeed.zero.register_external_parameter(<the '{owner}' module>, <the parameter>)")
         unit.acquire()
         gathered.append(unit)
         if param not in external_parameters(module):
             add_external_parameter(module, param)
             self._found_external = True
-            owner = next((n for n, m in self.module.named_modules() if m is module), "?")
             logger.info(f"ZeRO-3: module '{owner or '<root>'}' read parameter '{self._name_of(unit, param)}' of "
                         f"module '{unit.spec.owner}' outside that module's forward: gathered it and registered it "
                         f"as an external parameter of '{owner or '<root>'}' (register_external_parameter)")
@@ -216,7 +236,13 @@ class Stage3Coordinator:
     def _post_forward(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         at = [i for i, frame in enumerate(self._frames) if frame[0] is module]
         _, acquired, gathered = self._frames.pop(at[-1]) if at else (module, [], [])  # hooked mid-call: nothing
-        units = acquired + gathered
+        self._quiet = True
+        try:
+            self._after_call(acquired + gathered, args, kwargs, output)
+        finally:
+            self._quiet = False
+
+    def _after_call(self, units: list[ShardedUnit], args: Any, kwargs: Any, output: Any) -> None:
         if torch.is_grad_enabled():
             tensors = output_tensors(output)
             if tensors:
@@ -231,7 +257,7 @@ class Stage3Coordinator:
 
     def _follow_call(self, units: list[ShardedUnit], inputs: list[torch.Tensor]) -> None:
         """See [Note: leaf units complete by module]."""
-        if not inputs:
+        if not inputs or any(t.grad_fn is None for t in inputs):
             self._unhooked.update(units)
             return
         for unit in units:
@@ -304,6 +330,13 @@ class Stage3Coordinator:
         return [u.grad_shard for u in self.units]
 
     def zero_grad(self) -> None:
+        if self._in_backward:   # a backward raised before its end: forget it (nothing is reduced)
+            self._in_backward = False
+            self.reducer.discard()
+            for unit in self.units:
+                unit.end_backward()
+            self._kept.clear()
+            self._forget_calls()
         for unit in self.units:
             unit.grad_shard.zero_()
 

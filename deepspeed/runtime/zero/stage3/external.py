@@ -13,9 +13,15 @@ and reaches the same call), keeps it until the innermost running module's forwar
 for that module's backward like its own units) and registers the parameter as an external
 parameter of that module, re-planning at the end of the forward. From the next forward the
 module's pre-hook gathers it with its own units, so the detector fires once per parameter.
+Two exceptions raise instead: a read inside a z3 leaf module (routing there may differ by rank,
+so the gather could happen on some ranks only: register the parameter on the leaf), and an
+in-place write to a released parameter (lost at the next release: use GatheredParameters with a
+modifier_rank).
 Upstream only registers a parameter automatically when a module *returns* it; this covers any
-read. Metadata reads (`.shape`, `.dtype`, `.size()`, `.numel()`, ...) are not uses: a released
-parameter reports 0 elements there, as upstream's do (`ds_shape` has the real shape).
+read. Metadata reads (`.shape`, `.dtype`, `.size()`, `.numel()`, `.new_zeros()`, ...) are not
+uses: a released parameter reports 0 elements there, as upstream's do (`ds_shape` has the real
+shape); value reads through properties (`.T`, `.mT`, `.data`) are. Arguments are scanned one
+level deep (tensors, and lists or tuples of them).
 Cost: one Python call per torch function during forwards (measured in BENCHMARKS.md); set
 DEEPSPEED_ZERO3_AUTO_EXTERNAL=0 to turn the detector off. Reads outside any forward of the
 root module (calling a submodule directly) are not seen: register those parameters.
@@ -26,7 +32,6 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -34,11 +39,34 @@ ENV = "DEEPSPEED_ZERO3_AUTO_EXTERNAL"
 
 # Calls that read metadata, not values: a released parameter may be asked these freely.
 _METADATA = frozenset({
-    "__get__", "__set__", "__delete__", "size", "dim", "ndimension", "numel", "nelement", "element_size",
-    "stride", "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "is_signed", "get_device",
-    "data_ptr", "untyped_storage", "__hash__", "__repr__", "__format__", "__len__", "__bool__", "type",
-    "register_hook", "register_post_accumulate_grad_hook", "requires_grad_", "retain_grad",
+    "__set__", "__delete__", "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride",
+    "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "is_signed", "get_device", "data_ptr",
+    "untyped_storage", "__hash__", "__repr__", "__format__", "__len__", "__bool__", "type", "register_hook",
+    "register_post_accumulate_grad_hook", "requires_grad_", "retain_grad", "is_pinned", "is_shared",
+    "is_inference", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor",
 })
+# Properties (`Tensor.<name>.__get__`) that are metadata; the others (`.T`, `.mT`, `.data`,
+# `.real`, ...) read the values and count as uses.
+_METADATA_PROPERTIES = frozenset({
+    "shape", "dtype", "device", "requires_grad", "grad", "_grad", "is_leaf", "ndim", "layout", "is_cuda",
+    "is_cpu", "is_xpu", "is_mps", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "names",
+    "grad_fn", "_grad_fn", "_version", "output_nr", "itemsize", "nbytes", "retains_grad", "name",
+    "_backward_hooks", "_post_accumulate_grad_hooks", "_base", "_cdata", "is_sparse_csr",
+})
+_IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__",
+                               "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__ifloordiv__"})
+
+
+def is_metadata(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA_PROPERTIES
+    return name in _METADATA
+
+
+def is_in_place(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_DUNDERS
 
 
 def enabled_by_env() -> bool:
@@ -55,7 +83,11 @@ class ExternalUseDetector(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") not in _METADATA:
+        if not is_metadata(func):
+            if args and isinstance(args[0], nn.Parameter) and is_in_place(func) and self.is_released(args[0]):
+                raise RuntimeError(f"ZeRO-3: an in-place write ({getattr(func, '__name__', func)}) to a released "
+                                   f"parameter would be lost when it is released again; write inside "
+                                   f"deepspeed.zero.GatheredParameters(params, modifier_rank=0)")
             for value in (*args, *kwargs.values()):
                 if isinstance(value, nn.Parameter):
                     if self.is_released(value):

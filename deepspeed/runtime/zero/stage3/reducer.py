@@ -74,13 +74,22 @@ class UnitGradReducer:
         if flat is None:
             return
         numel = flat.numel()
-        if self._queue and self._queued + numel > self.bucket_numel:
+        if self._queue and (self._queued + numel > self.bucket_numel or not self._fits(flat)):
             self.flush()
         if numel >= self.bucket_numel:
             self._reduce([(unit, flat)])
         else:
             self._queue.append((unit, flat))
             self._queued += numel
+
+    def _fits(self, flat: torch.Tensor) -> bool:
+        """A bucket is one tensor: one dtype and device."""
+        first = self._queue[0][1]
+        return flat.dtype == first.dtype and flat.device == first.device
+
+    def discard(self) -> None:
+        """Drop queued gradients without reducing them (a backward that failed half-way)."""
+        self._queue, self._queued = [], 0
 
     def flush(self) -> None:
         """Reduce whatever is queued (end of backward, or the next unit would not fit)."""
