@@ -24,7 +24,7 @@ as DeepSpeed's stage 0 does), so ranks whose graphs differ still issue identical
 A sharded bucket is reduce-scattered into its own slice: the output is this rank's chunk of
 the input (the aliasing NCCL documents as in-place; gloo copies its input before it reduces),
 so a reduction allocates no shard-sized output. `_complete` adds that slice into
-`shard_grad` before the buffer is zeroed (ZeRO-1) or dropped (ZeRO-2). Upstream DeepSpeed's
+`shard_grad` before the buffer is dropped (transient) or zeroed. Upstream DeepSpeed's
 stage-3 `reduce_scatter_coalesced` reduces into the input's own chunk the same way.
 """
 
@@ -107,8 +107,9 @@ class GradBucketReducer:
         self.accum_dtype = accum_dtype
         # Sharded (ZeRO): reduce-scatter into shard_grad; see [Note: per-bucket shards] in zero/partition.py
         self.shard = shard
-        # Transient (ZeRO-2): a bucket's full-size buffer exists only from its first gradient until
-        # its reduce-scatter completes, so between backward passes only the shards remain.
+        # Transient (ZeRO-1 and 2): a bucket's full-size buffer exists only from its first gradient
+        # until its reduce-scatter completes (every backward at stage 2, the boundary at stage 1),
+        # so between optimizer steps only the shards remain.
         self.transient = shard and transient
         self.peak_live_numel = 0
         self.seen: set[int] = set()  # ids of parameters that received a gradient since zero_grad()
@@ -158,9 +159,9 @@ class GradBucketReducer:
     def _bound(self, flat: torch.Tensor, param: torch.nn.Parameter) -> bool:
         """Whether `param.grad` is a view of the bucket (else gradients are added in and freed).
 
-        Bound saves a gradient allocation per parameter and backward; transient buckets (ZeRO-2)
-        cannot be bound, and neither can buckets in another dtype (mixed precision). Under ZeRO-1
-        the views read zero once the bucket is reduce-scattered into the owners' shards.
+        Bound saves a gradient allocation per parameter and backward; transient buckets (ZeRO-1/2)
+        cannot be bound, and neither can buckets in another dtype (mixed precision). A sharded but
+        not transient bucket's views read zero once it is reduce-scattered into the owners' shards.
         """
         return not self.transient and flat.dtype == param.dtype
 
@@ -237,7 +238,7 @@ class GradBucketReducer:
             out = buffer[self.rank * chunk:(self.rank + 1) * chunk]  # in place: [Note: in-place reduce-scatter]
             bucket.comm_buffer = out
             bucket.work = ds_comm.reduce_scatter_tensor(out, buffer, group=self.group, async_op=True)
-            if index > 0:  # at most two buckets in flight: bounds the temporaries (and, ZeRO-2, full buffers)
+            if index > 0:  # at most two buckets in flight: bounds the temporaries (and, at ZeRO-1/2, full buffers)
                 self._complete(self.buckets[index - 1])
             return
         bucket.comm_buffer = buffer
