@@ -131,9 +131,7 @@ def build_reducer(engine: Any) -> GradBucketReducer | None:
     else:
         itemsize = torch.finfo(policy.grad_accum_dtype).bits // 8
         bucket_numel, first = _DEFAULT_DP_BUCKET_BYTES // itemsize, _FIRST_BUCKET_BYTES // itemsize
-    reduce = ReducePolicy(world_size=engine.dp_world_size,
-                          prescale_gradients=config.model.prescale_gradients,
-                          gradient_predivide_factor=config.model.gradient_predivide_factor)
+    reduce = _reduce_policy(engine)
     reducer = GradBucketReducer(params, reduce, bucket_numel, policy.comm_dtype_fn(),
                                 group=engine.data_parallel_group, first_bucket_numel=first,
                                 accum_dtype=policy.grad_accum_dtype, shard=sharded,
@@ -208,7 +206,15 @@ def build_stage3_coordinator(engine: Any) -> Any:
                              prefetch_bucket_size=zero.prefetch_bucket_size,
                              max_live_parameters=zero.max_live_parameters,
                              max_reuse_distance=zero.max_reuse_distance,
-                             reduce_bucket_size=_stage3_bucket_numel(engine))
+                             reduce_bucket_size=_stage3_bucket_numel(engine),
+                             reduce_policy=_reduce_policy(engine),
+                             comm_dtype=engine.precision.comm_dtype_override)
+
+
+def _reduce_policy(engine: Any) -> ReducePolicy:
+    model = engine._config.model
+    return ReducePolicy(world_size=engine.dp_world_size, prescale_gradients=model.prescale_gradients,
+                        gradient_predivide_factor=model.gradient_predivide_factor)
 
 
 def _stage3_bucket_numel(engine: Any) -> int:

@@ -94,10 +94,12 @@ class Stage3Coordinator:
                  shard_device: torch.device | None = None, pin_memory: bool = False,
                  prefetch_bucket_size: int = 0, max_live_parameters: int = sys.maxsize,
                  max_reuse_distance: int = 0, reduce_bucket_size: int = 0,
-                 auto_external: bool | None = None) -> None:
+                 auto_external: bool | None = None, reduce_policy: Any = None,
+                 comm_dtype: torch.dtype | None = None) -> None:
         """`max_reuse_distance`/`max_live_parameters`: see [Note: keeping units for the backward];
         `reduce_bucket_size`: see [Note: ZeRO-3 reduce-scatter buckets] (0: one per unit);
-        `auto_external`: see [Note: automatic external parameters] (None: from the environment)."""
+        `auto_external`: see [Note: automatic external parameters] (None: from the environment);
+        `reduce_policy`, `comm_dtype`: prescale/predivide and communication_data_type (reducer.py)."""
         auto_external = external.enabled_by_env() if auto_external is None else auto_external
         self.module, self.shard_device = module, shard_device
         self._keep_budget = min(max_reuse_distance, max_live_parameters)
@@ -111,7 +113,7 @@ class Stage3Coordinator:
         self._unit_set = set(self.units)
         self.prefetcher = Prefetcher(self.units, prefetch_bucket_size, max_live_parameters)
         largest = max((u.partition.padded_numel for u in self.units if u.trainable), default=0)
-        self.reducer = UnitGradReducer(group, bucket_cap(reduce_bucket_size, largest))
+        self.reducer = UnitGradReducer(group, bucket_cap(reduce_bucket_size, largest), reduce_policy, comm_dtype)
         self._by_module: set[ShardedUnit] = set()   # used by a leaf: [Note: leaf units complete by module]
         self._leaves: set[str] = set()                  # hooked modules that are z3 leaves
         self._quiet = False                             # in our hooks: the detector ignores our tensor ops

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .... import comm as ds_comm
+from ...grad_reducer import ReducePolicy
 from . import watchdog
 from .sharded_param import ShardedUnit
 from .units import UnitSpec
@@ -59,10 +60,15 @@ def bucket_spec(units: list[ShardedUnit]) -> UnitSpec:
 class UnitGradReducer:
     """Reduces queued units' gradients into their `grad_shard`s, one collective per bucket."""
 
-    def __init__(self, group: Any = None, bucket_numel: int = 0) -> None:
-        """`bucket_numel` 0: every unit reduced alone, when it completes."""
+    def __init__(self, group: Any = None, bucket_numel: int = 0, policy: ReducePolicy | None = None,
+                 comm_dtype: torch.dtype | None = None) -> None:
+        """`bucket_numel` 0: every unit reduced alone, when it completes. `policy`: DeepSpeed's
+        prescale_gradients / gradient_predivide_factor (default: sum, then divide by N);
+        `comm_dtype`: communication_data_type (default: the parameters' dtype)."""
         self.group, self.bucket_numel = group, bucket_numel
         self.world = ds_comm.get_world_size(group)
+        self.policy = policy if policy is not None else ReducePolicy(self.world)
+        self.comm_dtype = comm_dtype
         self._queue: list[tuple[ShardedUnit, torch.Tensor]] = []
         self._queued = 0
         self.collectives = 0   # reduce-scatters issued (tests count them)
@@ -104,6 +110,11 @@ class UnitGradReducer:
         else:   # rank-major interleave: row r holds every unit's slice r
             flat = torch.cat([f.view(self.world, -1) for _, f in items], dim=1).view(-1)
             spec = bucket_spec(units)
+        if self.comm_dtype is not None and flat.dtype != self.comm_dtype:
+            flat = flat.to(self.comm_dtype)
+        before, after = self.policy.before(), self.policy.after()
+        if before != 1.0:
+            flat.mul_(before)   # our own tensor (take_grads made it)
         out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)
         if ds_comm.is_initialized():
             watchdog.reduce_scatter(out, flat, self.group, spec, "gradient")
@@ -113,5 +124,5 @@ class UnitGradReducer:
         offset = 0
         for unit in units:
             n = unit.partition.shard_numel
-            unit.add_reduced(out[offset:offset + n])
+            unit.add_reduced(out[offset:offset + n], after)
             offset += n

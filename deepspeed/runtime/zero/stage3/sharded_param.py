@@ -326,10 +326,11 @@ class ShardedUnit:
         self._maybe_free()
         return flat_grad
 
-    def add_reduced(self, summed: torch.Tensor) -> None:
-        """This rank's slice of the gradients summed over ranks: averaged into `grad_shard`
-        (accumulated across micro-steps)."""
-        self.grad_shard.add_(summed.to(self.grad_shard.device, torch.float32), alpha=1.0 / self.world)
+    def add_reduced(self, summed: torch.Tensor, scale: float | None = None) -> None:
+        """This rank's slice of the gradients summed over ranks, times `scale` (default 1/N: the
+        average), into `grad_shard` (accumulated across micro-steps)."""
+        alpha = 1.0 / self.world if scale is None else scale
+        self.grad_shard.add_(summed.to(self.grad_shard.device, torch.float32), alpha=alpha)
 
     def end_backward(self) -> None:
         """The backward finished: forget its bookkeeping and drop the backward hold."""
