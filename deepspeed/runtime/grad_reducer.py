@@ -97,7 +97,7 @@ class GradBucketReducer:
     def __init__(self, params: list[torch.nn.Parameter], policy: ReducePolicy, bucket_numel: int,
                  comm_dtype_of: Callable[[torch.nn.Parameter], torch.dtype], group: Any = None,
                  first_bucket_numel: int | None = None, accum_dtype: torch.dtype | None = None,
-                 shard: bool = False, transient: bool = False) -> None:
+                 shard: bool = False, transient: bool = False, overlap: bool = True) -> None:
         # Reverse registration order approximates the order gradients become ready.
         ordered = [p for p in reversed(params) if p.requires_grad]
         self.policy = policy
@@ -111,6 +111,10 @@ class GradBucketReducer:
         # until its reduce-scatter completes (every backward at stage 2, the boundary at stage 1),
         # so between optimizer steps only the shards remain.
         self.transient = shard and transient
+        # overlap_comm (sharded): a bucket's reduce-scatter runs while the next bucket fills (two
+        # full buckets alive); without it each one completes at launch (one alive, as upstream's
+        # overlap_comm=false, its stage 1/2 default).
+        self.overlap = overlap
         self.peak_live_numel = 0
         self.seen: set[int] = set()  # ids of parameters that received a gradient since zero_grad()
         self.names: dict[int, str] = {}
@@ -238,7 +242,9 @@ class GradBucketReducer:
             out = buffer[self.rank * chunk:(self.rank + 1) * chunk]  # in place: [Note: in-place reduce-scatter]
             bucket.comm_buffer = out
             bucket.work = ds_comm.reduce_scatter_tensor(out, buffer, group=self.group, async_op=True)
-            if index > 0:  # at most two buckets in flight: bounds the temporaries (and, at ZeRO-1/2, full buffers)
+            if not self.overlap:
+                self._complete(bucket)
+            elif index > 0:  # at most two buckets in flight: bounds the temporaries (and, at ZeRO-1/2, full buffers)
                 self._complete(self.buckets[index - 1])
             return
         bucket.comm_buffer = buffer

@@ -96,10 +96,11 @@ def test_zero_memory_and_communication_are_counted(world: int) -> None:
     assert "all_reduce" not in r0["backward_comm"]
 
 
-def stage2_gradient_memory(bucket: int) -> dict:
+def stage2_gradient_memory(bucket: int, overlap: bool = True) -> dict:
     import deepspeed
 
-    cfg = _config(micro=2, gas=2, zero_optimization={"stage": 2, "reduce_bucket_size": bucket})
+    cfg = _config(micro=2, gas=2, zero_optimization={"stage": 2, "reduce_bucket_size": bucket,
+                                                     "overlap_comm": overlap})
     engine, opt, _, _ = deepspeed.initialize(model=make_model(), config=cfg)
     for _ in range(2):
         engine.backward(engine(torch.randn(2, 16), torch.tensor([0, 1])))
@@ -107,11 +108,20 @@ def stage2_gradient_memory(bucket: int) -> dict:
     reducer = engine._reducer
     sizes = [b.shard_grad.numel() * 2 for b in reducer.buckets]
     return {"after_backward": reducer.live_buffer_numel(), "peak": reducer.peak_live_numel,
-            "largest_two": sum(sorted(sizes)[-2:]), "total": sum(sizes),
-            "grads_none": all(p.grad is None for p in engine.module.parameters())}
+            "largest": max(sizes), "largest_two": sum(sorted(sizes)[-2:]), "total": sum(sizes),
+            "grads_none": all(p.grad is None for p in engine.module.parameters()),
+            "state": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
 
 
 def test_stage2_keeps_only_shards_between_backwards() -> None:
+    """overlap_comm: one bucket filling while the previous one reduces (two alive); without it
+    (upstream's stage 1/2 default) each bucket's reduce-scatter completes at launch: the shard plus
+    at most one bucket (gradients here arrive in bucket order). The same numbers either way."""
     r = run_distributed(2, stage2_gradient_memory, 300)[0]
     assert r["after_backward"] == 0 and r["grads_none"]
-    assert r["peak"] <= r["largest_two"] < r["total"]  # one bucket filling, one reducing
+    assert r["largest"] < r["peak"] <= r["largest_two"] < r["total"]  # one bucket filling, one reducing
+    one = run_distributed(2, stage2_gradient_memory, 300, False)[0]
+    assert one["after_backward"] == 0 and one["grads_none"]
+    assert one["peak"] <= one["largest"]
+    for name, value in r["state"].items():
+        assert torch.equal(one["state"][name], value), name
