@@ -135,7 +135,7 @@ def build_reducer(engine: Any) -> GradBucketReducer | None:
     reducer = GradBucketReducer(params, reduce, bucket_numel, policy.comm_dtype_fn(),
                                 group=engine.data_parallel_group, first_bucket_numel=first,
                                 accum_dtype=policy.grad_accum_dtype, shard=sharded,
-                                transient=sharded, overlap=bool(config.model.zero_optimization.overlap_comm))
+                                overlap=bool(config.model.zero_optimization.overlap_comm))
     reducer.names = {id(p): name for name, p in engine.module.named_parameters()}
     return reducer
 

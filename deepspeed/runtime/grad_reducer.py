@@ -1,10 +1,10 @@
 """Gradient buffers in buckets and their data-parallel averaging, overlapped with backward.
 
-The reducer owns where gradients live between backward and step. In "bound" mode (the
-accumulation dtype is the parameters' dtype, e.g. fp32 training) `param.grad` is a view of a
-bucket. In "detached" mode (mixed precision: bf16/fp16 params, fp32 accumulation) every
-backward's low-precision gradient is added into the fp32 bucket and `param.grad` is freed;
-the optimizer reads the buckets through `grad_view(param)`.
+The reducer owns where gradients live between backward and step. In "bound" mode (stage 0,
+accumulation dtype = the parameters' dtype, e.g. fp32 training) `param.grad` is a view of a
+bucket. In "detached" mode (mixed precision: bf16/fp16 params, fp32 accumulation; and ZeRO-1/2,
+whose buckets are transient) every backward's gradient is added into the bucket and
+`param.grad` is freed; the optimizer reads the buckets (or, sharded, the shards) instead.
 
 [Note: gradients as bucket views]
 Every trainable parameter's `.grad` is a view into one flat buffer per bucket, so a bucket is
@@ -24,7 +24,7 @@ as DeepSpeed's stage 0 does), so ranks whose graphs differ still issue identical
 A sharded bucket is reduce-scattered into its own slice: the output is this rank's chunk of
 the input (the aliasing NCCL documents as in-place; gloo copies its input before it reduces),
 so a reduction allocates no shard-sized output. `_complete` adds that slice into
-`shard_grad` before the buffer is dropped (transient) or zeroed. Upstream DeepSpeed's
+`shard_grad` before the buffer is dropped. Upstream DeepSpeed's
 stage-3 `reduce_scatter_coalesced` reduces into the input's own chunk the same way.
 """
 
@@ -97,7 +97,7 @@ class GradBucketReducer:
     def __init__(self, params: list[torch.nn.Parameter], policy: ReducePolicy, bucket_numel: int,
                  comm_dtype_of: Callable[[torch.nn.Parameter], torch.dtype], group: Any = None,
                  first_bucket_numel: int | None = None, accum_dtype: torch.dtype | None = None,
-                 shard: bool = False, transient: bool = False, overlap: bool = True) -> None:
+                 shard: bool = False, overlap: bool = True) -> None:
         # Reverse registration order approximates the order gradients become ready.
         ordered = [p for p in reversed(params) if p.requires_grad]
         self.policy = policy
@@ -110,7 +110,7 @@ class GradBucketReducer:
         # Transient (ZeRO-1 and 2): a bucket's full-size buffer exists only from its first gradient
         # until its reduce-scatter completes (every backward at stage 2, the boundary at stage 1),
         # so between optimizer steps only the shards remain.
-        self.transient = shard and transient
+        self.transient = shard
         # overlap_comm (sharded): a bucket's reduce-scatter runs while the next bucket fills (two
         # full buckets alive); without it each one completes at launch (one alive, as upstream's
         # overlap_comm=false, its stage 1/2 default).
@@ -164,8 +164,7 @@ class GradBucketReducer:
         """Whether `param.grad` is a view of the bucket (else gradients are added in and freed).
 
         Bound saves a gradient allocation per parameter and backward; transient buckets (ZeRO-1/2)
-        cannot be bound, and neither can buckets in another dtype (mixed precision). A sharded but
-        not transient bucket's views read zero once it is reduce-scattered into the owners' shards.
+        cannot be bound, and neither can buckets in another dtype (mixed precision).
         """
         return not self.transient and flat.dtype == param.dtype
 
@@ -268,10 +267,7 @@ class GradBucketReducer:
                 bucket.flat.copy_(buffer)
             bucket.work, bucket.comm_buffer = None, None
         if self.shard:  # its contributions now live in the owners' shards
-            if self.transient:
-                bucket.flat, bucket.views = None, []
-            else:
-                bucket.flat.zero_()
+            bucket.flat, bucket.views = None, []
 
     def finish(self) -> None:
         """Launch what is left and wait for every bucket."""
