@@ -196,6 +196,9 @@ def build_stage3_coordinator(engine: Any) -> Any:
 
     zero = engine._config.model.zero_optimization
     apply_zero_leaf_module_config(engine.module, zero.leaf_module)  # flags join any set through the API
+    if engine.precision.grad_accum_dtype != torch.float32:
+        logger.warning(f"ZeRO-3 accumulates gradient shards in fp32: data_types.grad_accum_dtype="
+                       f"{engine.precision.grad_accum_dtype} is ignored at stage 3 (docs/zero.md)")
     offload = zero.offload_param
     offloaded = offload is not None and offload.device == "cpu"
     return Stage3Coordinator(engine.module, persistence_threshold=zero.param_persistence_threshold,

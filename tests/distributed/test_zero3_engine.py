@@ -309,3 +309,25 @@ def test_zero3_reduce_options_reach_the_reducer() -> None:
     assert run_distributed(2, reduce_settings, {"prescale_gradients": True})[0] == (0.5, 1.0, None)
     assert run_distributed(2, reduce_settings, {"gradient_predivide_factor": 2.0,
                                                 "communication_data_type": "fp16"})[0] == (0.5, 1.0, torch.float16)
+
+
+def accum_dtype_warning() -> bool:
+    import io
+    import logging
+
+    import deepspeed
+    from deepspeed.utils.logging import logger
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger.addHandler(handler)
+    try:
+        deepspeed.initialize(model=make_model(), config=_config(bf16={"enabled": True}, zero_optimization=_z3(),
+                                                                data_types={"grad_accum_dtype": "bf16"}))
+    finally:
+        logger.removeHandler(handler)
+    return "data_types.grad_accum_dtype=torch.bfloat16 is ignored at stage 3" in stream.getvalue()
+
+
+def test_zero3_says_it_ignores_a_16_bit_grad_accum_dtype() -> None:
+    assert run_distributed(2, accum_dtype_warning) == [True, True]
