@@ -126,11 +126,9 @@ def build_reducer(engine: Any) -> GradBucketReducer | None:
         return None
     config = engine._config
     params = [p for p in engine.module.parameters() if p.requires_grad]
-    if config.is_set("zero_optimization.reduce_bucket_size"):
-        bucket_numel, first = config.model.zero_optimization.reduce_bucket_size, None
-    else:
-        itemsize = torch.finfo(policy.grad_accum_dtype).bits // 8
-        bucket_numel, first = _DEFAULT_DP_BUCKET_BYTES // itemsize, _FIRST_BUCKET_BYTES // itemsize
+    bucket_numel = _bucket_numel(engine, policy.grad_accum_dtype)
+    first = None if config.is_set("zero_optimization.reduce_bucket_size") else \
+        _FIRST_BUCKET_BYTES // (torch.finfo(policy.grad_accum_dtype).bits // 8)
     reduce = _reduce_policy(engine)
     reducer = GradBucketReducer(params, reduce, bucket_numel, policy.comm_dtype_fn(),
                                 group=engine.data_parallel_group, first_bucket_numel=first,
@@ -209,7 +207,7 @@ def build_stage3_coordinator(engine: Any) -> Any:
                              prefetch_bucket_size=zero.prefetch_bucket_size,
                              max_live_parameters=zero.max_live_parameters,
                              max_reuse_distance=zero.max_reuse_distance,
-                             reduce_bucket_size=_stage3_bucket_numel(engine),
+                             reduce_bucket_size=_bucket_numel(engine, engine.precision.param_dtype),
                              reduce_policy=_reduce_policy(engine),
                              comm_dtype=engine.precision.comm_dtype_override)
 
@@ -220,13 +218,13 @@ def _reduce_policy(engine: Any) -> ReducePolicy:
                         gradient_predivide_factor=model.gradient_predivide_factor)
 
 
-def _stage3_bucket_numel(engine: Any) -> int:
-    """Elements per ZeRO-3 reduce-scatter bucket ([Note: ZeRO-3 reduce-scatter buckets]): the
-    config's reduce_bucket_size, or DDP's 25 MiB of the parameters' dtype when left at default."""
+def _bucket_numel(engine: Any, dtype: torch.dtype) -> int:
+    """Elements per gradient bucket: the config's reduce_bucket_size, or DDP's 25 MiB of `dtype`
+    when it is left at DeepSpeed's 5e8 default (which would make one bucket of everything)."""
     config = engine._config
     if config.is_set("zero_optimization.reduce_bucket_size"):
         return config.model.zero_optimization.reduce_bucket_size
-    return _DEFAULT_DP_BUCKET_BYTES // (torch.finfo(engine.precision.param_dtype).bits // 8)
+    return _DEFAULT_DP_BUCKET_BYTES // (torch.finfo(dtype).bits // 8)
 
 
 def check_zero_layout(engine: Any) -> None:

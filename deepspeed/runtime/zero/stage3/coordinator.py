@@ -124,8 +124,8 @@ class Stage3Coordinator:
         self._handles: list[Any] = []
         self._forward_handles: list[Any] = []
         self._module_units: dict[str, list[ShardedUnit]] = {}
-        # one frame per running hooked module: (module, units acquired, units gathered for reads)
-        self._frames: list[tuple[nn.Module, list[ShardedUnit], list[ShardedUnit]]] = []
+        # one frame per running hooked module: (name, module, units acquired, units gathered for reads)
+        self._frames: list[tuple[str, nn.Module, list[ShardedUnit], list[ShardedUnit]]] = []
         self._found_external = False
         self._detector = ExternalUseDetector(self._is_released, self._external_use) if auto_external else None
         self._install_forward_hooks()
@@ -196,7 +196,7 @@ class Stage3Coordinator:
 
     def _pre_forward(self, name: str, module: nn.Module, args: Any) -> None:
         units = self._module_units.get(name, [])
-        self._frames.append((module, units, []))
+        self._frames.append((name, module, units, []))
         self._quiet = True
         try:
             for unit in units:
@@ -207,16 +207,14 @@ class Stage3Coordinator:
 
     def _is_released(self, param: nn.Parameter) -> bool:
         unit = unit_of(param)
-        return (unit is not None and not unit.available and not self._quiet and self._forward_depth > 0
-                and unit in self._unit_set)
+        return unit is not None and not unit.available and not self._quiet and unit in self._unit_set
 
     def _external_use(self, param: nn.Parameter) -> None:
         """See [Note: automatic external parameters]."""
         if not self._frames:   # between the root's own hooks: nothing holds a unit there
             return
-        module, _, gathered = self._frames[-1]
+        owner, module, _, gathered = self._frames[-1]
         unit = unit_of(param)
-        owner = next((n for n, m in self.module.named_modules() if m is module), "?")
         if owner in self._leaves:   # routing inside a leaf may differ by rank: a gather here could hang
             raise RuntimeError(f"ZeRO-3: leaf module '{owner}' read parameter '{self._name_of(unit, param)}' of "
                                f"module '{unit.spec.owner}', which is not gathered; inside a leaf the read may happen "
@@ -236,13 +234,20 @@ class Stage3Coordinator:
         return next((n for n, p in zip(unit.spec.param_names, unit.params) if p is param), "?")
 
     def _post_forward(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        at = [i for i, frame in enumerate(self._frames) if frame[0] is module]
-        _, acquired, gathered = self._frames.pop(at[-1]) if at else (module, [], [])  # hooked mid-call: nothing
+        _, _, acquired, gathered = self._pop_frame(module)
         self._quiet = True
         try:
             self._after_call(acquired + gathered, args, kwargs, output)
         finally:
             self._quiet = False
+
+    def _pop_frame(self, module: nn.Module) -> tuple:
+        """The frame `_pre_forward` pushed for this call: the top one, unless a call inside it
+        raised before its own post-hook (then the innermost frame of `module`)."""
+        if self._frames and self._frames[-1][1] is module:
+            return self._frames.pop()
+        at = [i for i, frame in enumerate(self._frames) if frame[1] is module]
+        return self._frames.pop(at[-1]) if at else ("", module, [], [])   # hooked mid-call: nothing
 
     def _after_call(self, units: list[ShardedUnit], args: Any, kwargs: Any, output: Any) -> None:
         if torch.is_grad_enabled():
@@ -317,12 +322,13 @@ class Stage3Coordinator:
             if unit.needs_reduce:
                 self.reducer.add(unit)
         self.reducer.flush()
-        for unit in self.units:
+        self._forget_backward(self.units)
+
+    def _forget_backward(self, units: list[ShardedUnit]) -> None:
+        """Drop the holds of `units` and what forwards recorded for a backward."""
+        for unit in units:
             unit.end_backward()
         self._kept.clear()
-        self._forget_calls()
-
-    def _forget_calls(self) -> None:
         self._calls_left.clear()
         self._unhooked.clear()
 
@@ -335,20 +341,14 @@ class Stage3Coordinator:
         if self._in_backward:   # a backward raised before its end: forget it (nothing is reduced)
             self._in_backward = False
             self.reducer.discard()
-            for unit in self.units:
-                unit.end_backward()
-            self._kept.clear()
-            self._forget_calls()
+            self._forget_backward(self.units)
         for unit in self.units:
             unit.grad_shard.zero_()
 
     def after_shard_update(self) -> None:
         """Call after changing the shards (an optimizer step): persistent units are refreshed
         now (one all-gather each); the others pick the new values up at their next gather."""
-        for unit in self._kept:   # kept by a forward whose backward never came
-            unit.end_backward()
-        self._kept.clear()
-        self._forget_calls()
+        self._forget_backward(list(self._kept))   # kept by a forward whose backward never came
         for unit in self.units:
             if unit.available and not unit.spec.persistent:
                 raise RuntimeError(f"ZeRO-3: {unit} is gathered while its shard was updated")
