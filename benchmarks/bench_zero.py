@@ -27,7 +27,14 @@ batches of ``examples/gpt/data.py``, with torch's AdamW (config ``optimizer`` wi
 ``zero_optimization`` section ``{stage, overlap_comm, reduce_bucket_size,
 allgather_bucket_size}``. One thread per rank (2 ranks on 2 cores).
 
-Communication is measured twice:
+Communication is measured three times:
+
+* **loopback**: the bytes the ranks put on the ``lo`` interface during the timed steps
+  (``/proc/net/dev``; every rank runs on this host, so gloo's TCP traffic is all there),
+  divided by steps and ranks. That is what was physically sent, whatever a collective's name
+  promises: torch's gloo ``reduce_scatter_tensor`` is an all-reduce inside (see
+  [Note: gloo's reduce-scatter] in ``deepspeed/comm/exchange.py``). Other traffic on ``lo``
+  during the run counts too: keep the machine quiet.
 
 * **neutral**: before ``deepspeed`` is imported the worker wraps the collectives of
   ``torch.distributed`` itself (both implementations end up there on CPU/gloo), so both
@@ -320,8 +327,67 @@ def live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
+def loopback_tx_bytes() -> int:
+    """Bytes sent on the loopback interface since boot (0 where /proc/net/dev has no `lo`)."""
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, counters = line.partition(":")
+                if name.strip() == "lo":
+                    return int(counters.split()[8])
+    except OSError:
+        pass
+    return 0
+
+
+class PhaseRss:
+    """Opt-in (BENCH_RSS_PHASES=1) RSS sampler: the peak resident set seen during each phase of
+    the step ('init', 'forward', 'backward', 'step'), read from /proc/self/statm every ~0.5 ms on
+    a daemon thread. Diagnostic only: it tells where ru_maxrss is reached, for either impl."""
+
+    def __init__(self) -> None:
+        import ctypes
+        import threading
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+        try:
+            self._mallinfo = ctypes.CDLL("libc.so.6").mallinfo2
+            self._mallinfo.restype = MallInfo2
+        except (OSError, AttributeError):
+            self._mallinfo = None
+        self.phase, self.peaks, self.inuse, self._stop = "init", {}, {}, False
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with open("/proc/self/statm") as f:
+            while not self._stop:
+                f.seek(0)
+                rss = int(f.read().split()[1]) * self._page / 2**20
+                if rss > self.peaks.get(self.phase, 0.0):
+                    self.peaks[self.phase] = rss
+                if self._mallinfo is not None:
+                    m = self._mallinfo()
+                    used = (m.uordblks + m.hblkhd) / 2**20  # malloc'd bytes: heap in use + mmapped blocks
+                    if used > self.inuse.get(self.phase, 0.0):
+                        self.inuse[self.phase] = used
+                time.sleep(0.0005)
+
+    def stop(self) -> dict:
+        self._stop = True
+        self._thread.join()
+        return {**{k: round(v, 1) for k, v in self.peaks.items()},
+                **{"malloc_" + k: round(v, 1) for k, v in self.inuse.items()}}
+
+
 def run_worker(args) -> int:
     import torch
+
+    phases = PhaseRss() if os.environ.get("BENCH_RSS_PHASES") == "1" else None
+    mark = (lambda name: setattr(phases, "phase", name)) if phases else (lambda name: None)
 
     counter = TorchCollectiveCounter()
     counter.install()  # before deepspeed is imported
@@ -366,9 +432,13 @@ def run_worker(args) -> int:
             tdist.barrier()
             counter.reset()
             own_logger(args.worker, reset=True)
+            lo_start = loopback_tx_bytes()
         t0 = time.perf_counter()
+        mark("forward")
         loss = engine(x.to(engine.device), y.to(engine.device))
+        mark("backward")
         engine.backward(loss)
+        mark("step")
         engine.step()
         lv = loss.item()
         dt = time.perf_counter() - t0
@@ -378,9 +448,12 @@ def run_worker(args) -> int:
     neutral = counter.summary()
     own = own_logger(args.worker)
     counter.enabled = False
+    tdist.barrier()
+    loopback = loopback_tx_bytes() - lo_start
     del loss
-    write(dict(times=times, losses=losses, neutral=neutral, own=own, live_tensor_mb=live_tensor_bytes() / 2**20,
-               peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+    write(dict(times=times, losses=losses, neutral=neutral, own=own, loopback_bytes=loopback, live_tensor_mb=live_tensor_bytes() / 2**20,
+               peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+               rss_phases=phases.stop() if phases else None))
     tdist.barrier()
     tdist.destroy_process_group()
     return 0
@@ -500,11 +573,13 @@ def aggregate(args, cell: tuple, jobs: list[dict]) -> dict:
         tokens_per_s=args.micro_batch * len(last) * args.block / med,
         peak_rss_mb=[max(ranks[i]["peak_rss_mb"] for ranks in good) for i in range(len(last))],
         live_tensor_mb=[max(ranks[i].get("live_tensor_mb", 0) for ranks in good) for i in range(len(last))],
+        rss_phases=[r.get("rss_phases") for r in last],
         params=r0["params"], ds_version=r0["ds_version"], ds_file=r0["ds_file"], optimizer=r0["optimizer"],
         inner_optimizer=r0["inner_optimizer"], param_dtype=r0["param_dtype"], threads=r0["threads"],
         neutral_count=per_step(r0["neutral"], args.steps, "count"),
         neutral_bytes=per_step(r0["neutral"], args.steps, "bytes"),
         neutral_wire=sum(s["wire_bytes"] for s in r0["neutral"].values()) / args.steps,
+        loopback=r0.get("loopback_bytes", 0) / args.steps / len(last),
         neutral_dtypes={op: s["dtypes"] for op, s in r0["neutral"].items()},
         own_count=per_step(r0["own"], args.steps, "count"), own_bytes=per_step(r0["own"], args.steps, "bytes"),
         final_loss=sum(r["losses"][-1] for r in last) / len(last),
@@ -524,27 +599,38 @@ def mb(b: float) -> str:
 def print_tables(rows: list[dict], ranks: int) -> None:
     print("| impl | stage | dtype | median step (s) | job medians (s) | tokens/s | peak RSS / rank (MB) "
           "| live tensors / rank (MB) | collectives / step | bytes / step (message) | wire / rank / step "
-          "| vs 2Ψ(N-1)/N | last loss |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| vs 2Ψ(N-1)/N | loopback / rank / step | vs 2Ψ(N-1)/N | last loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         head = f"| {r['impl']} | {r['stage']} | {r['dtype']} "
         if "skipped" in r:
-            print(head + f"| skipped: {r['skipped'][:160]} | | | | | | | | | |")
+            print(head + f"| skipped: {r['skipped'][:160]} | | | | | | | | | | | |")
             continue
         if "error" in r:
             msg = r["error"].strip().splitlines()[-1][:160] if r["error"].strip() else "?"
-            print(head + f"| FAILED: {msg} | | | | | | | | | |")
+            print(head + f"| FAILED: {msg} | | | | | | | | | | | |")
             continue
         # Ψ elements of the communicated gradient dtype: 2 bytes under bf16, 4 under fp32.
         elt = 2 if r["dtype"] == "bf16" else 4
         ideal = 2 * r["params"] * elt * (ranks - 1) / ranks
         rss = " / ".join(f"{m:.0f}" for m in r["peak_rss_mb"])
         ratio = f"{r['neutral_wire'] / ideal:.2f}x" if ideal else "-"   # one rank: nothing to send
+        lo_ratio = f"{r['loopback'] / ideal:.2f}x" if ideal else "-"
         live = " / ".join(f"{m:.1f}" for m in r["live_tensor_mb"])
         spread = ", ".join(f"{m:.3f}" for m in r["job_medians"])
         print(head + f"| {r['median_step_s']:.3f} | {spread} | {r['tokens_per_s']:,.0f} | {rss} | {live} "
               f"| {fmt_ops(r['neutral_count'], lambda v: f'{v:g}')} | {fmt_ops(r['neutral_bytes'], mb)} "
-              f"| {mb(r['neutral_wire'])} | {ratio} | {r['final_loss']:.4f} |")
+              f"| {mb(r['neutral_wire'])} | {ratio} | {mb(r['loopback'])} | {lo_ratio} | {r['final_loss']:.4f} |")
+    traced = [r for r in rows if r.get("rss_phases") and r["rss_phases"][0]]
+    if traced:
+        print("\nPeak RSS per phase, MB (BENCH_RSS_PHASES=1; last job, rank 0 / rank 1):\n")
+        keys = ("init", "forward", "backward", "step")
+        print("| impl | stage | dtype | " + " | ".join(keys) + " | " + " | ".join(f"malloc'd, {k}" for k in keys) + " |")
+        print("|---|---|---|" + "---|" * 2 * len(keys))
+        for r in traced:
+            cells = [" / ".join(f"{p.get(k, 0):.0f}" for p in r["rss_phases"]) for k in keys]
+            cells += [" / ".join(f"{p.get('malloc_' + k, 0):.0f}" for p in r["rss_phases"]) for k in keys]
+            print(f"| {r['impl']} | {r['stage']} | {r['dtype']} | " + " | ".join(cells) + " |")
     print("\nOwn comms loggers (rank 0, per step; DeepSpeed sizes all-gathers by their input shard):\n")
     print("| impl | stage | dtype | deepspeed | optimizer (inner) | param dtype | collectives / step | bytes / step |")
     print("|---|---|---|---|---|---|---|---|")

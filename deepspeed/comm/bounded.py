@@ -6,8 +6,8 @@ for the process group's timeout (30 minutes by default). The backend options do 
 operation: after `timeout_s` the operation itself fails with a RuntimeError ("Timed out
 waiting ... for recv operation"), its worker thread is freed and the connection closed, so
 the peers' pending and later operations fail at once too ("Connection closed by peer").
-Waiting on an asynchronous Work with a timeout is no substitute: gloo's reduce-scatter Work
-ignores it, and an abandoned operation keeps the process from exiting until the group's own
+Waiting on an asynchronous Work with a timeout is no substitute: torch's gloo reduce-scatter Work
+ignores it (ours on gloo is an all-to-all, which honours its options), and an abandoned operation keeps the process from exiting until the group's own
 timeout. NCCL's watchdog uses the group's timeout, not this one (see docs/zero.md).
 
 `break_group` turns the same gloo behaviour into a way to fail a whole group at once.
@@ -23,9 +23,11 @@ from typing import Any
 
 import torch
 import torch.distributed as _tdist
-from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
+from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions, BroadcastOptions, ReduceScatterOptions
 
 from .comm import ReduceOp, _timed, get_backend
+from .gloo_collectives import (all_gather_applies, broadcast_all_gather, exchange_reduce_scatter,
+                               reduce_scatter_applies)
 
 _UNMATCHED_TAG = 0x5EED0FF   # no rank ever sends with this tag
 
@@ -40,6 +42,13 @@ def _options(kind: type, timeout_s: float, op: Any = None, async_op: bool = Fals
     return opts
 
 
+@lru_cache(maxsize=256)
+def _broadcast_options(timeout_s: float, root: int) -> Any:
+    opts = BroadcastOptions()
+    opts.timeout, opts.rootRank, opts.rootTensor = datetime.timedelta(seconds=timeout_s), root, 0
+    return opts
+
+
 def _group(group: Any) -> Any:
     return group if group is not None else _tdist.distributed_c10d._get_default_group()
 
@@ -47,8 +56,7 @@ def _group(group: Any) -> Any:
 def all_gather_into_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,
                                   group: Any = None) -> None:
     """`all_gather_into_tensor` that fails after `timeout_s` seconds (where the backend honours it)."""
-    pg, opts = _group(group), _options(AllgatherOptions, float(timeout_s))
-    _timed("all_gather_into_tensor", output, group, lambda: pg.all_gather_single(output, tensor, opts).wait())
+    start_all_gather_into_tensor_within(output, tensor, timeout_s, group).wait()
 
 
 def start_all_gather_into_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,
@@ -56,14 +64,24 @@ def start_all_gather_into_tensor_within(output: torch.Tensor, tensor: torch.Tens
     """Issue the bounded all-gather without waiting; returns its Work. The deadline travels in the
     operation's options (gloo fails the operation itself after `timeout_s`), so `Work.wait()`
     without a timeout still returns or raises in bounded time. Counted when issued."""
-    pg, opts = _group(group), _options(AllgatherOptions, float(timeout_s), async_op=True)
+    pg = _group(group)
+    if all_gather_applies(output, tensor, group):  # [Note: gloo's reduce-scatter and all-gather]
+        return _timed("all_gather_into_tensor", output, group, lambda: broadcast_all_gather(
+            output, tensor, group, lambda chunk, root: pg.broadcast([chunk], _broadcast_options(float(timeout_s), root))))
+    opts = _options(AllgatherOptions, float(timeout_s), async_op=True)
     return _timed("all_gather_into_tensor", output, group, lambda: pg.all_gather_single(output, tensor, opts))
 
 
 def reduce_scatter_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,
                                  group: Any = None, op: Any = ReduceOp.SUM) -> None:
     """`reduce_scatter_tensor` that fails after `timeout_s` seconds (where the backend honours it)."""
-    pg, opts = _group(group), _options(ReduceScatterOptions, float(timeout_s), op)
+    pg = _group(group)
+    if reduce_scatter_applies(output, tensor, op, group):  # [Note: gloo's reduce-scatter and all-gather]
+        exchange = _options(AllToAllOptions, float(timeout_s))
+        _timed("reduce_scatter_tensor", tensor, group, lambda: exchange_reduce_scatter(
+            output, tensor, group, lambda received: pg.alltoall_base(received, tensor, [], [], exchange)).wait())
+        return
+    opts = _options(ReduceScatterOptions, float(timeout_s), op)
     _timed("reduce_scatter_tensor", tensor, group, lambda: pg.reduce_scatter_single(output, tensor, opts).wait())
 
 
