@@ -22,8 +22,8 @@ as DeepSpeed's stage 0 does), so ranks whose graphs differ still issue identical
 
 [Note: in-place reduce-scatter]
 A sharded bucket is reduce-scattered into its own slice: the output is this rank's chunk of
-the input (the aliasing NCCL documents as in-place; gloo copies its input before it reduces),
-so a reduction allocates no shard-sized output. `_complete` adds that slice into
+the input (the aliasing NCCL documents as in-place; on gloo, deepspeed.comm's exchange has read
+the whole input before its sum writes the chunk), so a reduction allocates no shard-sized output. `_complete` adds that slice into
 `shard_grad` before the buffer is dropped. Upstream DeepSpeed's
 stage-3 `reduce_scatter_coalesced` reduces into the input's own chunk the same way.
 """

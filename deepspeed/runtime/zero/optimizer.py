@@ -10,9 +10,7 @@ which the step refreshes with one all-gather per bucket.
 
 from __future__ import annotations
 
-import ctypes
 import math
-import os
 from typing import Any
 
 import torch
@@ -38,58 +36,6 @@ def clip_sharded_grads(grads: list[torch.Tensor], max_norm: float, comm_device: 
     if coef < 1.0:
         torch._foreach_mul_(grads, coef)
     return norm
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
-_MMAP_THRESHOLD_MAX = 32 * 2**20                # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
-_MIN_PINNED_THRESHOLD = 2**20
-
-
-def _keep_bucket_temporaries_off_heap(bucket_bytes: int) -> int:
-    """Fix glibc's mmap threshold at half the largest bucket; returns it (0: left alone).
-
-    [Note: bucket-sized temporaries and the glibc heap]
-    Every step allocates and frees blocks the size of a whole bucket, most of them not ours:
-    gloo's `reduce_scatter_tensor` copies its entire input (alive from the launch in backward
-    to the reduction's completion), its all-gather gathers into a fresh buffer on a worker
-    thread, and ZeRO-2 holds each full gradient bucket from its first gradient to its
-    reduction. glibc gives blocks above its mmap threshold their own mapping, unmapped on
-    free, but the threshold is dynamic: freeing such a block raises it to that block's size
-    (up to 32 MiB). After the first bucket-sized temporary is freed every later one is carved
-    from the brk heap in between activations; its hole is split by smaller blocks, the next
-    copy no longer fits, the heap grows again, and glibc returns heap memory only from its top.
-    On benchmarks/bench_zero.py's 19M-parameter GPT (2 ranks, fp32, buckets of 16-19 MB) rank
-    0's heap reached ~390 MB for ~180 MB of large blocks live at the peak, each of gloo's two
-    worker threads kept a bucket-sized arena, and the peak RSS rose with every step.
-
-    `mallopt(M_MMAP_THRESHOLD)` fixes the threshold (and turns the dynamic rule off, so the
-    trim threshold is set to twice it, as that rule would): bucket-sized blocks get their own
-    mappings again and go back to the OS when freed, while activations and per-parameter
-    tensors below it keep the heap's reuse. Half the largest bucket catches every bucket but a
-    short first or last one. On that benchmark the peak RSS per rank drops by 60-100 MB at
-    stages 1 and 2 and stays flat across steps; the price is the temporaries' page faults,
-    ~30-40k more minor faults per step (0.07-0.14 s of system time, 3-5% of the step's wall
-    time, on a VM where a fault costs ~3 us). Process-wide and kept after the engine is gone;
-    glibc only; skipped for small buckets (their holes fragment little) and when the user
-    tuned malloc through `MALLOC_MMAP_THRESHOLD_` or `GLIBC_TUNABLES`. Opt-in
-    (DEEPSPEED_PIN_MMAP_THRESHOLD=1): a library should not change malloc for the whole process
-    by default, and the step-time cost is real.
-    """
-    threshold = min(bucket_bytes // 2, _MMAP_THRESHOLD_MAX)
-    if threshold < _MIN_PINNED_THRESHOLD:
-        return 0
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
-        return 0
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
-            return 0
-        libc = ctypes.CDLL("libc.so.6")
-        if libc.mallopt(_M_MMAP_THRESHOLD, threshold) != 1:
-            return 0
-        libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold)
-    except (ValueError, OSError, AttributeError):  # no such confstr name / no glibc
-        return 0
-    return threshold
 
 
 def attach_fragment_masters(optimizer: torch.optim.Optimizer, shards: list[Any],
@@ -161,11 +107,6 @@ class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
         self.dp_rank, self.dp_world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
         device = master_device or (reducer.buckets[0].shard_grad.device if reducer.buckets else torch.device("cpu"))
         self.buckets = [_ShardedBucket(b, self.dp_rank, self.dp_world, master_dtype, device) for b in reducer.buckets]
-        # Opt-in (DEEPSPEED_PIN_MMAP_THRESHOLD=1): see [Note: bucket-sized temporaries and the glibc
-        # heap]; 0 when glibc was left alone.
-        self.mmap_threshold = _keep_bucket_temporaries_off_heap(max(
-            sb.param_flat.numel() * sb.param_flat.element_size() for sb in self.buckets)) \
-            if self.dp_world > 1 and self.buckets and os.environ.get("DEEPSPEED_PIN_MMAP_THRESHOLD") == "1" else 0
         self._fragments_of, self.model_param_groups = attach_fragment_masters(optimizer, self.buckets, names)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
