@@ -158,7 +158,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, gr
     if all_gather_applies(output_tensor, tensor, group):
         return _timed("all_gather_into_tensor", output_tensor, group, lambda: _finish(async_op, broadcast_all_gather(
             output_tensor, tensor, group, lambda chunk, root: _tdist.broadcast(
-                chunk, group=group, group_src=root, async_op=True))))
+                chunk, root if group is None else _tdist.get_global_rank(group, root), group=group, async_op=True))))
     return _timed("all_gather_into_tensor", output_tensor, group,
                   lambda: _tdist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op))
 
