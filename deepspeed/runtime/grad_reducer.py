@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 from .. import comm as ds_comm
+from ..utils.weak_hooks import remove_when_collected, weak_hook
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,9 @@ class _Bucket:
     work: Any = None
     comm_buffer: torch.Tensor | None = None
     numel: int = 0                          # unpadded; flat may be padded to a multiple of N
-    shard_grad: torch.Tensor | None = None  # sharded mode: this rank's reduced slice, accumulated
+    shard_numel: int = 0                    # sharded mode: padded numel / N
+    shard_grad: torch.Tensor | None = None  # sharded mode: this rank's reduced slice, accumulated;
+                                            # None until the first reduction after zero_grad()
 
 
 def plan_buckets(numels: list[int], bucket_numel: int, first_bucket_numel: int | None = None) -> list[list[int]]:
@@ -125,7 +128,9 @@ class GradBucketReducer:
             self._add_buckets([ordered[i] for i in indices], comm_dtype_of)
         self._next_launch = 0
         self._armed = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in ordered]
+        # Weakly held: see [Note: tensor hooks and dropped engines] in utils/weak_hooks.py.
+        self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready)) for p in ordered]
+        remove_when_collected(self, self._hooks)
 
     def _add_buckets(self, params: list[torch.nn.Parameter], comm_dtype_of: Callable) -> None:
         """One bucket per (dtype, device, comm dtype) run inside a planned group."""
@@ -146,13 +151,13 @@ class GradBucketReducer:
                 offset += p.numel()
                 self._where[id(p)] = (len(self.buckets), position)
                 p.grad = views[-1] if flat is not None and self._bound(flat, p) else None
-            shard_grad = torch.zeros(padded // world, dtype=accum, device=device) if self.shard else None
-            self.buckets.append(_Bucket(members, flat, views, comm_dtype, numel=numel, shard_grad=shard_grad))
+            self.buckets.append(_Bucket(members, flat, views, comm_dtype, numel=numel,
+                                        shard_numel=padded // world if self.shard else 0))
 
     def _allocate(self, bucket: _Bucket) -> None:
         """(Re)create a transient bucket's full-size buffer and the parameter views into it."""
         first = bucket.params[0]
-        padded = bucket.shard_grad.numel() * self.policy.world_size
+        padded = bucket.shard_numel * self.policy.world_size
         bucket.flat = torch.zeros(padded, dtype=self.accum_dtype or first.dtype, device=first.device)
         bucket.views, offset = [], 0
         for p in bucket.params:
@@ -252,7 +257,7 @@ class GradBucketReducer:
     def _complete(self, bucket: _Bucket) -> None:
         """Wait for a launched bucket and put its result where it belongs."""
         if self.shard and not self.reduces:  # one rank owns everything: the shard is the bucket
-            bucket.shard_grad.add_(bucket.flat)
+            self._accumulate(bucket, bucket.flat)
         elif bucket.work is None:
             return
         else:
@@ -262,12 +267,29 @@ class GradBucketReducer:
             if scale != 1.0:
                 buffer.mul_(scale)
             if self.shard:
-                bucket.shard_grad.add_(buffer)
+                self._accumulate(bucket, buffer)
             elif buffer is not bucket.flat:
                 bucket.flat.copy_(buffer)
             bucket.work, bucket.comm_buffer = None, None
         if self.shard:  # its contributions now live in the owners' shards
             bucket.flat, bucket.views = None, []
+
+    def _accumulate(self, bucket: _Bucket, reduced: torch.Tensor) -> None:
+        """Add this rank's reduced slice into its gradient shard; the first reduction after
+        zero_grad() creates the shard (a copy: the bucket buffer it views is dropped next)."""
+        if bucket.shard_grad is None:
+            bucket.shard_grad = reduced.to(dtype=self.accum_dtype or bucket.params[0].dtype, copy=True)
+        else:
+            bucket.shard_grad.add_(reduced)
+
+    def shard_grad(self, bucket: _Bucket) -> torch.Tensor:
+        """`bucket`'s gradient shard, created as zeros when nothing was reduced into it since
+        zero_grad() (a step without backward, or a read or write between steps)."""
+        if bucket.shard_grad is None:
+            first = bucket.params[0]
+            bucket.shard_grad = torch.zeros(bucket.shard_numel, dtype=self.accum_dtype or first.dtype,
+                                            device=first.device)
+        return bucket.shard_grad
 
     def finish(self) -> None:
         """Launch what is left and wait for every bucket."""
@@ -300,11 +322,11 @@ class GradBucketReducer:
         return [bucket.flat for bucket in self.buckets]
 
     def zero_grad(self) -> None:
-        """Zero the buffers and keep `.grad` bound to them (no reallocation per step)."""
+        """Zero the replicated buffers, keeping `.grad` bound to them (no reallocation per step);
+        drop the gradient shards (sharded mode: recreated by the next reduction)."""
         self.seen.clear()
         for bucket in self.buckets:
-            if bucket.shard_grad is not None:
-                bucket.shard_grad.zero_()
+            bucket.shard_grad = None  # freed between steps, as upstream frees its averaged gradients
             if bucket.flat is None:
                 for param in bucket.params:
                     param.grad = None

@@ -96,21 +96,48 @@ def test_zero_memory_and_communication_are_counted(world: int) -> None:
     assert "all_reduce" not in r0["backward_comm"]
 
 
-def stage2_gradient_memory(bucket: int, overlap: bool = True) -> dict:
+def _live_tensor_bytes(engine, opt) -> dict:
+    """Bytes of the distinct tensor storages Python can reach (gc), next to what the layout
+    says a rank holds between steps: the parameters (4Ψ, fp32), the master shard and AdamW's two
+    states (3 x 4 x shard). Asks no engine object what it holds beyond the sizes."""
+    import gc
+
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.numel() > 1:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+    params = sum(sb.param_flat.numel() for sb in opt.buckets) * 4
+    return {"counted": sum(storages.values()), "expected": params + 3 * 4 * opt.shard_numel()}
+
+
+def stage2_gradient_memory(bucket: int, overlap: bool = True, stage: int = 2) -> dict:
     import deepspeed
 
-    cfg = _config(micro=2, gas=2, zero_optimization={"stage": 2, "reduce_bucket_size": bucket,
+    cfg = _config(micro=2, gas=2, zero_optimization={"stage": stage, "reduce_bucket_size": bucket,
                                                      "overlap_comm": overlap})
     engine, opt, _, _ = deepspeed.initialize(model=make_model(), config=cfg)
     for _ in range(2):
         engine.backward(engine(torch.randn(2, 16), torch.tensor([0, 1])))
         engine.step()
     reducer = engine._reducer
-    sizes = [b.shard_grad.numel() * 2 for b in reducer.buckets]
+    sizes = [b.shard_numel * 2 for b in reducer.buckets]
+    freed = all(b.shard_grad is None for b in reducer.buckets) and \
+        all(m.grad is None for g in opt.optimizer.param_groups for m in g["params"])
+    live = _live_tensor_bytes(engine, opt)
     return {"after_backward": reducer.live_buffer_numel(), "peak": reducer.peak_live_numel,
             "largest": max(sizes), "largest_two": sum(sorted(sizes)[-2:]), "total": sum(sizes),
             "grads_none": all(p.grad is None for p in engine.module.parameters()),
+            "shards_freed": freed, "live": live,
             "state": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_stage1_between_steps_holds_parameters_masters_and_state_only(world: int) -> None:
+    for r in run_distributed(world, stage2_gradient_memory, 300, True, 1):
+        assert r["after_backward"] == 0 and r["grads_none"] and r["shards_freed"]
+        assert r["live"]["counted"] == r["live"]["expected"], r["live"]
 
 
 def test_stage2_keeps_only_shards_between_backwards() -> None:
@@ -119,6 +146,9 @@ def test_stage2_keeps_only_shards_between_backwards() -> None:
     at most one bucket (gradients here arrive in bucket order). The same numbers either way."""
     r = run_distributed(2, stage2_gradient_memory, 300)[0]
     assert r["after_backward"] == 0 and r["grads_none"]
+    # between steps not even the gradient shards are left (upstream frees its averaged gradients
+    # after the step too): parameters, master shard and optimizer state, counted by gc
+    assert r["shards_freed"] and r["live"]["counted"] == r["live"]["expected"], r["live"]
     assert r["largest"] < r["peak"] <= r["largest_two"] < r["total"]  # one bucket filling, one reducing
     one = run_distributed(2, stage2_gradient_memory, 300, False)[0]
     assert one["after_backward"] == 0 and one["grads_none"]

@@ -42,19 +42,21 @@ def attach_fragment_masters(optimizer: torch.optim.Optimizer, shards: list[Any],
                             names: dict[int, str]) -> tuple[dict[int, list[torch.Tensor]], list[list[Any]]]:
     """Point the base optimizer at this rank's fp32 master fragments instead of model parameters.
 
-    `shards` hold `master`, `grad` (1-D slices), `fragments` and `params` (a _ShardedBucket at
-    stages 1-2, a unit's master at stage 3). Each fragment becomes a leaf tensor viewing its
-    master slice, with a view of the gradient slice as `.grad`, so per-group lr / weight decay
-    apply and the optimizer state is exactly this rank's 1/N. Returns ({id(model param): its
-    fragments}, the model parameters of each param group, the order checkpoints list them in).
+    `shards` hold `master`, `grad` (1-D slices), `fragments`, `params` and an empty
+    `fragment_masters` list (a _ShardedBucket at stages 1-2, a unit's master at stage 3). Each
+    fragment becomes a leaf tensor viewing its master slice, with a view of the gradient slice as
+    `.grad` (see `point_fragment_grads`), so per-group lr / weight decay apply and the optimizer
+    state is exactly this rank's 1/N. Returns ({id(model param): its fragments}, the model
+    parameters of each param group, the order checkpoints list them in).
     """
     fragments_of: dict[int, list[torch.Tensor]] = {}
     for shard in shards:
         for f in shard.fragments:
             master = torch.nn.Parameter(shard.master[f.shard_start:f.shard_start + f.numel], requires_grad=False)
-            master.grad = shard.grad[f.shard_start:f.shard_start + f.numel]
+            shard.fragment_masters.append((master, f))
             fragments_of.setdefault(id(shard.params[f.index]), []).append(master)
             names[id(master)] = names.get(id(shard.params[f.index]), "?")
+    point_fragment_grads(shards)
     model_param_groups = [list(g["params"]) for g in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["params"] = [m for p in group["params"] for m in fragments_of.get(id(p), [])]
@@ -62,19 +64,44 @@ def attach_fragment_masters(optimizer: torch.optim.Optimizer, shards: list[Any],
     return fragments_of, model_param_groups
 
 
+def point_fragment_grads(shards: list[Any]) -> None:
+    """Make each fragment master's `.grad` a view of its shard's gradient tensor, where it does not
+    already (stages 1-2 create a fresh gradient shard per step, see `release_fragment_grads`)."""
+    for shard in shards:
+        grad = shard.grad
+        if shard.pointed_grad is not grad:
+            for master, f in shard.fragment_masters:
+                master.grad = grad[f.shard_start:f.shard_start + f.numel]
+            shard.pointed_grad = grad
+
+
+def release_fragment_grads(shards: list[Any]) -> None:
+    """Drop the fragment masters' gradient views after the base optimizer's step, so that the
+    reducer's zero_grad really frees the gradient shards."""
+    for shard in shards:
+        for master, _ in shard.fragment_masters:
+            master.grad = None
+        shard.pointed_grad = None
+
+
 def collect_shard_grads(shards: list[Any]) -> list[torch.Tensor]:
     """The master-side gradient slices, copied from where they were reduced when that differs
-    (offload or another dtype)."""
+    (offload or another dtype), with the fragment masters' `.grad` pointing into them."""
     for shard in shards:
         if shard.grad is not shard.grad_source:
             shard.grad.copy_(shard.grad_source)
+    point_fragment_grads(shards)
     return [shard.grad for shard in shards]
 
 
 class _ShardedBucket:
-    """One bucket's parameter buffer, this rank's master slice and gradient slice."""
+    """One bucket's parameter buffer, this rank's master slice and gradient slice.
 
-    def __init__(self, bucket: Any, rank: int, world: int, master_dtype: torch.dtype,
+    The gradient slice is the reducer's shard of the bucket, which exists from the first
+    reduction after a step to the next step's zero_grad (DeepSpeed frees its averaged gradients
+    after the step too); `grad_source` creates zeros when read in between."""
+
+    def __init__(self, bucket: Any, reducer: Any, rank: int, world: int, master_dtype: torch.dtype,
                  master_device: torch.device) -> None:
         self.partition = BucketPartition(tuple(p.numel() for p in bucket.params), world)
         first = bucket.params[0]
@@ -86,11 +113,24 @@ class _ShardedBucket:
         lo = rank * self.partition.shard_numel
         mine = self.param_flat[lo:lo + self.partition.shard_numel]
         self.master = mine.detach().to(device=master_device, dtype=master_dtype).clone()
-        self.grad_source = bucket.shard_grad          # where the reducer accumulates this rank's slice
-        self.grad = self.grad_source if self.grad_source.device == master_device and \
-            self.grad_source.dtype == master_dtype else torch.zeros_like(self.master)
+        self._bucket, self._reducer = bucket, reducer
+        same = first.device == master_device and (reducer.accum_dtype or first.dtype) == master_dtype
+        # Offload or another dtype: a master-side copy, filled at each step (collect_shard_grads).
+        self._master_grad = None if same else torch.zeros_like(self.master)
         self.params = bucket.params
         self.fragments = self.partition.fragments(rank)
+        self.fragment_masters: list[tuple[torch.Tensor, Any]] = []
+        self.pointed_grad: torch.Tensor | None = None
+
+    @property
+    def grad_source(self) -> torch.Tensor:
+        """Where the reducer accumulates this rank's slice."""
+        return self._reducer.shard_grad(self._bucket)
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """The gradient slice the base optimizer reads (the source itself unless offloaded)."""
+        return self.grad_source if self._master_grad is None else self._master_grad
 
 
 class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
@@ -105,8 +145,9 @@ class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
         self.overflow = False
         self._global_grad_norm: float | None = None
         self.dp_rank, self.dp_world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
-        device = master_device or (reducer.buckets[0].shard_grad.device if reducer.buckets else torch.device("cpu"))
-        self.buckets = [_ShardedBucket(b, self.dp_rank, self.dp_world, master_dtype, device) for b in reducer.buckets]
+        device = master_device or (reducer.buckets[0].params[0].device if reducer.buckets else torch.device("cpu"))
+        self.buckets = [_ShardedBucket(b, reducer, self.dp_rank, self.dp_world, master_dtype, device)
+                        for b in reducer.buckets]
         self._fragments_of, self.model_param_groups = attach_fragment_masters(optimizer, self.buckets, names)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -126,12 +167,16 @@ class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
 
     def step(self, closure: Any = None) -> bool:
         grads = self._collect_grads()
-        self.overflow = self._found_overflow(grads)
-        if self.overflow:
-            return self._skip_step("a gradient shard")
-        if self.clip > 0.0:
-            self._clip(grads)
-        self.optimizer.step()
+        try:
+            self.overflow = self._found_overflow(grads)
+            if self.overflow:
+                return self._skip_step("a gradient shard")
+            if self.clip > 0.0:
+                self._clip(grads)
+            self.optimizer.step()
+        finally:
+            del grads
+            release_fragment_grads(self.buckets)  # the shards can go at zero_grad
         self._all_gather_params()
         self.loss_scaler.update_scale(False)
         return True

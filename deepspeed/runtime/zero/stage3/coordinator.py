@@ -66,6 +66,7 @@ import torch
 from torch import nn
 
 from ....utils.logging import logger
+from ....utils.weak_hooks import remove_when_collected, weak_hook
 from ....utils.z3_leaf_module import z3_leaf_module
 from ...backward_hooks import output_tensors, queue_autograd_callback
 from . import external, init_context
@@ -130,10 +131,12 @@ class Stage3Coordinator:
         self._detector = ExternalUseDetector(self._is_released, self._external_use) if auto_external else None
         self._install_forward_hooks()
         _LIVE.add(self)
-        for unit in self.units:
+        # The hooks hold neither the coordinator nor a unit: [Note: tensor hooks and dropped engines].
+        for position, unit in enumerate(self.units):
             for i in unit.trainable:
-                hook = partial(self._grad_accumulated, unit, i)
+                hook = weak_hook(self._grad_accumulated, position, i)
                 self._handles.append(unit.params[i].register_post_accumulate_grad_hook(hook))
+        remove_when_collected(self, self._handles)
 
     def _install_forward_hooks(self) -> None:
         for handle in self._forward_handles:
@@ -310,7 +313,8 @@ class Stage3Coordinator:
             unit.hold_for_backward()
             self.prefetcher.acquired(BACKWARD, unit)
 
-    def _grad_accumulated(self, unit: ShardedUnit, index: int, param: nn.Parameter) -> None:
+    def _grad_accumulated(self, position: int, index: int, param: nn.Parameter) -> None:
+        unit = self.units[position]
         self._begin_backward()
         if unit.grad_arrived(index) and unit not in self._by_module:
             self.reducer.add(unit)

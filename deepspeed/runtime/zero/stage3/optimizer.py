@@ -42,6 +42,8 @@ class _UnitMaster:
         self.fragments = [f for f in unit.partition.fragments(unit.rank) if f.index in trainable]
         self.params = unit.params
         self.partition = unit.partition
+        self.fragment_masters: list[tuple[torch.Tensor, Any]] = []   # set by attach_fragment_masters
+        self.pointed_grad: torch.Tensor | None = None
         unit.add_shard_listener(self._take_changed)   # GatheredParameters(modifier_rank=...) wrote the shard
 
     def _take_changed(self, changed: torch.Tensor) -> None:

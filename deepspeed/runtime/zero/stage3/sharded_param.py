@@ -39,7 +39,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .... import comm as ds_comm
 from ..partition import BucketPartition
@@ -73,12 +72,38 @@ class GatherStats:
 
 
 _DS_IDS = itertools.count()
-# parameter -> the unit owning it, for callers that hold only a parameter (GatheredParameters).
-_UNIT_OF: Any = WeakIdKeyDictionary()   # nn.Parameter -> ShardedUnit (identity keys)
+
+
+class _Owner:
+    """A parameter's link to the unit owning it, for callers that hold only a parameter
+    (GatheredParameters), stored on the parameter: a released parameter's data lives in its unit,
+    so the parameter keeps the unit alive, and the cycle (parameter -> unit -> parameter) goes
+    when both are garbage. (A module-level weak-key map held the unit strongly from outside the
+    cycle: every dropped ZeRO-3 model stayed alive.) Not copied or pickled with the parameter: a
+    copy is not in the unit."""
+
+    __slots__ = ("unit",)
+
+    def __init__(self, unit: "ShardedUnit") -> None:
+        self.unit = unit
+
+    def __reduce__(self) -> tuple:
+        return (_no_owner, ())
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+
+def _no_owner() -> None:
+    return None
+
+
+_OWNER_ATTR = "_ds_zero3_owner"
 
 
 def unit_of(param: Any) -> "ShardedUnit | None":
-    return _UNIT_OF.get(param) if isinstance(param, nn.Parameter) else None
+    owner = getattr(param, _OWNER_ATTR, None) if isinstance(param, nn.Parameter) else None
+    return owner.unit if owner is not None else None
 
 
 def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec | None = None,
@@ -135,7 +160,7 @@ class ShardedUnit:
             else:
                 view.copy_(p.detach())
             p.data = view
-            _UNIT_OF[p] = self
+            setattr(p, _OWNER_ATTR, _Owner(self))
         self.shard_device = shard_device if shard_device is not None else first.device
         lo = self.rank * self.partition.shard_numel
         self.shard = self.flat[lo:lo + self.partition.shard_numel].to(self.shard_device, copy=True)
@@ -294,8 +319,8 @@ class ShardedUnit:
     def disown(self) -> None:
         """The unit stops owning its parameters (the coordinator was removed)."""
         for p in self.params:
-            if _UNIT_OF.get(p) is self:
-                del _UNIT_OF[p]
+            if unit_of(p) is self:
+                delattr(p, _OWNER_ATTR)
 
     # --- gradients --------------------------------------------------------------------------
     def grad_arrived(self, param_index: int) -> bool:
