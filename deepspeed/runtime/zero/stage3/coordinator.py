@@ -347,7 +347,7 @@ class Stage3Coordinator:
             self.reducer.discard()
             self._forget_backward(self.units)
         for unit in self.units:
-            unit.grad_shard.zero_()
+            unit.release_grad()
 
     def after_shard_update(self) -> None:
         """Call after changing the shards (an optimizer step): persistent units are refreshed

@@ -23,7 +23,7 @@ from .... import comm as ds_comm
 from ...base_optimizer import ZeROOptimizer
 from ...optimizer_wrapper import OptimizerWrapper
 from ...precision.policy import PrecisionPolicy
-from ..optimizer import attach_fragment_masters, clip_sharded_grads, collect_shard_grads
+from ..optimizer import attach_fragment_masters, clip_sharded_grads, collect_shard_grads, release_fragment_grads
 from .coordinator import Stage3Coordinator
 from .sharded_param import ShardedUnit
 
@@ -34,9 +34,9 @@ class _UnitMaster:
     def __init__(self, unit: ShardedUnit, master_dtype: torch.dtype, master_device: torch.device) -> None:
         self.unit = unit
         self.master = unit.shard.detach().to(device=master_device, dtype=master_dtype).clone()
-        self.grad_source = unit.grad_shard
-        same = self.grad_source.device == master_device and self.grad_source.dtype == master_dtype
-        self.grad = self.grad_source if same else torch.zeros_like(self.master)
+        same = unit.shard_device == master_device and master_dtype == torch.float32
+        # Offload elsewhere or another dtype: a master-side copy, filled at each step.
+        self._master_grad = None if same else torch.zeros_like(self.master)
         # Frozen parameters get no fragment (as at stages 1-2): the base optimizer never sees them.
         trainable = set(unit.trainable)
         self.fragments = [f for f in unit.partition.fragments(unit.rank) if f.index in trainable]
@@ -45,6 +45,15 @@ class _UnitMaster:
         self.fragment_masters: list[tuple[torch.Tensor, Any]] = []   # set by attach_fragment_masters
         self.pointed_grad: torch.Tensor | None = None
         unit.add_shard_listener(self._take_changed)   # GatheredParameters(modifier_rank=...) wrote the shard
+
+    @property
+    def grad_source(self) -> torch.Tensor:
+        """The unit's reduced gradient slice (created at the first reduction after a step)."""
+        return self.unit.grad_shard
+
+    @property
+    def grad(self) -> torch.Tensor:
+        return self.grad_source if self._master_grad is None else self._master_grad
 
     def _take_changed(self, changed: torch.Tensor) -> None:
         """Copy the shard elements flagged in `changed` into the master (the others keep fp32)."""
@@ -87,13 +96,17 @@ class Stage3Optimizer(OptimizerWrapper, ZeROOptimizer):
 
     def step(self, closure: Any = None) -> bool:
         grads = self._collect_grads()
-        self.overflow = self._found_overflow(grads)
-        if self.overflow:
-            return self._skip_step("a ZeRO-3 gradient shard")
-        if self.clip > 0.0:
-            self._global_grad_norm = clip_sharded_grads(grads, self.clip, self._comm_device, self.group,
-                                                        self.dp_world)
-        self.optimizer.step()
+        try:
+            self.overflow = self._found_overflow(grads)
+            if self.overflow:
+                return self._skip_step("a ZeRO-3 gradient shard")
+            if self.clip > 0.0:
+                self._global_grad_norm = clip_sharded_grads(grads, self.clip, self._comm_device, self.group,
+                                                            self.dp_world)
+            self.optimizer.step()
+        finally:
+            del grads
+            release_fragment_grads(self.units)  # the gradient shards can go at zero_grad
         self.refresh_from_masters()
         self.loss_scaler.update_scale(False)
         return True

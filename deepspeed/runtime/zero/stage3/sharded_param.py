@@ -126,7 +126,6 @@ class ShardedUnit:
     params: list[nn.Parameter]
     partition: BucketPartition
     shard: torch.Tensor          # 1D, params' dtype: this rank's slice of the padded flat unit
-    grad_shard: torch.Tensor     # 1D, fp32: this rank's slice of the reduced gradients, accumulated
     status: ZeroParamStatus
 
     def __init__(self, spec: UnitSpec, params: list[nn.Parameter], group: Any = None,
@@ -164,9 +163,13 @@ class ShardedUnit:
         self.shard_device = shard_device if shard_device is not None else first.device
         lo = self.rank * self.partition.shard_numel
         self.shard = self.flat[lo:lo + self.partition.shard_numel].to(self.shard_device, copy=True)
-        self.grad_shard = torch.zeros(self.partition.shard_numel, dtype=torch.float32, device=self.shard_device)
+        # This rank's fp32 slice of the reduced gradients, accumulated across micro-steps; created
+        # by the first reduction after a step and dropped at zero_grad (`release_grad`), unless
+        # pinned (a pinned allocation per step would cost more than the memory).
+        self._grad_shard: torch.Tensor | None = None
+        self._pinned = pin_memory
         if pin_memory:
-            self.shard, self.grad_shard = self.shard.pin_memory(), self.grad_shard.pin_memory()
+            self.shard, self._grad_shard = self.shard.pin_memory(), self._new_grad_shard().pin_memory()
         self._shard_listeners: list[Callable[[torch.Tensor], None]] = []
         self.status = ZeroParamStatus.AVAILABLE
         self.stats.resident(0 if spec.persistent else spec.numel)
@@ -355,7 +358,28 @@ class ShardedUnit:
         """This rank's slice of the gradients summed over ranks, times `scale` (default 1/N: the
         average), into `grad_shard` (accumulated across micro-steps)."""
         alpha = 1.0 / self.world if scale is None else scale
-        self.grad_shard.add_(summed.to(self.grad_shard.device, torch.float32), alpha=alpha)
+        summed = summed.to(self.shard_device, torch.float32)
+        if self._grad_shard is None:
+            self._grad_shard = summed.mul(alpha)
+        else:
+            self._grad_shard.add_(summed, alpha=alpha)
+
+    def _new_grad_shard(self) -> torch.Tensor:
+        return torch.zeros(self.partition.shard_numel, dtype=torch.float32, device=self.shard_device)
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """The gradient slice; zeros when nothing was reduced into it since the last zero_grad."""
+        if self._grad_shard is None:
+            self._grad_shard = self._new_grad_shard()
+        return self._grad_shard
+
+    def release_grad(self) -> None:
+        """zero_grad: drop the gradient slice (zero it when pinned)."""
+        if self._pinned:
+            self._grad_shard.zero_()
+        else:
+            self._grad_shard = None
 
     def end_backward(self) -> None:
         """The backward finished: forget its bookkeeping and drop the backward hold."""
