@@ -6,9 +6,12 @@ for the process group's timeout (30 minutes by default). The backend options do 
 operation: after `timeout_s` the operation itself fails with a RuntimeError ("Timed out
 waiting ... for recv operation"), its worker thread is freed and the connection closed, so
 the peers' pending and later operations fail at once too ("Connection closed by peer").
-Waiting on an asynchronous Work with a timeout is no substitute: torch's gloo reduce-scatter Work
-ignores it (ours on gloo is an all-to-all, which honours its options), and an abandoned operation keeps the process from exiting until the group's own
-timeout. NCCL's watchdog uses the group's timeout, not this one (see docs/zero.md).
+Waiting on an asynchronous Work with a timeout is no substitute: torch's gloo reduce-scatter
+Work ignores it, and an abandoned operation keeps the process from exiting until the group's
+own timeout. On gloo ours are an all-to-all and broadcasts ([Note: gloo's reduce-scatter and
+all-gather]), each carrying the deadline in its options; a broadcast that times out closes
+the connection, so the all-gather's remaining broadcasts fail at once rather than each waiting
+out its own deadline. NCCL's watchdog uses the group's timeout, not this one (see docs/zero.md).
 
 `break_group` turns the same gloo behaviour into a way to fail a whole group at once.
 
@@ -56,7 +59,8 @@ def _group(group: Any) -> Any:
 def all_gather_into_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,
                                   group: Any = None) -> None:
     """`all_gather_into_tensor` that fails after `timeout_s` seconds (where the backend honours it)."""
-    start_all_gather_into_tensor_within(output, tensor, timeout_s, group).wait()
+    _timed("all_gather_into_tensor", output, group,
+           lambda: _start_all_gather(output, tensor, float(timeout_s), group).wait())
 
 
 def start_all_gather_into_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,
@@ -64,12 +68,16 @@ def start_all_gather_into_tensor_within(output: torch.Tensor, tensor: torch.Tens
     """Issue the bounded all-gather without waiting; returns its Work. The deadline travels in the
     operation's options (gloo fails the operation itself after `timeout_s`), so `Work.wait()`
     without a timeout still returns or raises in bounded time. Counted when issued."""
+    return _timed("all_gather_into_tensor", output, group,
+                  lambda: _start_all_gather(output, tensor, float(timeout_s), group))
+
+
+def _start_all_gather(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float, group: Any) -> Any:
     pg = _group(group)
     if all_gather_applies(output, tensor, group):  # [Note: gloo's reduce-scatter and all-gather]
-        return _timed("all_gather_into_tensor", output, group, lambda: broadcast_all_gather(
-            output, tensor, group, lambda chunk, root: pg.broadcast([chunk], _broadcast_options(float(timeout_s), root))))
-    opts = _options(AllgatherOptions, float(timeout_s), async_op=True)
-    return _timed("all_gather_into_tensor", output, group, lambda: pg.all_gather_single(output, tensor, opts))
+        return broadcast_all_gather(output, tensor, group,
+                                    lambda chunk, root: pg.broadcast([chunk], _broadcast_options(timeout_s, root)))
+    return pg.all_gather_single(output, tensor, _options(AllgatherOptions, timeout_s, async_op=True))
 
 
 def reduce_scatter_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,
@@ -79,7 +87,7 @@ def reduce_scatter_tensor_within(output: torch.Tensor, tensor: torch.Tensor, tim
     if reduce_scatter_applies(output, tensor, op, group):  # [Note: gloo's reduce-scatter and all-gather]
         exchange = _options(AllToAllOptions, float(timeout_s))
         _timed("reduce_scatter_tensor", tensor, group, lambda: exchange_reduce_scatter(
-            output, tensor, group, lambda received: pg.alltoall_base(received, tensor, [], [], exchange)).wait())
+            output, tensor, group, lambda received, sent: pg.alltoall_base(received, sent, [], [], exchange)).wait())
         return
     opts = _options(ReduceScatterOptions, float(timeout_s), op)
     _timed("reduce_scatter_tensor", tensor, group, lambda: pg.reduce_scatter_single(output, tensor, opts).wait())

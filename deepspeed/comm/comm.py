@@ -130,8 +130,8 @@ def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, op: Any = 
     ([Note: gloo's reduce-scatter and all-gather] in gloo_collectives.py)."""
     if reduce_scatter_applies(output, tensor, op, group):
         return _timed("reduce_scatter_tensor", tensor, group, lambda: _finish(async_op, exchange_reduce_scatter(
-            output, tensor, group, lambda received: _tdist.all_to_all_single(
-                received, tensor, group=group, async_op=True))))
+            output, tensor, group, lambda received, sent: _tdist.all_to_all_single(
+                received, sent, group=group, async_op=True))))
     return _timed("reduce_scatter_tensor", tensor, group,
                   lambda: _tdist.reduce_scatter_tensor(output, tensor, op=op, group=group, async_op=async_op))
 

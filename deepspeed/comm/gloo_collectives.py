@@ -33,8 +33,15 @@ from torch.distributed import ReduceOp
 
 
 def _gloo_cpu(whole: torch.Tensor, part: torch.Tensor, group: Any) -> int:
-    """World size when `whole` (N chunks) and `part` (one chunk) take the gloo paths, else 0."""
-    if whole.device.type != "cpu" or not whole.is_contiguous() or whole.dtype != part.dtype:
+    """World size when `whole` (N chunks) and `part` (one chunk) take the gloo paths, else 0.
+
+    Decided only from what every rank of a matching call shares (backend, world size, device
+    type, sizes, dtype), never from a tensor's layout: ranks that took different paths would
+    pair an all-to-all with an all-reduce and hang. Layout is handled locally (contiguous copies).
+    A rank outside `group` falls through to torch, which returns without doing anything."""
+    if whole.device.type != "cpu" or whole.dtype != part.dtype:
+        return 0
+    if group is not None and _tdist.distributed_c10d._rank_not_in_group(group):
         return 0
     if _tdist.get_backend(group) != "gloo":
         return 0
@@ -60,32 +67,53 @@ class Composite:
         if not self._done:
             for work in self._works:
                 work.wait() if timeout is None else work.wait(timeout)
-            self._done = True
-            if self._finish is not None:
-                self._finish()
-            self._works, self._finish = [], None
+            self._complete()
         return True
 
+    def _complete(self) -> None:
+        self._done = True
+        if self._finish is not None:
+            self._finish()
+        self._works, self._finish = [], None
+
     def is_completed(self) -> bool:
-        return self._done or all(work.is_completed() for work in self._works)
+        """True once the output is written (polling completes it when every part is done)."""
+        if not self._done and all(work.is_completed() for work in self._works):
+            for work in self._works:
+                work.wait()   # done already: surfaces a failure instead of writing garbage
+            self._complete()
+        return self._done
 
 
 def exchange_reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: Any,
-                            start: Callable[[torch.Tensor], Any]) -> Composite:
-    """Issue the exchange (`start(received)` launches `all_to_all_single(received, tensor)`
+                            start: Callable[[torch.Tensor, torch.Tensor], Any]) -> Composite:
+    """Issue the exchange (`start(received, sent)` launches `all_to_all_single(received, sent)`
     asynchronously and returns its Work); the sum runs at `wait()`. `output` may be a view of
     `tensor` (the in-place reduce-scatter): the exchange has read `tensor` by then."""
-    received = torch.empty_like(tensor)
+    sent = tensor if tensor.is_contiguous() else tensor.contiguous()
+    received = torch.empty(sent.numel(), dtype=sent.dtype, device=sent.device)
     world = _tdist.get_world_size(group)
-    return Composite([start(received)], lambda: torch.sum(received.view(world, -1), dim=0, out=output.view(-1)))
+
+    def finish() -> None:
+        chunks = received.view(world, -1)
+        if output.is_contiguous():
+            torch.sum(chunks, dim=0, out=output.view(-1))
+        else:
+            output.copy_(chunks.sum(dim=0).view(output.shape))
+
+    return Composite([start(received, sent)], finish)
 
 
 def broadcast_all_gather(output: torch.Tensor, tensor: torch.Tensor, group: Any,
                          start: Callable[[torch.Tensor, int], Any]) -> Composite:
     """Copy this rank's chunk into `output` (unless `tensor` is that chunk already) and issue one
-    broadcast per rank (`start(chunk, group_rank)` launches it asynchronously, in place)."""
+    broadcast per rank (`start(chunk, group_rank)` launches it asynchronously, in place). A
+    non-contiguous `output` is gathered into a contiguous copy, written back at `wait()`."""
     world, rank = _tdist.get_world_size(group), _tdist.get_rank(group)
-    chunks = output.view(-1).chunk(world)
-    if tensor.data_ptr() != chunks[rank].data_ptr():
-        chunks[rank].copy_(tensor.view(-1))
-    return Composite([start(chunk, root) for root, chunk in enumerate(chunks)])
+    flat = output.view(-1) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype,
+                                                                       device=output.device)
+    chunks = flat.chunk(world)
+    if tensor.data_ptr() != chunks[rank].data_ptr() or not tensor.is_contiguous():
+        chunks[rank].copy_(tensor.reshape(-1))
+    finish = None if flat.data_ptr() == output.data_ptr() else (lambda: output.copy_(flat.view(output.shape)))
+    return Composite([start(chunk, root) for root, chunk in enumerate(chunks)], finish)

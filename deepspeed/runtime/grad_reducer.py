@@ -282,7 +282,7 @@ class GradBucketReducer:
         else:
             bucket.shard_grad.add_(reduced)
 
-    def shard_grad(self, bucket: _Bucket) -> torch.Tensor:
+    def shard_grad_of(self, bucket: _Bucket) -> torch.Tensor:
         """`bucket`'s gradient shard, created as zeros when nothing was reduced into it since
         zero_grad() (a step without backward, or a read or write between steps)."""
         if bucket.shard_grad is None:

@@ -207,3 +207,38 @@ def test_zero_step_sends_ddp_volume_on_the_wire(stage: int) -> None:
     sent, numel = run_distributed(world, _zero_step_sent_bytes, stage)[0]
     ddp = world * 2 * numel * 4 * (world - 1) / world
     assert 0.98 * ddp <= sent <= 1.05 * ddp, sent / ddp
+
+
+def _layouts_differ_by_rank() -> list:
+    """Rank 0 passes row-major tensors, the others column-major views of the same values (and a
+    column-major output): every rank must take the same path, and layout must not matter."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = torch.arange(4.0 * world).reshape(2 * world, 2)
+    mine = base + rank
+    tensor = mine if rank == 0 else mine.t().contiguous().t()
+    out = torch.zeros(2, 2) if rank == 0 else torch.zeros(2, 2).t()
+    ds_comm.reduce_scatter_tensor(out, tensor)
+    want_rs = sum(base + r for r in range(world)).chunk(world)[rank]
+    shard = (torch.arange(6.0).reshape(2, 3) + 10 * rank)
+    shard = shard if rank == 0 else shard.t().contiguous().t()
+    gathered = torch.zeros(2 * world, 3) if rank == 0 else torch.zeros(3, 2 * world).t()
+    ds_comm.all_gather_into_tensor(gathered, shard)
+    want_ag = torch.cat([torch.arange(6.0).reshape(2, 3) + 10 * r for r in range(world)])
+    return [torch.equal(out, want_rs), torch.equal(gathered, want_ag)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layout_differing_by_rank_neither_hangs_nor_changes_values(world: int) -> None:
+    assert run_distributed(world, _layouts_differ_by_rank, timeout=60) == [[True, True]] * world
+
+
+def _outside_the_group() -> bool:
+    group = dist.new_group([0, 1])
+    x = torch.ones(4)
+    ds_comm.reduce_scatter_tensor(torch.empty(2), x, group=group)
+    ds_comm.all_gather_into_tensor(x, torch.ones(2), group=group)
+    return True
+
+
+def test_a_rank_outside_the_group_returns_like_torch() -> None:
+    assert run_distributed(4, _outside_the_group) == [True] * 4

@@ -44,9 +44,9 @@ def attach_fragment_masters(optimizer: torch.optim.Optimizer, shards: list[Any],
 
     `shards` hold `master`, `grad` (1-D slices), `fragments`, `params` and an empty
     `fragment_masters` list (a _ShardedBucket at stages 1-2, a unit's master at stage 3). Each
-    fragment becomes a leaf tensor viewing its master slice, with a view of the gradient slice as
-    `.grad` (see `point_fragment_grads`), so per-group lr / weight decay apply and the optimizer
-    state is exactly this rank's 1/N. Returns ({id(model param): its fragments}, the model
+    fragment becomes a leaf tensor viewing its master slice, given a view of the gradient slice
+    as `.grad` during each step (`point_fragment_grads`), so per-group lr / weight decay apply
+    and the optimizer state is exactly this rank's 1/N. Returns ({id(model param): its fragments}, the model
     parameters of each param group, the order checkpoints list them in).
     """
     fragments_of: dict[int, list[torch.Tensor]] = {}
@@ -56,7 +56,6 @@ def attach_fragment_masters(optimizer: torch.optim.Optimizer, shards: list[Any],
             shard.fragment_masters.append((master, f))
             fragments_of.setdefault(id(shard.params[f.index]), []).append(master)
             names[id(master)] = names.get(id(shard.params[f.index]), "?")
-    point_fragment_grads(shards)
     model_param_groups = [list(g["params"]) for g in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["params"] = [m for p in group["params"] for m in fragments_of.get(id(p), [])]
@@ -125,7 +124,7 @@ class _ShardedBucket:
     @property
     def grad_source(self) -> torch.Tensor:
         """Where the reducer accumulates this rank's slice."""
-        return self._reducer.shard_grad(self._bucket)
+        return self._reducer.shard_grad_of(self._bucket)
 
     @property
     def grad(self) -> torch.Tensor:
@@ -166,8 +165,8 @@ class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
         self._global_grad_norm = clip_sharded_grads(grads, self.clip, comm_device, self.group, self.dp_world)
 
     def step(self, closure: Any = None) -> bool:
-        grads = self._collect_grads()
         try:
+            grads = self._collect_grads()
             self.overflow = self._found_overflow(grads)
             if self.overflow:
                 return self._skip_step("a gradient shard")
@@ -175,7 +174,6 @@ class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
                 self._clip(grads)
             self.optimizer.step()
         finally:
-            del grads
             release_fragment_grads(self.buckets)  # the shards can go at zero_grad
         self._all_gather_params()
         self.loss_scaler.update_scale(False)

@@ -95,8 +95,8 @@ class Stage3Optimizer(OptimizerWrapper, ZeROOptimizer):
         return collect_shard_grads(self.units)
 
     def step(self, closure: Any = None) -> bool:
-        grads = self._collect_grads()
         try:
+            grads = self._collect_grads()
             self.overflow = self._found_overflow(grads)
             if self.overflow:
                 return self._skip_step("a ZeRO-3 gradient shard")
@@ -105,7 +105,6 @@ class Stage3Optimizer(OptimizerWrapper, ZeROOptimizer):
                                                             self.dp_world)
             self.optimizer.step()
         finally:
-            del grads
             release_fragment_grads(self.units)  # the gradient shards can go at zero_grad
         self.refresh_from_masters()
         self.loss_scaler.update_scale(False)
