@@ -18,9 +18,10 @@ worker thread and copies that into the output. Counted on the loopback interface
   into the output's chunks: the same bytes as gloo's all-gather, no buffer at all, as fast or
   faster (one collective per rank instead of one).
 
-Used for contiguous CPU tensors of a gloo group with more than one rank (SUM only for the
-reduce-scatter); NCCL and the rest keep their native collectives. deepspeed.comm counts each
-as the one reduce-scatter or all-gather it implements.
+Used for CPU tensors of a gloo group with more than one rank (SUM only for the reduce-scatter),
+whatever their layout (non-contiguous ones go through contiguous copies: the choice of path must
+not depend on anything that can differ between ranks); NCCL and the rest keep their native
+collectives. deepspeed.comm counts each as the one reduce-scatter or all-gather it implements.
 """
 
 from __future__ import annotations
