@@ -23,9 +23,10 @@ as DeepSpeed's stage 0 does), so ranks whose graphs differ still issue identical
 [Note: in-place reduce-scatter]
 A sharded bucket is reduce-scattered into its own slice: the output is this rank's chunk of
 the input (the aliasing NCCL documents as in-place; on gloo, deepspeed.comm's exchange has read
-the whole input before its sum writes the chunk), so a reduction allocates no shard-sized output. `_complete` adds that slice into
-`shard_grad` before the buffer is dropped. Upstream DeepSpeed's
-stage-3 `reduce_scatter_coalesced` reduces into the input's own chunk the same way.
+the whole input before its sum writes the chunk), so a reduction allocates no shard-sized
+output. `_complete` adds that slice into `shard_grad` (the first reduction after zero_grad
+copies it) before the buffer is dropped. Upstream DeepSpeed's stage-3
+`reduce_scatter_coalesced` reduces into the input's own chunk the same way.
 """
 
 from __future__ import annotations
@@ -108,12 +109,11 @@ class GradBucketReducer:
         self.reduces = policy.world_size > 1
         self.rank = ds_comm.get_rank(group) if self.reduces else 0
         self.accum_dtype = accum_dtype
-        # Sharded (ZeRO): reduce-scatter into shard_grad; see [Note: per-bucket shards] in zero/partition.py
+        # Sharded (ZeRO): reduce-scatter into shard_grad; see [Note: per-bucket shards] in zero/partition.py.
+        # Sharded buckets are transient: a bucket's full-size buffer exists only from its first
+        # gradient until its reduce-scatter completes (every backward at stage 2, the boundary at
+        # stage 1), so between optimizer steps only the shards remain (and not even those: zero_grad).
         self.shard = shard
-        # Transient (ZeRO-1 and 2): a bucket's full-size buffer exists only from its first gradient
-        # until its reduce-scatter completes (every backward at stage 2, the boundary at stage 1),
-        # so between optimizer steps only the shards remain.
-        self.transient = shard
         # overlap_comm (sharded): a bucket's reduce-scatter runs while the next bucket fills (two
         # full buckets alive); without it each one completes at launch (one alive, as upstream's
         # overlap_comm=false, its stage 1/2 default).
@@ -142,8 +142,8 @@ class GradBucketReducer:
             numel = sum(p.numel() for p in members)
             padded = -(-numel // world) * world if self.shard else numel
             accum = self.accum_dtype or dtype
-            # Transient buffers are created by the first gradient (`_allocate`), not here.
-            flat = None if self.transient else torch.zeros(padded, dtype=accum, device=device)
+            # Sharded (transient) buffers are created by the first gradient (`_allocate`), not here.
+            flat = None if self.shard else torch.zeros(padded, dtype=accum, device=device)
             views, offset = [], 0
             for position, p in enumerate(members):
                 if flat is not None:
@@ -171,7 +171,7 @@ class GradBucketReducer:
         Bound saves a gradient allocation per parameter and backward; transient buckets (ZeRO-1/2)
         cannot be bound, and neither can buckets in another dtype (mixed precision).
         """
-        return not self.transient and flat.dtype == param.dtype
+        return not self.shard and flat.dtype == param.dtype
 
     # --- backward-time -----------------------------------------------------------------
     def arm(self) -> None:

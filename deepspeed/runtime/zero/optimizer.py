@@ -93,6 +93,24 @@ def collect_shard_grads(shards: list[Any]) -> list[torch.Tensor]:
     return [shard.grad for shard in shards]
 
 
+def step_on_shards(wrapper: Any, shards: list[Any], culprit: str, comm_device: torch.device) -> bool:
+    """The sharded step both ZeRO optimizers share: collect the gradient slices, skip on overflow,
+    clip by the global norm, run the base optimizer; the fragment gradients are released after,
+    so the shards can go at zero_grad. Returns whether the update was applied."""
+    try:
+        grads = collect_shard_grads(shards)
+        wrapper.overflow = wrapper._found_overflow(grads)
+        if wrapper.overflow:
+            return wrapper._skip_step(culprit)
+        if wrapper.clip > 0.0:
+            wrapper._global_grad_norm = clip_sharded_grads(grads, wrapper.clip, comm_device, wrapper.group,
+                                                           wrapper.dp_world)
+        wrapper.optimizer.step()
+        return True
+    finally:
+        release_fragment_grads(shards)
+
+
 class _ShardedBucket:
     """One bucket's parameter buffer, this rank's master slice and gradient slice.
 
@@ -157,24 +175,10 @@ class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
         return sum(sb.master.numel() for sb in self.buckets)
 
     # --- the step ---------------------------------------------------------------------------
-    def _collect_grads(self) -> list[torch.Tensor]:
-        return collect_shard_grads(self.buckets)
-
-    def _clip(self, grads: list[torch.Tensor]) -> None:
-        comm_device = self.buckets[0].param_flat.device if self.buckets else torch.device("cpu")
-        self._global_grad_norm = clip_sharded_grads(grads, self.clip, comm_device, self.group, self.dp_world)
-
     def step(self, closure: Any = None) -> bool:
-        try:
-            grads = self._collect_grads()
-            self.overflow = self._found_overflow(grads)
-            if self.overflow:
-                return self._skip_step("a gradient shard")
-            if self.clip > 0.0:
-                self._clip(grads)
-            self.optimizer.step()
-        finally:
-            release_fragment_grads(self.buckets)  # the shards can go at zero_grad
+        comm_device = self.buckets[0].param_flat.device if self.buckets else torch.device("cpu")
+        if not step_on_shards(self, self.buckets, "a gradient shard", comm_device):
+            return False
         self._all_gather_params()
         self.loss_scaler.update_scale(False)
         return True

@@ -23,7 +23,7 @@ from .... import comm as ds_comm
 from ...base_optimizer import ZeROOptimizer
 from ...optimizer_wrapper import OptimizerWrapper
 from ...precision.policy import PrecisionPolicy
-from ..optimizer import attach_fragment_masters, clip_sharded_grads, collect_shard_grads, release_fragment_grads
+from ..optimizer import attach_fragment_masters, step_on_shards
 from .coordinator import Stage3Coordinator
 from .sharded_param import ShardedUnit
 
@@ -91,21 +91,9 @@ class Stage3Optimizer(OptimizerWrapper, ZeROOptimizer):
         return sum(um.master.numel() for um in self.units)
 
     # --- the step ---------------------------------------------------------------------------
-    def _collect_grads(self) -> list[torch.Tensor]:
-        return collect_shard_grads(self.units)
-
     def step(self, closure: Any = None) -> bool:
-        try:
-            grads = self._collect_grads()
-            self.overflow = self._found_overflow(grads)
-            if self.overflow:
-                return self._skip_step("a ZeRO-3 gradient shard")
-            if self.clip > 0.0:
-                self._global_grad_norm = clip_sharded_grads(grads, self.clip, self._comm_device, self.group,
-                                                            self.dp_world)
-            self.optimizer.step()
-        finally:
-            release_fragment_grads(self.units)  # the gradient shards can go at zero_grad
+        if not step_on_shards(self, self.units, "a ZeRO-3 gradient shard", self._comm_device):
+            return False
         self.refresh_from_masters()
         self.loss_scaler.update_scale(False)
         return True
