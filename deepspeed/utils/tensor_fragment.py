@@ -213,6 +213,11 @@ def _replicated_grad(link: _Link, optimizer: Any, param: torch.Tensor) -> Option
     return None
 
 
+def _copy(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A detached copy: what the helpers hand out must not alias buffers a later step reuses."""
+    return tensor.detach().clone() if tensor is not None else None
+
+
 def _missing_key(key: str) -> ValueError:
     return ValueError(f"{key} not found in optimizer state fragment")
 
@@ -308,20 +313,22 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
 def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """The averaged gradient the optimizer will use, full shape (collective under ZeRO).
 
-    Meaningful between the backward of an accumulation boundary and `engine.step()` (after the
-    step the buffers are zero). Still multiplied by the loss scale under fp16, as upstream. Under
-    ZeRO (stage 3 included: the unit's reduced `grad_shard`) a new fp32 tensor; at stage 0 `param.grad` itself when set (as upstream), else a new
-    fp32 tensor from the gradient bucket; None for a parameter without gradient.
+    Meaningful between the backward of an accumulation boundary and `engine.step()`. Still
+    multiplied by the loss scale under fp16, as upstream. Always a new tensor that no later
+    engine call changes (upstream hands out `param.grad` itself at stage 0; ours is a view of
+    the gradient bucket, which the step zeroes in place): fp32 under ZeRO (stage 3 included:
+    the unit's reduced gradient shard) and from a mixed-precision bucket, else `param.grad`'s
+    dtype. None for a parameter without gradient.
     """
     link, optimizer = _lookup(param)
     if link is None:
-        return param.grad
+        return _copy(param.grad)
     if link.sharded:
         sb, frag = _fragment(link, optimizer)
         piece = sb.grad_source[frag.shard_start:frag.shard_start + frag.numel] if frag is not None else None
         return _assemble(_full_shape(sb, link, param), param.device, optimizer, frag, piece)
     if param.grad is not None:
-        return param.grad
+        return _copy(param.grad)
     grad = _replicated_grad(link, optimizer, param)
     return grad.detach().to(dtype=torch.float32, copy=True) if grad is not None else None
 
@@ -363,13 +370,13 @@ def _local(param: torch.Tensor) -> tuple[_Link, Any, Any, Any]:
 
 
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
-    """This rank's part of the fp32 master weights: a flat tensor sharing the master's storage
-    (empty where this rank holds none of the parameter). Concatenating every rank's part in
-    rank order gives the flattened full parameter."""
+    """This rank's part of the fp32 master weights: a flat copy (empty where this rank holds none
+    of the parameter; later steps do not change it). Concatenating every rank's part in rank
+    order gives the flattened full parameter."""
     _, _, sb, frag = _local(param)
     if frag is None:
         return torch.empty(0, dtype=sb.master.dtype, device=param.device)
-    return sb.master[frag.shard_start:frag.shard_start + frag.numel].to(param.device)
+    return sb.master[frag.shard_start:frag.shard_start + frag.numel].to(param.device, copy=True)
 
 
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -383,12 +390,12 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
 
 
 def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor:
-    """This rank's part of the averaged gradient, flat, in fp32."""
+    """This rank's part of the averaged gradient, flat, in fp32 (a copy)."""
     _, _, sb, frag = _local(param)
     if frag is None:
         return torch.empty(0, dtype=torch.float32, device=param.device)
     return sb.grad_source[frag.shard_start:frag.shard_start + frag.numel].to(device=param.device,
-                                                                             dtype=torch.float32)
+                                                                             dtype=torch.float32, copy=True)
 
 
 def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -402,15 +409,15 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
 
 
 def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
-    """This rank's part of the optimizer state `optim_state_key`, flat (KeyError if the base
-    optimizer keeps no such state, as upstream)."""
+    """This rank's part of the optimizer state `optim_state_key`, flat, a copy (KeyError if the
+    base optimizer keeps no such state, as upstream)."""
     _, optimizer, sb, frag = _local(param)
     if frag is None:
         return torch.empty(0, dtype=sb.master.dtype, device=param.device)
     state = _local_state(param, optimizer, optim_state_key)
     if state is None:
         raise KeyError(optim_state_key)
-    return state.reshape(-1).to(param.device)
+    return state.reshape(-1).to(param.device, copy=True)
 
 
 def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
