@@ -10,16 +10,13 @@ from torch import nn
 from .. import comm as ds_comm
 from ..accelerator import get_accelerator
 from ..utils.logging import log_dist, logger
+from .errors import NotSupportedYet  # noqa: F401  (re-exported: engine.py and users import it here)
 from .grad_reducer import GradBucketReducer, ReducePolicy
 
 # DDP's default bucket (25 MiB of fp32) when the user leaves reduce_bucket_size at its default:
 # DeepSpeed's 5e8-element default would make one bucket and remove all overlap with backward.
 _DEFAULT_DP_BUCKET_BYTES = 25 * 2**20
 _FIRST_BUCKET_BYTES = 1 * 2**20
-
-
-class NotSupportedYet(NotImplementedError):
-    """A config feature this implementation parses but does not run yet."""
 
 
 def check_supported(config: Any) -> None:

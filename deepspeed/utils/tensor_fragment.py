@@ -68,19 +68,21 @@ class _Link:
 _LINKS: Any = WeakIdKeyDictionary()  # model parameter -> _Link; see [Note: parameter links]
 
 
-def _is_zero(optimizer: Any) -> bool:
-    from deepspeed.runtime.zero.optimizer import ZeroOptimizer
-    from deepspeed.runtime.zero.stage3.optimizer import Stage3Optimizer
+# Which layout an engine optimizer keeps its state in: a class attribute of the runtime's
+# optimizers (this low layer never imports them). "buckets": ZeRO-1/2, "units": ZeRO-3,
+# "masters": stage-0 mixed precision; anything else is a bare torch optimizer.
+def _layout(optimizer: Any) -> Optional[str]:
+    return getattr(type(optimizer), "fragment_layout", None)
 
-    return isinstance(optimizer, (ZeroOptimizer, Stage3Optimizer))
+
+def _is_zero(optimizer: Any) -> bool:
+    return _layout(optimizer) in ("buckets", "units")
 
 
 def _shards(optimizer: Any) -> list[Any]:
     """A ZeRO optimizer's shards: buckets (stages 1/2) or unit masters (stage 3), each with
     `master`, `grad_source`, `fragments` (this rank's) and `params`."""
-    from deepspeed.runtime.zero.stage3.optimizer import Stage3Optimizer
-
-    return optimizer.units if isinstance(optimizer, Stage3Optimizer) else optimizer.buckets
+    return optimizer.units if _layout(optimizer) == "units" else optimizer.buckets
 
 
 def _zero_links(optimizer: Any) -> Any:
@@ -93,9 +95,7 @@ def _zero_links(optimizer: Any) -> Any:
 
 
 def _is_mixed(optimizer: Any) -> bool:
-    from deepspeed.runtime.precision.mixed_optimizer import MixedPrecisionOptimizer
-
-    return isinstance(optimizer, MixedPrecisionOptimizer)
+    return _layout(optimizer) == "masters"
 
 
 def register_optimizer(optimizer: Any) -> Any:

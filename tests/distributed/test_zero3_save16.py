@@ -1,7 +1,6 @@
 """engine.save_16bit_model / _zero3_consolidated_16bit_state_dict at ZeRO stage 3: the weights
 gathered one unit at a time are the engine's fp32 masters rounded to the training dtype, and equal
-the same model trained at stage 0 (bit for bit up to 2 ranks: with 4, gloo's all-reduce and
-reduce-scatter sum the ranks' gradients in different orders)."""
+the same model trained at stage 0 (to the dtype's rounding: see [Note: bit equality across stages])."""
 
 from __future__ import annotations
 
@@ -44,6 +43,19 @@ class SaveNet(nn.Module):
         h = self.norm(torch.tanh(self.fc1(self.embed(x))))
         h = self.fc2(h) * self.scale[0] + self.frozen(self.embed(x)) * self.scale[1]
         return nn.functional.cross_entropy(self.head(torch.tanh(h)), y)
+
+
+# [Note: bit equality across stages]
+# Stage 0 and stage 3 compute the same gradients bit for bit here (same graph, and with 2 ranks
+# the average is one exact addition and a halving), but the optimizer step does not run on the
+# same tensors: stage 0 steps each parameter as its own tensor, stage 3 one flat fp32 shard per
+# unit in which a parameter starts at another offset (rank 1 holds the second half of
+# `embed.weight` from its shard's first element). Elementwise kernels treat an element
+# differently by its position (vector body or scalar tail, with or without fused multiply-add,
+# at the vector width the CPU dispatches), so a trained weight may differ by an ulp between the
+# stages on one CPU and not on another (seen: the tied embedding on an AVX-512 machine). Only
+# values that were moved and not computed (frozen parameters, buffers, a cast of the masters)
+# are compared bit for bit; trained weights to fp32's (or bf16's) rounding.
 
 
 def _train(stage: int, precision: str | None, zero: dict) -> object:
@@ -114,13 +126,14 @@ def test_save_16bit_model_equals_stage_0(tmp_path, world: int, precision: str | 
             assert list(state) == list(ref), kind  # same keys, same order
         for name, value in ref.items():
             assert state[name].shape == value.shape and state[name].dtype == value.dtype, (kind, name)
-            if world <= 2 or name in FROZEN or name == "scale":
-                assert torch.equal(state[name], value), (kind, name)  # bit-identical to stage 0
-            else:
+            if name in FROZEN or name == "scale":
+                assert torch.equal(state[name], value), (kind, name)  # untouched by training: moved, not computed
+            else:  # [Note: bit equality across stages]
                 torch.testing.assert_close(state[name], value, rtol=tol, atol=tol, msg=f"{kind} {name}")
             master = r0["masters"].get("embed.weight" if name == "head.weight" else name)
             if master is not None:
-                assert torch.equal(state[name], master), (kind, name)  # the masters, rounded
+                # the masters rounded to the training dtype: one elementwise cast, the same on any CPU
+                assert torch.equal(state[name], master), (kind, name)
             if value.is_floating_point():
                 assert value.dtype == dtype, name  # the training dtype
     assert set(r0["masters"]) == {n for n in ref if n not in FROZEN + ("scale", "head.weight")}
@@ -140,8 +153,8 @@ def test_save_16bit_model_excludes_frozen(tmp_path) -> None:
     saved = torch.load(tmp_path / "stage3" / "pytorch_model.bin", weights_only=True)
     want = [k for k in results[0]["stage0"] if k not in FROZEN]
     assert list(ref) == want and list(saved) == want and list(results[0]["state"]) == want
-    for name in want:
-        assert torch.equal(saved[name], ref[name]), name
+    for name in want:  # trained at stage 3 vs stage 0: [Note: bit equality across stages]
+        torch.testing.assert_close(saved[name], ref[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
 # --- one unit at a time ----------------------------------------------------------------------

@@ -94,10 +94,6 @@ def train(config: dict, name: str, steps: int = STEPS, groups: list[dict] | None
             "group_sizes": [len(g["params"]) for g in opt.param_groups]}
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    return max((a[k].float() - b[k].float()).abs().max().item() if a[k].numel() else 0.0 for k in a)
-
-
 def _assert_state(actual: dict, expected: dict, rtol: float, atol: float) -> None:
     assert actual.keys() == expected.keys()
     for name, ref in expected.items():
@@ -336,20 +332,27 @@ def _bf16_stage0(gas: int, opt: str) -> dict:
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_bf16_equals_bf16_stage0(stage: int) -> None:
-    # Same bf16 all-reduce / reduce-scatter sums, same fp32 master update: measured difference 0.
+    # Same bf16 all-reduce / reduce-scatter sums and the same fp32 master update, but not on the
+    # same tensors: stage 0 steps each parameter's master as its own tensor, stages 1/2 a flat
+    # shard in which it starts at another offset, and torch's fused CPU Adam treats an element
+    # by its position (vector body with FMA, scalar tail without): measured 0 difference on two
+    # CPUs, an ulp on another is allowed. An ulp that flips a bf16 rounding then moves an element
+    # by up to ~lr through Adam's normalisation (the atol).
     config = _config(stage, bucket=300, bf16={"enabled": True})
     results = run_distributed(2, train, config, "mlp", STEPS, None, (), "engine", torch.bfloat16)
     expected = _bf16_stage0(1, "AdamW")
     for r in results:
-        assert _max_diff(r["state"], expected["state"]) == 0.0
-        assert r["losses"] == expected["losses"]
+        _assert_state(r["state"], expected["state"], rtol=2**-7, atol=1e-2)
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(expected["losses"]), rtol=2**-7, atol=0)
     ref = reference("mlp", config, STEPS, 2)  # and it trains: close to fp32 within bf16 precision
     _assert_state(results[0]["state"], ref["state"], rtol=3e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_bf16_accumulation_against_stage0(stage: int) -> None:
-    # gas 2. Stage 1 reduces the fp32 accumulated sum once per boundary, like stage 0: identical.
+    # gas 2. Stage 1 reduces the fp32 accumulated sum once per boundary, like stage 0 (measured
+    # identical; SGD's kernels on a flat shard vs per-parameter tensors are not proven to round
+    # alike on every CPU, so the bound is stage 2's).
     # Stage 2 reduce-scatters every micro-step's gradient in bf16 (as upstream ZeRO-2 does), so
     # it rounds twice where stage 0 rounds once; with SGD that stays within a few bf16 ulps of a
     # parameter (measured: max abs 9.8e-4 = 1 ulp at 0.20, max rel 1.2e-2 = 3 ulps at 0.031).
@@ -358,10 +361,8 @@ def test_bf16_accumulation_against_stage0(stage: int) -> None:
     config = _config(stage, gas=2, opt="SGD", bucket=300, bf16={"enabled": True})
     results = run_distributed(2, train, config, "mlp", STEPS, None, (), "engine", torch.bfloat16)
     expected = _bf16_stage0(2, "SGD")
-    if stage == 1:
-        assert _max_diff(results[0]["state"], expected["state"]) == 0.0
-    else:
-        _assert_state(results[0]["state"], expected["state"], rtol=2**-5, atol=2e-4)
+    _assert_state(results[0]["state"], expected["state"], rtol=2**-5, atol=2e-4)
+    # replicas bit-identical: every rank all-gathers the same updated shards
     _assert_state(results[1]["state"], results[0]["state"], rtol=0, atol=0)
 
 
@@ -461,6 +462,8 @@ def test_loss_backward_then_step_matches_engine_backward(stage: int) -> None:
     via_torch = run_distributed(2, train, config, "mlp", STEPS, None, (), "torch")
     via_engine = run_distributed(2, train, config, "mlp", STEPS, None, (), "engine")
     _assert_matches(via_torch, "mlp", config, 2)
-    for a, b in zip(via_torch, via_engine):  # the same computation: bit-identical (measured)
+    # The same kernels on the same tensors in the same order (only who starts the backward
+    # differs): bit-identical on any CPU.
+    for a, b in zip(via_torch, via_engine):
         _assert_state(a["state"], b["state"], rtol=0, atol=0)
         assert {k: v["count"] for k, v in a["comm"].items()} == {k: v["count"] for k, v in b["comm"].items()}

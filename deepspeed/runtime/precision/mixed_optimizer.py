@@ -23,6 +23,8 @@ from .policy import PrecisionPolicy
 class MixedPrecisionOptimizer(OptimizerWrapper):
     """Wraps `optimizer` (built on the model's params) so that it updates master weights."""
 
+    fragment_layout = "masters"  # read by deepspeed.utils.tensor_fragment
+
     def __init__(self, optimizer: torch.optim.Optimizer, grads: Any, policy: PrecisionPolicy, clip: float,
                  names: dict[int, str], group: Any = None) -> None:
         master_dtype = policy.master_dtype

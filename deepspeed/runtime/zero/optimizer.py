@@ -153,6 +153,8 @@ class _ShardedBucket:
 class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
     """Wraps the base optimizer so it updates this rank's shard of fp32 master weights."""
 
+    fragment_layout = "buckets"  # read by deepspeed.utils.tensor_fragment
+
     def __init__(self, optimizer: torch.optim.Optimizer, reducer: Any, policy: PrecisionPolicy, clip: float,
                  names: dict[int, str], group: Any = None, master_device: torch.device | None = None):
         master_dtype = policy.master_dtype

@@ -248,7 +248,7 @@ def _unpatch() -> None:
 
 
 def _not_supported(what: str) -> Exception:
-    from ...engine_setup import NotSupportedYet
+    from ...errors import NotSupportedYet
 
     return NotSupportedYet(f"deepspeed.zero.Init: {what} is not implemented in this build of deepspeed")
 

@@ -64,6 +64,8 @@ class _UnitMaster:
 class Stage3Optimizer(OptimizerWrapper, ZeROOptimizer):
     """Wraps the base optimizer so it updates this rank's fp32 master shard of every ZeRO-3 unit."""
 
+    fragment_layout = "units"  # read by deepspeed.utils.tensor_fragment
+
     def __init__(self, optimizer: torch.optim.Optimizer, coordinator: Stage3Coordinator, policy: PrecisionPolicy,
                  clip: float, names: dict[int, str], group: Any = None,
                  master_device: torch.device | None = None) -> None:
