@@ -62,7 +62,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     from .engine import DeepSpeedEngine
 
     if model is None:
-        raise ValueError("deepspeed.initialize requires a model (got model=None)")
+        from .errors import ArgumentError
+
+        raise ArgumentError("deepspeed.initialize requires a model (got model=None)")
     if mesh_param is not None:
         raise NotImplementedError("deepspeed.initialize: mesh_param (sequence/data-parallel meshes) is not "
                                   "supported by this implementation")

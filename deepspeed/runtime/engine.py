@@ -27,6 +27,7 @@ from .backward_hooks import BackwardState, derived_outputs, output_tensors, queu
 from .engine_setup import (broadcast_module_states, build_lr_scheduler, build_optimizer_for_engine,
                            build_reducer, build_stage3_coordinator, check_supported, check_zero_layout,
                            NotSupportedYet, prepare_module, resolve_device, wrap_optimizer)
+from .errors import UsageError
 from .grad_accum import is_boundary
 from .precision.policy import PrecisionPolicy
 from .zero.stages import STAGES
@@ -243,11 +244,11 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Skip gradient averaging for backward passes inside the block (they only accumulate)."""
         if self.inside_no_sync_ctxt:
-            raise RuntimeError("no_sync context manager reentry is unsupported")
+            raise UsageError("no_sync context manager reentry is unsupported")
         if self.stage.shard_gradients:
-            raise RuntimeError(f"no_sync is incompatible with gradient partitioning (zero_optimization.stage="
-                               f"{self.zero_optimization_stage()}): gradients are reduce-scattered after every "
-                               "backward; use stage 0 or 1, or plain gradient_accumulation_steps")
+            raise UsageError(f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO "
+                             f"stage {self.zero_optimization_stage()}: gradients are reduce-scattered after every "
+                             "backward; use stage 0 or 1, or plain gradient_accumulation_steps")
         self.inside_no_sync_ctxt = True
         try:
             yield
@@ -268,7 +269,8 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
     def step(self, lr_kwargs: dict | None = None) -> None:
         """At an accumulation boundary: clip, optimizer step, LR schedule, zero grads. Always counts."""
         if self.inside_no_sync_ctxt:
-            raise RuntimeError("It is illegal to call engine.step() inside the no_sync context manager")
+            raise UsageError("It is illegal to call Engine.step() inside no_sync context manager: leave the "
+                             "block first (its backward passes only accumulate)")
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: pass `optimizer` or an `optimizer` "
                                "section in the config to deepspeed.initialize")

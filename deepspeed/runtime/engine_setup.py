@@ -10,7 +10,7 @@ from torch import nn
 from .. import comm as ds_comm
 from ..accelerator import get_accelerator
 from ..utils.logging import log_dist, logger
-from .errors import NotSupportedYet  # noqa: F401  (re-exported: engine.py and users import it here)
+from .errors import NotSupportedYet, UsageError  # NotSupportedYet re-exported: engine.py imports it here
 from .grad_reducer import GradBucketReducer, ReducePolicy
 
 # DDP's default bucket (25 MiB of fp32) when the user leaves reduce_bucket_size at its default:
@@ -254,6 +254,6 @@ def check_zero_layout(engine: Any) -> None:
                            "initialize (or build a new engine).")
     if check_unused and bool((vector[1:] > 0).any()):
         missing = [names.get(id(p), "?") for p, flag in zip(params, vector[1:].tolist()) if flag > 0]
-        raise RuntimeError("zero_optimization.ignore_unused_parameters is false and these parameters received no "
+        raise UsageError("zero_optimization.ignore_unused_parameters is false and these parameters received no "
                            f"gradient in this step on at least one rank: {missing}. Set ignore_unused_parameters: "
                            "true (the default) to treat them as zero gradients.")

@@ -3,3 +3,12 @@
 
 class NotSupportedYet(NotImplementedError):
     """A config feature this implementation parses but does not run yet."""
+
+
+class UsageError(RuntimeError, AssertionError):
+    """Misuse that upstream rejects with an `assert`: user code, libraries and upstream's tests catch
+    AssertionError there, so ours is one too, with a message that says what to do instead."""
+
+
+class ArgumentError(ValueError, AssertionError):
+    """A bad argument that upstream rejects with an `assert` (see UsageError)."""
