@@ -87,7 +87,12 @@ class CPU_Accelerator(_Accelerator):  # noqa: N801 - upstream name
     _communication_backend = "gloo"
 
     def device_count(self) -> int:
-        return 1
+        """As upstream's CPU accelerator: the launcher's LOCAL_SIZE (processes on this node), else
+        the number of NUMA nodes that have cores, else 1."""
+        local = os.environ.get("LOCAL_SIZE", "")
+        if local.isdigit() and int(local) > 0:
+            return int(local)
+        return _numa_nodes_with_cores()
 
     def current_device(self) -> int:
         return 0
@@ -196,3 +201,17 @@ def get_accelerator() -> _Accelerator:
 def set_accelerator(accel: _Accelerator) -> None:
     global _ACCELERATOR
     _ACCELERATOR = accel
+
+
+def _numa_nodes_with_cores() -> int:
+    """NUMA nodes with at least one CPU (a flat-mode HBM node has none), from sysfs; 1 if unknown."""
+    import glob
+
+    count = 0
+    for path in glob.glob("/sys/devices/system/node/node[0-9]*/cpulist"):
+        try:
+            with open(path) as f:
+                count += bool(f.read().strip())
+        except OSError:
+            continue
+    return max(count, 1)

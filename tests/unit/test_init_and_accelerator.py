@@ -47,7 +47,7 @@ def test_cpu_accelerator_surface():
     if torch.cuda.is_available():
         pytest.skip("CPU facade only")
     assert accel.device_name() == "cpu" and accel.communication_backend_name() == "gloo"
-    assert accel.device_name(0) == "cpu:0" and accel.device_count() == 1
+    assert accel.device_name(0) == "cpu:0" and accel.device_count() >= 1
     state = accel.get_rng_state()
     a = torch.rand(3)
     accel.set_rng_state(state)
@@ -63,3 +63,15 @@ def test_initialize_without_model_is_an_assertion_error():
     with pytest.raises(AssertionError, match="deepspeed.initialize requires a model") as info:
         deepspeed.initialize(model=None, config={"train_batch_size": 1})
     assert isinstance(info.value, ValueError)  # and still the ValueError it was before
+
+
+def test_cpu_device_count_follows_local_size(clean_env):
+    """Upstream's CPU accelerator counts the launcher's processes on this node (LOCAL_SIZE); its
+    test harness skips every world size above device_count()."""
+    accel = get_accelerator()
+    clean_env.setenv("LOCAL_SIZE", "4")
+    assert accel.device_count() == 4
+    clean_env.delenv("LOCAL_SIZE")
+    nodes = [p for p in __import__("glob").glob("/sys/devices/system/node/node[0-9]*/cpulist")
+             if open(p).read().strip()]
+    assert accel.device_count() == max(len(nodes), 1)
