@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean upstream-tests
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,8 +30,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests
 
+# Upstream DeepSpeed's own unit tests against this package (docs/compatibility.md); not in `make test`.
+# UPSTREAM=/path/to/DeepSpeed checkout; UPSTREAM_SELECT picks folders/files under its tests/.
+upstream-tests:
+	UPSTREAM="$(UPSTREAM)" bash tools/upstream_tests/run.sh
+
 bench: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_dp.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-upstream build *.egg-info

@@ -1,4 +1,4 @@
 # compat: `from deepspeed.accelerator import get_accelerator`
-from .real_accelerator import get_accelerator, set_accelerator
+from .real_accelerator import get_accelerator, is_current_accelerator_supported, set_accelerator
 
-__all__ = ["get_accelerator", "set_accelerator"]
+__all__ = ["get_accelerator", "is_current_accelerator_supported", "set_accelerator"]

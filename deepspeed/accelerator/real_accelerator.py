@@ -198,6 +198,13 @@ def get_accelerator() -> _Accelerator:
     return _ACCELERATOR
 
 
+SUPPORTED_ACCELERATOR_LIST = ["cuda", "cpu"]  # the accelerators this build runs on
+
+
+def is_current_accelerator_supported() -> bool:
+    return get_accelerator().device_name() in SUPPORTED_ACCELERATOR_LIST
+
+
 def set_accelerator(accel: _Accelerator) -> None:
     global _ACCELERATOR
     _ACCELERATOR = accel

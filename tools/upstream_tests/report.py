@@ -1,0 +1,58 @@
+"""Per-file counts from a pytest junit XML of upstream's tests run against this package.
+
+    python report.py junit.xml [--baseline upstream_junit.xml]
+
+With --baseline (the same tests run against DeepSpeed itself), the table also gives, per file,
+how many of the tests that pass there pass here: the number the compatibility target is about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import xml.etree.ElementTree as ET
+
+
+def outcomes(path: str) -> dict[str, str]:
+    """test id (file::name) -> passed | failed | error | skipped."""
+    result = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        file = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
+        status = "passed"
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                status = {"failure": "failed"}.get(child.tag, child.tag)
+                break
+        result[f"{file}::{case.get('name')}"] = status
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("junit")
+    parser.add_argument("--baseline")
+    args = parser.parse_args()
+    ours = outcomes(args.junit)
+    base = outcomes(args.baseline) if args.baseline else None
+    rows: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for test, status in ours.items():
+        file = test.split("::")[0]
+        rows[file][status] += 1
+        if base is not None and base.get(test) == "passed":
+            rows[file]["base"] += 1
+            rows[file]["both"] += status == "passed"
+    header = "| file | passed | failed | error | skipped |" + (" passes of upstream's passes |" if base else "")
+    print(header)
+    print("|---|---|---|---|---|" + ("---|" if base else ""))
+    total: collections.Counter = collections.Counter()
+    for file in sorted(rows):
+        c = rows[file]
+        total.update(c)
+        extra = f" {c['both']}/{c['base']} |" if base else ""
+        print(f"| {file} | {c['passed']} | {c['failed']} | {c['error']} | {c['skipped']} |{extra}")
+    extra = f" {total['both']}/{total['base']} |" if base else ""
+    print(f"| **total** | {total['passed']} | {total['failed']} | {total['error']} | {total['skipped']} |{extra}")
+
+
+if __name__ == "__main__":
+    main()

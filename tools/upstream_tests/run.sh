@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs upstream DeepSpeed's own unit tests (tests/unit of a checkout of deepspeedai/DeepSpeed) against
+# this package, on CPU, and writes a per-file pass count. Not part of `make test`.
+#
+#   make upstream-tests UPSTREAM=/path/to/DeepSpeed [UPSTREAM_SELECT="unit/runtime unit/checkpoint"]
+#
+# Own venv (.venv-upstream): torch, this package (editable), and the pytest that upstream's CI pins
+# (>=7.2,<8.4: pytest 9.2 ignores how its harness registers DistributedFixture), with pytest-forked
+# and pytest-xdist as its CPU workflow runs them (`pytest --forked -n N unit/`).
+set -euo pipefail
+here="$(cd "$(dirname "$0")/../.." && pwd)"
+upstream="${UPSTREAM:?set UPSTREAM to a checkout of deepspeedai/DeepSpeed (its tests/ folder is used)}"
+select="${UPSTREAM_SELECT:-unit}"
+jobs="${UPSTREAM_JOBS:-2}"
+timeout_s="${UPSTREAM_TIMEOUT:-600}"
+venv="$here/.venv-upstream"
+out="${UPSTREAM_OUT:-$here/runs/upstream-tests}"
+python="${PYTHON:-python3}"
+[ -d "$upstream/tests/unit" ] || { echo "UPSTREAM=$upstream has no tests/unit folder" >&2; exit 2; }
+
+if [ ! -f "$venv/.installed" ]; then
+    $python -m venv "$venv"
+    "$venv/bin/pip" install -q "${TORCH:-torch==2.13.0}"
+    "$venv/bin/pip" install -q -e "$here" "pytest==8.3.5" "pytest-forked==1.6.0" "pytest-xdist==3.6.1" \
+        "pytest-timeout==2.3.1" numpy safetensors
+    touch "$venv/.installed"
+fi
+mkdir -p "$out"
+# The harness imports tests/unit/util.py etc. relative to tests/; run from there, as upstream's CI.
+cd "$upstream/tests"
+set +e
+DS_ACCELERATOR=cpu HF_HOME="$out/hf_home" TORCH_EXTENSIONS_DIR="$out/torch_extensions" \
+    "$venv/bin/python" -m pytest --forked -n "$jobs" -p no:cacheprovider -q -o addopts="" \
+    --timeout="$timeout_s" --junitxml="$out/junit.xml" $select 2>&1 | tail -n 40 | tee "$out/tail.txt"
+set -e
+"$venv/bin/python" "$here/tools/upstream_tests/report.py" "$out/junit.xml" ${UPSTREAM_BASELINE:+--baseline "$UPSTREAM_BASELINE"} \
+    | tee "$out/per_file.md"
