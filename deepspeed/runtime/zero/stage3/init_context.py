@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .... import comm as ds_comm
+from . import tensor_ctors
 from .sharded_param import _DS_IDS, ZeroParamStatus, _all_gather
 
 
@@ -320,10 +321,12 @@ class Init:
             _ACTIVE.append(self)
             if len(_ACTIVE) == 1:
                 _patch()
+                tensor_ctors.install(self.dtype, self.device)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.enabled:
             _ACTIVE.remove(self)
             if not _ACTIVE:
+                tensor_ctors.uninstall()
                 _unpatch()

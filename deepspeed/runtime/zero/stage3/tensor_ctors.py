@@ -1,0 +1,60 @@
+"""Tensor-constructor wrappers installed while a zero.Init context is active (upstream behaviour).
+
+Inside the context, `torch.tensor`, `empty`, `zeros`, `ones`, `full` and `arange` create their
+tensors on the compute device when no device is given, and floating results take Init's dtype
+(the config's bf16/fp16), so parameters and buffers are born in the training dtype.
+
+[Note: patchable constructor wrapper]
+Hugging Face transformers replaces `deepspeed.runtime.zero.partition_parameters.
+zero_wrapper_for_fp_tensor_constructor` (around zero.Init) to keep `torch.arange` out of the
+dtype cast: its replacement recognises arange by identity (`fn is pp._orig_torch_arange`) and
+reads the device from the `target_device=` keyword. So `install` looks the wrapper factory up in
+that module's globals *at install time* (through sys.modules: the compat module sits above this
+one and is never imported from here), calls it with `target_device=` as a keyword, and passes
+exactly `ORIGINALS["arange"]`, the object published there as `_orig_torch_arange`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import torch
+
+CONSTRUCTORS = ("tensor", "empty", "zeros", "ones", "full", "arange")
+ORIGINALS: dict[str, Callable] = {name: getattr(torch, name) for name in CONSTRUCTORS}
+COMPAT_MODULE = "deepspeed.runtime.zero.partition_parameters"
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.dtype | None,
+                                           target_device: Any = None) -> Callable:
+    """`fn` wrapped: `device` defaults to `target_device`; floating results are cast to
+    `target_fp_dtype` (None: left as created)."""
+
+    def wrapped_fn(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is None and target_device is not None:
+            kwargs["device"] = target_device
+        tensor = fn(*args, **kwargs)
+        if target_fp_dtype is not None and tensor.is_floating_point() and tensor.dtype != target_fp_dtype:
+            tensor.data = tensor.data.to(target_fp_dtype)
+        return tensor
+
+    return wrapped_fn
+
+
+def _factory() -> Callable:
+    compat = sys.modules.get(COMPAT_MODULE)
+    return getattr(compat, "zero_wrapper_for_fp_tensor_constructor", zero_wrapper_for_fp_tensor_constructor) \
+        if compat is not None else zero_wrapper_for_fp_tensor_constructor
+
+
+def install(target_fp_dtype: torch.dtype | None, target_device: torch.device) -> None:
+    """Replace the torch constructors by wrapped ones (see [Note: patchable constructor wrapper])."""
+    factory = _factory()
+    for name in CONSTRUCTORS:
+        setattr(torch, name, factory(ORIGINALS[name], target_fp_dtype, target_device=target_device))
+
+
+def uninstall() -> None:
+    for name, fn in ORIGINALS.items():
+        setattr(torch, name, fn)
