@@ -450,6 +450,19 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
                                   "build of deepspeed (parameters are partitioned; gathering them for "
                                   "checkpoints is still to do)")
 
+    def compile(self, backend: Any = "inductor", compile_kwargs: dict | None = None, **kwargs: Any) -> None:
+        """torch.compile the wrapped module in place (upstream's `engine.compile`, which accelerate
+        calls when dynamo is on). The engine's own hooks stay outside the compiled region.
+        Further upstream options (`schedule`, compiled autograd) are accepted and ignored."""
+        if self.is_compiled:
+            return
+        self.module.compile(**{**(compile_kwargs or {}), "backend": backend})
+        self.__dict__["_is_compiled"] = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.__dict__.get("_is_compiled", False)
+
     def destroy(self) -> None:
         """Remove the engine's hooks so the module can be reused or freed."""
         if self._reducer is not None:
