@@ -321,7 +321,9 @@ class Init:
             _ACTIVE.append(self)
             if len(_ACTIVE) == 1:
                 _patch()
-                tensor_ctors.install(self.dtype, self.device)
+                # dtype None: tensors are born in their own dtype; parameters are cast when they
+                # are partitioned (fp32 init then rounded, as without Init). See tensor_ctors.py.
+                tensor_ctors.install(None, self.device)
         return self
 
     def __exit__(self, *exc: Any) -> None:

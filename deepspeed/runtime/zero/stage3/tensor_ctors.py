@@ -1,8 +1,12 @@
-"""Tensor-constructor wrappers installed while a zero.Init context is active (upstream behaviour).
+"""Tensor-constructor wrappers installed while a zero.Init context is active.
 
 Inside the context, `torch.tensor`, `empty`, `zeros`, `ones`, `full` and `arange` create their
-tensors on the compute device when no device is given, and floating results take Init's dtype
-(the config's bf16/fp16), so parameters and buffers are born in the training dtype.
+tensors on the compute device when no device is given (as upstream). Upstream also casts every
+floating result to Init's dtype; Init here passes `target_fp_dtype=None` instead and casts
+parameters when it partitions them, so a model built under Init(bf16) holds exactly the values
+of one built in fp32 and cast (weights are initialised in fp32, then rounded once), and buffers
+keep their dtype until deepspeed.initialize applies the precision policy. The factory still
+casts when given a dtype (callers other than Init may rely on upstream's meaning).
 
 [Note: patchable constructor wrapper]
 Hugging Face transformers replaces `deepspeed.runtime.zero.partition_parameters.
