@@ -442,6 +442,11 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
 
         return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """Upstream's stage-independent name (transformers uses it on its AutoTP path): without
+        tensor parallelism it is the same full state dict on rank 0, None elsewhere (collective)."""
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+
     def _not_yet_at_stage3(self, what: str) -> None:
         """Raised on every rank alike (it depends on the config only): at stage 3 the module holds
         released placeholders, so these would silently read or write empty parameters."""

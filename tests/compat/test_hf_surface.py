@@ -98,7 +98,7 @@ def test_engine_signatures_hf_introspects() -> None:
     assert "exclude_frozen_parameters" in inspect.signature(DeepSpeedEngine.save_checkpoint).parameters
     assert "scale_wrt_gas" in inspect.signature(DeepSpeedEngine.backward).parameters
     for name in ("set_gradient_accumulation_boundary", "get_global_grad_norm", "zero_gather_16bit_weights_on_model_save",
-                 "_zero3_consolidated_16bit_state_dict", "load_checkpoint", "destroy", "compile"):
+                 "_zero3_consolidated_16bit_state_dict", "_consolidated_16bit_state_dict", "load_checkpoint", "destroy", "compile"):
         assert callable(getattr(DeepSpeedEngine, name)), name
     assert issubclass(DeepSpeedEngine, torch.nn.Module)
 
