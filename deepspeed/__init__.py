@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from ._lazy import import_submodule
 from .version import __version__, git_branch, git_hash, version
 
 __version_major__, __version_minor__, __version_patch__ = (int(x) for x in __version__.split("+")[0].split(".")[:3])
@@ -33,16 +34,17 @@ _LAZY = {
     "utils": ("deepspeed.utils", None),
     "launcher": ("deepspeed.launcher", None),
     "config": ("deepspeed.config", None),
+    "checkpoint": ("deepspeed.checkpoint", None),
+    "tp_model_init": ("deepspeed.runtime.builder", "tp_model_init"),
 }
 
 __all__ = ["__version__", "version", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
-    try:
-        module_name, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'deepspeed' has no attribute {name!r}") from None
+    if name not in _LAZY:
+        return import_submodule(__name__, name)   # any other submodule: deepspeed.env_report, ...
+    module_name, attr = _LAZY[name]
     module = importlib.import_module(module_name)
     value = module if attr is None else getattr(module, attr)
     globals()[name] = value

@@ -3,3 +3,8 @@ from .comm import *  # noqa: F401,F403
 from .comm import ReduceOp, comms_counter, configure, init_distributed, mpi_discovery  # noqa: F401
 from .counting import CommsCounter  # noqa: F401
 from .rendezvous import RanksDidNotArrive, arrive_and_wait  # noqa: F401
+
+# compat: `deepspeed.<pkg>.<submodule>` chains resolve after `import deepspeed` (upstream imports eagerly).
+from .._lazy import submodule_getattr  # noqa: E402
+
+__getattr__ = submodule_getattr(__name__)

@@ -32,6 +32,9 @@ from .plan import (
 DEFAULT_HOSTFILE = "/job/hostfile"  # upstream's DLTS_HOSTFILE; used only when it exists
 LAUNCHERS = ("pdsh", "openmpi", "mpich", "impi", "slurm", "mvapich")
 MULTI_NODE_ONLY = "(multi-node only; accepted and ignored)"
+# compat: upstream's name for the file of extra environment variables exported to remote nodes
+# (accelerate imports it). One node inherits the caller's environment, so nothing reads it here.
+DEEPSPEED_ENVIRONMENT_NAME = os.getenv("DS_ENV_FILE", ".deepspeed_env")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

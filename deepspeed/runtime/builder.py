@@ -82,5 +82,17 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
+def tp_model_init(model: torch.nn.Module, tp_size: int, dtype: torch.dtype | None = None, config: Any = None,
+                  **kwargs: Any) -> torch.nn.Module:
+    """AutoTP entry point (transformers calls it for `tp_size` > 1). Tensor parallelism is not
+    implemented in this build: tp_size 1 returns `model` (cast to `dtype`), larger sizes raise."""
+    if tp_size is not None and int(tp_size) > 1:
+        from .engine_setup import NotSupportedYet
+
+        raise NotSupportedYet(f"deepspeed.tp_model_init(tp_size={tp_size}): automatic tensor parallelism (AutoTP) "
+                              "is not implemented in this build of deepspeed; use tp_size=1 or ZeRO")
+    return model.to(dtype) if dtype is not None else model
+
+
 def default_inference_config() -> dict:
     return {}

@@ -444,6 +444,11 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
 
         return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """Upstream's stage-independent name (transformers uses it on its AutoTP path): without
+        tensor parallelism it is the same full state dict on rank 0, None elsewhere (collective)."""
+        return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+
     def _not_yet_at_stage3(self, what: str) -> None:
         """Raised on every rank alike (it depends on the config only): at stage 3 the module holds
         released placeholders, so these would silently read or write empty parameters."""
@@ -451,6 +456,19 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
             raise NotSupportedYet(f"engine.{what}() with zero_optimization.stage=3 is not implemented yet in this "
                                   "build of deepspeed (parameters are partitioned; gathering them for "
                                   "checkpoints is still to do)")
+
+    def compile(self, backend: Any = "inductor", compile_kwargs: dict | None = None, **kwargs: Any) -> None:
+        """torch.compile the wrapped module in place (upstream's `engine.compile`, which accelerate
+        calls when dynamo is on). The engine's own hooks stay outside the compiled region.
+        Further upstream options (`schedule`, compiled autograd) are accepted and ignored."""
+        if self.is_compiled:
+            return
+        self.module.compile(**{**(compile_kwargs or {}), "backend": backend})
+        self.__dict__["_is_compiled"] = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.__dict__.get("_is_compiled", False)
 
     def destroy(self) -> None:
         """Remove the engine's hooks so the module can be reused or freed."""

@@ -105,7 +105,10 @@ def build_lr_scheduler(engine: Any, client_scheduler: Any) -> Any:
     if section is None:
         return None
     if engine.basic_optimizer is None:
-        raise ValueError(f"scheduler.type={section.type!r} needs an optimizer, but none was configured")
+        # Upstream builds no scheduler without an optimizer. Trainer's inference-only initialize
+        # (evaluate before train, ZeRO-3) keeps the training config's `scheduler` section.
+        log_dist(f"scheduler.type={section.type!r} ignored: no optimizer (inference engine)", ranks=[0])
+        return None
     return build_scheduler(section.type, dict(section.params), engine.basic_optimizer)
 
 

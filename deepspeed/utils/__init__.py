@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .._lazy import import_submodule
+
 from .logging import log_dist, logger, print_dist, warning_once
 
 # Eager, as upstream: importing the submodule binds `deepspeed.utils.z3_leaf_module` to the module,
@@ -13,6 +15,7 @@ from .z3_leaf_module import (apply_zero_leaf_module_config, get_z3_leaf_modules,
                              unset_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter)
 
 _LAZY = {
+    "is_initialized": ("deepspeed.comm.comm", "is_initialized"),
     "RepeatingLoader": ("deepspeed.runtime.dataloader", "RepeatingLoader"),
     "SynchronizedWallClockTimer": ("deepspeed.utils.timer", "SynchronizedWallClockTimer"),
     "ThroughputTimer": ("deepspeed.utils.timer", "ThroughputTimer"),
@@ -33,10 +36,9 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    try:
-        module_name, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'deepspeed.utils' has no attribute {name!r}") from None
+    if name not in _LAZY:
+        return import_submodule(__name__, name)   # deepspeed.utils.zero_to_fp32, ...
+    module_name, attr = _LAZY[name]
     value = getattr(importlib.import_module(module_name), attr)
     globals()[name] = value
     return value

@@ -4,3 +4,8 @@
 from .lion import DeepSpeedCPULion, FusedLion
 
 __all__ = ["DeepSpeedCPULion", "FusedLion"]
+
+# compat: `deepspeed.<pkg>.<submodule>` chains resolve after `import deepspeed` (upstream imports eagerly).
+from ..._lazy import submodule_getattr  # noqa: E402
+
+__getattr__ = submodule_getattr(__name__)

@@ -21,3 +21,8 @@ __all__ = [
     "load_config_dict",
     "resolve_batch",
 ]
+
+# compat: `deepspeed.<pkg>.<submodule>` chains resolve after `import deepspeed` (upstream imports eagerly).
+from ..._lazy import submodule_getattr  # noqa: E402
+
+__getattr__ = submodule_getattr(__name__)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from ..._lazy import import_submodule
+
 _PUBLIC = ("Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
            "ZeroParamStatus")
 
@@ -14,7 +16,7 @@ __all__ = list(_PUBLIC)
 
 def __getattr__(name: str) -> Any:
     if name not in _PUBLIC:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return import_submodule(__name__, name)   # deepspeed.zero.partition_parameters, ...
     value = getattr(importlib.import_module(".partition_parameters", __name__), name)
     globals()[name] = value
     return value

@@ -4,9 +4,16 @@
 (stage3/gathered.py) and `ZeroParamStatus`, which downstream code compares `param.ds_status`
 against (published by ShardedUnit and, before initialize, by the zero.Init registry)."""
 
+from ...accelerator import get_accelerator  # noqa: F401  (transformers reads pp.get_accelerator)
 from .stage3.gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
 from .stage3.init_context import Init
 from .stage3.sharded_param import ZeroParamStatus
+from .stage3.tensor_ctors import ORIGINALS as _ORIGINALS
+from .stage3.tensor_ctors import zero_wrapper_for_fp_tensor_constructor  # noqa: F401
+
+# Module globals that transformers patches or compares against while zero.Init is active; Init
+# reads them from here when it installs its wrappers (see [Note: patchable constructor wrapper]).
+_orig_torch_arange = _ORIGINALS["arange"]
 
 __all__ = ["Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
            "ZeroParamStatus"]

@@ -18,3 +18,8 @@ DeepSpeedZeroOptimizer_Stage3 = Stage3Optimizer
 
 __all__ = ["Stage3Coordinator", "Stage3Optimizer", "DeepSpeedZeroOptimizer_Stage3", "ShardedUnit", "ZeroParamStatus",
            "UnitPlan", "UnitSpec", "plan_units", "ZeRO3DivergenceError"]
+
+# compat: `deepspeed.<pkg>.<submodule>` chains resolve after `import deepspeed` (upstream imports eagerly).
+from ...._lazy import submodule_getattr  # noqa: E402
+
+__getattr__ = submodule_getattr(__name__)

@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .... import comm as ds_comm
+from . import tensor_ctors
 from .sharded_param import _DS_IDS, ZeroParamStatus, _all_gather
 
 
@@ -320,10 +321,14 @@ class Init:
             _ACTIVE.append(self)
             if len(_ACTIVE) == 1:
                 _patch()
+                # dtype None: tensors are born in their own dtype; parameters are cast when they
+                # are partitioned (fp32 init then rounded, as without Init). See tensor_ctors.py.
+                tensor_ctors.install(None, self.device)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.enabled:
             _ACTIVE.remove(self)
             if not _ACTIVE:
+                tensor_ctors.uninstall()
                 _unpatch()

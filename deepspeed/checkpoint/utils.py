@@ -1,0 +1,26 @@
+"""Helpers for writing state dicts (upstream path: deepspeed.checkpoint.utils)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def clone_tensors_for_torch_save(item: Any, device: torch.device = torch.device("cpu")) -> Any:
+    """A copy of `item` (a tensor, or dicts / lists / tuples of them) whose tensors are fresh
+    clones on `device`: torch.save then writes only each tensor's own elements, not the whole
+    storage a view shares with a flat buffer. Other values are returned as they are."""
+    device = torch.device(device)
+    if torch.is_tensor(item):
+        return item.detach().clone() if item.device == device else item.detach().to(device)
+    if isinstance(item, dict):
+        cloned = {key: clone_tensors_for_torch_save(value, device) for key, value in item.items()}
+        try:
+            return type(item)(cloned)
+        except TypeError:          # dict subclasses with another constructor (defaultdict)
+            return cloned
+    if isinstance(item, (list, tuple)):
+        cloned = [clone_tensors_for_torch_save(value, device) for value in item]
+        return type(item)(cloned) if not hasattr(item, "_fields") else type(item)(*cloned)
+    return item
