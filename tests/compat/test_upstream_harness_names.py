@@ -40,3 +40,24 @@ def test_required_torch_version_needs_a_bound():
 
     with pytest.raises(AssertionError, match="min_version or max_version"):
         required_torch_version()
+
+
+def test_layer_specs_build_and_pipeline_module_says_not_yet():
+    import torch
+
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.errors import NotSupportedYet
+
+    layer = LayerSpec(torch.nn.Linear, 4, 8, bias=False).build()
+    assert isinstance(layer, torch.nn.Linear) and layer.weight.shape == (8, 4) and layer.bias is None
+    assert repr(LayerSpec(torch.nn.Linear, 4, 8)) == "Linear(4, 8)"
+    tied = TiedLayerSpec("embed", torch.nn.Embedding, 10, 4)
+    assert tied.key == "embed" and tied.tied_weight_attr == ["weight"]
+    with pytest.raises(RuntimeError, match="torch.nn.Module types"):
+        LayerSpec(len)
+
+    class Pipe(PipelineModule):  # defining a subclass works, as upstream's test models do
+        pass
+
+    with pytest.raises(NotSupportedYet, match="pipeline parallelism is not implemented yet"):
+        Pipe(layers=[LayerSpec(torch.nn.Linear, 4, 4)], num_stages=2)

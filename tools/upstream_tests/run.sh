@@ -22,7 +22,8 @@ if [ ! -f "$venv/.installed" ]; then
     $python -m venv "$venv"
     "$venv/bin/pip" install -q "${TORCH:-torch==2.13.0}"
     "$venv/bin/pip" install -q -e "$here" "pytest==8.3.5" "pytest-forked==1.6.0" "pytest-xdist==3.6.1" \
-        "pytest-timeout==2.3.1" numpy safetensors
+        "pytest-timeout==2.3.1" numpy safetensors \
+        hjson py-cpuinfo msgpack einops  # what upstream's tests import besides deepspeed
     touch "$venv/.installed"
 fi
 mkdir -p "$out"
