@@ -33,6 +33,7 @@ _LAZY = {
     "utils": ("deepspeed.utils", None),
     "launcher": ("deepspeed.launcher", None),
     "config": ("deepspeed.config", None),
+    "checkpointing": ("deepspeed.runtime.activation_checkpointing.checkpointing", None),
 }
 
 __all__ = ["__version__", "version", *_LAZY]

@@ -150,7 +150,29 @@ class _ShardedBucket:
         return self.grad_source if self._master_grad is None else self._master_grad
 
 
-class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
+class PartitionedStateDict:
+    """`state_dict()` of the ZeRO optimizers (stages 1-3), as DeepSpeed's: this rank's partition in
+    the layout of its `*_optim_states.pt` file (`optimizer_state_dict` there). Lightning's Trainer
+    calls it on every rank when it builds a checkpoint, then drops the result and saves through
+    `engine.save_checkpoint`. Collective here (the pieces are re-cut to DeepSpeed's layout), so
+    every rank must call it, as Lightning does."""
+
+    _engine_ref: Any = None   # weakref to the engine, set by engine_setup.wrap_optimizer
+
+    def state_dict(self) -> dict:
+        engine = self._engine_ref() if self._engine_ref is not None else None
+        if engine is None:
+            raise RuntimeError(f"{type(self).__name__}.state_dict(): the optimizer's engine is gone")
+        from ..checkpoint.engine_io import optimizer_partition_state
+
+        return optimizer_partition_state(engine)
+
+    def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.load_state_dict: load ZeRO optimizer state with "
+                                  "engine.load_checkpoint(...) (it re-shards to any world size and stage)")
+
+
+class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
     """Wraps the base optimizer so it updates this rank's shard of fp32 master weights."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, reducer: Any, policy: PrecisionPolicy, clip: float,
