@@ -77,9 +77,10 @@ def run_trainer(stage, out):
     import lightning.pytorch.strategies.deepspeed as pl_ds
 
     class Net(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = make_net()
+        def configure_model(self):
+            # Lightning runs this hook inside deepspeed.zero.Init (stage 3: built partitioned)
+            if not hasattr(self, "net"):
+                self.net = make_net()
 
         def forward(self, x):
             return self.net(x)
@@ -115,7 +116,7 @@ def run_trainer(stage, out):
         rec = Record(save_at)
         trainer = pl.Trainer(strategy=cpu_strategy(pl_ds, stage), accelerator="cpu", devices=WORLD,
                              max_steps=STEPS, callbacks=[rec], logger=False, enable_progress_bar=False,
-                             enable_checkpointing=False, enable_model_summary=False, gradient_clip_val=1.0,
+                             enable_checkpointing=False, enable_model_summary=True, gradient_clip_val=1.0,
                              use_distributed_sampler=False, default_root_dir=out)
         trainer.fit(Net(), ckpt_path=ckpt_path)
         return trainer, rec.rows
@@ -161,8 +162,11 @@ def run_fabric(stage, out):
         for step in range(start + 1, stop + 1):
             x, y = next(it)
             loss = F.cross_entropy(net(x), y)
-            fabric.backward(loss)
-            opt.step()  # the engine steps: clip, optimizer, and the scheduler given to fabric.setup
+            fabric.backward(loss, model=net)  # two engines exist once the resumed run starts
+            # Fabric calls the DeepSpeed optimizer's step (the engine is no torch Optimizable), which
+            # clips and consumes the gradients; the scheduler is the user's to step, as with DeepSpeed
+            opt.step()
+            sched.step()
             rows.append([step, loss.item(), opt.param_groups[0]["lr"]])
             if step == RESUME_AT:
                 fabric.save(os.path.join(out, "step10"), {"model": net, "optimizer": opt, "scheduler": sched,

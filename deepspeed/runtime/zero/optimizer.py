@@ -95,20 +95,25 @@ def collect_shard_grads(shards: list[Any]) -> list[torch.Tensor]:
 
 def step_on_shards(wrapper: Any, shards: list[Any], culprit: str, comm_device: torch.device) -> bool:
     """The sharded step both ZeRO optimizers share: collect the gradient slices, skip on overflow,
-    clip by the global norm, run the base optimizer; the fragment gradients are released after,
-    so the shards can go at zero_grad. Returns whether the update was applied."""
+    clip by the global norm, run the base optimizer. The gradients are consumed after, applied or
+    skipped (`wrapper.zero_grad()`), as DeepSpeed's ZeRO step consumes its averaged gradients: a
+    client that calls `optimizer.step()` without `engine.step()` (Lightning Fabric does) starts the
+    next backward from zero. Returns whether the update was applied."""
     try:
         grads = collect_shard_grads(shards)
         wrapper.overflow = wrapper._found_overflow(grads)
         if wrapper.overflow:
-            return wrapper._skip_step(culprit)
-        if wrapper.clip > 0.0:
-            wrapper._global_grad_norm = clip_sharded_grads(grads, wrapper.clip, comm_device, wrapper.group,
-                                                           wrapper.dp_world)
-        wrapper.optimizer.step()
-        return True
+            applied = wrapper._skip_step(culprit)
+        else:
+            if wrapper.clip > 0.0:
+                wrapper._global_grad_norm = clip_sharded_grads(grads, wrapper.clip, comm_device, wrapper.group,
+                                                               wrapper.dp_world)
+            wrapper.optimizer.step()
+            applied = True
     finally:
         release_fragment_grads(shards)
+    wrapper.zero_grad()
+    return applied
 
 
 class _ShardedBucket:
@@ -158,6 +163,7 @@ class PartitionedStateDict:
     every rank must call it, as Lightning does."""
 
     _engine_ref: Any = None   # weakref to the engine, set by engine_setup.wrap_optimizer
+    step_consumes_grads = True   # step() ends with zero_grad() (see step_on_shards); the engine skips its own
 
     def state_dict(self) -> dict:
         engine = self._engine_ref() if self._engine_ref is not None else None
