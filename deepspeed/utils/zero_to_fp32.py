@@ -400,9 +400,10 @@ def _natural_key(name):
 
 def get_checkpoint_files(checkpoint_dir, glob_pattern):
     """Files of a tag directory matching `glob_pattern`, in natural order; FileNotFoundError if none."""
-    import glob
-
-    found = sorted(glob.glob(os.path.join(os.fspath(checkpoint_dir), glob_pattern)), key=_natural_key)
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    pattern = re.compile(re.escape(glob_pattern).replace(r"\*", ".*").replace(r"\?", ".") + r"\Z")
+    names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
+    found = [os.path.join(checkpoint_dir, n) for n in sorted(names, key=_natural_key) if pattern.match(n)]
     if not found:
         raise FileNotFoundError(f"can't find {glob_pattern} files in directory '{checkpoint_dir}'")
     return found
