@@ -36,6 +36,7 @@ _LAZY = {
     "config": ("deepspeed.config", None),
     "checkpoint": ("deepspeed.checkpoint", None),
     "tp_model_init": ("deepspeed.runtime.builder", "tp_model_init"),
+    "checkpointing": ("deepspeed.runtime.activation_checkpointing.checkpointing", None),
 }
 
 __all__ = ["__version__", "version", *_LAZY]

@@ -303,7 +303,8 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
                 self._global_grad_norm = float(norm) if norm is not None else None
             self.optimizer.step()
             applied = True
-        self.zero_grad()
+        if not getattr(self.optimizer, "step_consumes_grads", False):
+            self.zero_grad()
         self._step_applied = applied
         if not applied:
             self.skipped_steps += 1

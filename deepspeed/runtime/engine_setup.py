@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -154,12 +155,13 @@ def wrap_optimizer(engine: Any) -> Any:
         if engine.stage.shard_parameters:
             from .zero.stage3.optimizer import Stage3Optimizer
 
-            return register_optimizer(Stage3Optimizer(engine.basic_optimizer, engine._stage3, policy,
-                                                      engine.gradient_clipping(), names,
-                                                      group=engine.data_parallel_group, master_device=master_device))
-        return register_optimizer(ZeroOptimizer(engine.basic_optimizer, engine._reducer, policy,
-                                                engine.gradient_clipping(), names,
-                                                group=engine.data_parallel_group, master_device=master_device))
+            wrapper = Stage3Optimizer(engine.basic_optimizer, engine._stage3, policy, engine.gradient_clipping(),
+                                      names, group=engine.data_parallel_group, master_device=master_device)
+        else:
+            wrapper = ZeroOptimizer(engine.basic_optimizer, engine._reducer, policy, engine.gradient_clipping(),
+                                    names, group=engine.data_parallel_group, master_device=master_device)
+        wrapper._engine_ref = weakref.ref(engine)   # state_dict() is built like the checkpoint's
+        return register_optimizer(wrapper)
     if engine.basic_optimizer is None or not policy.is_mixed:
         return register_optimizer(engine.basic_optimizer)
     return register_optimizer(MixedPrecisionOptimizer(engine.basic_optimizer, engine._reducer, policy,

@@ -393,6 +393,46 @@ def _resolve_tag_dir(checkpoint_dir, tag):
     return ds_dir
 
 
+def _natural_key(name):
+    """Sort key that orders embedded numbers by value (rank 10 after rank 9)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def get_checkpoint_files(checkpoint_dir, glob_pattern):
+    """Files of a tag directory matching `glob_pattern`, in natural order; FileNotFoundError if none."""
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    pattern = re.compile(re.escape(glob_pattern).replace(r"\*", ".*").replace(r"\?", ".") + r"\Z")
+    names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
+    found = [os.path.join(checkpoint_dir, n) for n in sorted(names, key=_natural_key) if pattern.match(n)]
+    if not found:
+        raise FileNotFoundError(f"can't find {glob_pattern} files in directory '{checkpoint_dir}'")
+    return found
+
+
+def get_optim_files(checkpoint_dir):
+    """The `*_optim_states.pt` files of a tag directory, rank order (DeepSpeed's helper, used by Lightning)."""
+    return get_checkpoint_files(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir):
+    """The `*_model_states.pt` files of a tag directory, rank order."""
+    return get_checkpoint_files(checkpoint_dir, "*_model_states.pt")
+
+
+def get_model_state_file(checkpoint_dir, zero_stage):
+    """The model-states file holding the client state: `mp_rank_00_model_states.pt` at stages 0-2,
+    rank 0's `zero_pp_rank_0_mp_rank_00_model_states.pt` at stage 3 (DeepSpeed's helper)."""
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"Directory '{checkpoint_dir}' doesn't exist")
+    stage = _as_int(zero_stage, ZERO_STAGE, checkpoint_dir)
+    name = "mp_rank_00_model_states.pt" if stage <= 2 else "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    path = os.path.join(checkpoint_dir, name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"can't find model states file at '{path}'")
+    return path
+
+
 def _optim_file_name(prefix, rank, mp):
     return f"{prefix + '_' if prefix else ''}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt"
 

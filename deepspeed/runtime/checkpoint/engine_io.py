@@ -101,6 +101,12 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     return True
 
 
+def optimizer_partition_state(engine: Any) -> dict:
+    """This rank's `optimizer_state_dict` as save_checkpoint writes it (ZeRO; collective)."""
+    cut = zero3_io.optimizer_state if engine._stage3 is not None else partitioned_optimizer_state
+    return cut(engine, HpState(engine), dp_rank(engine), engine.dp_world_size)
+
+
 def state_version() -> str:
     from ...version import __version__
 

@@ -95,20 +95,25 @@ def collect_shard_grads(shards: list[Any]) -> list[torch.Tensor]:
 
 def step_on_shards(wrapper: Any, shards: list[Any], culprit: str, comm_device: torch.device) -> bool:
     """The sharded step both ZeRO optimizers share: collect the gradient slices, skip on overflow,
-    clip by the global norm, run the base optimizer; the fragment gradients are released after,
-    so the shards can go at zero_grad. Returns whether the update was applied."""
+    clip by the global norm, run the base optimizer. The gradients are consumed after, applied or
+    skipped (`wrapper.zero_grad()`), as DeepSpeed's ZeRO step consumes its averaged gradients: a
+    client that calls `optimizer.step()` without `engine.step()` (Lightning Fabric does) starts the
+    next backward from zero. Returns whether the update was applied."""
     try:
         grads = collect_shard_grads(shards)
         wrapper.overflow = wrapper._found_overflow(grads)
         if wrapper.overflow:
-            return wrapper._skip_step(culprit)
-        if wrapper.clip > 0.0:
-            wrapper._global_grad_norm = clip_sharded_grads(grads, wrapper.clip, comm_device, wrapper.group,
-                                                           wrapper.dp_world)
-        wrapper.optimizer.step()
-        return True
+            applied = wrapper._skip_step(culprit)
+        else:
+            if wrapper.clip > 0.0:
+                wrapper._global_grad_norm = clip_sharded_grads(grads, wrapper.clip, comm_device, wrapper.group,
+                                                               wrapper.dp_world)
+            wrapper.optimizer.step()
+            applied = True
     finally:
         release_fragment_grads(shards)
+    wrapper.zero_grad()
+    return applied
 
 
 class _ShardedBucket:
@@ -150,7 +155,30 @@ class _ShardedBucket:
         return self.grad_source if self._master_grad is None else self._master_grad
 
 
-class ZeroOptimizer(OptimizerWrapper, ZeROOptimizer):
+class PartitionedStateDict:
+    """`state_dict()` of the ZeRO optimizers (stages 1-3), as DeepSpeed's: this rank's partition in
+    the layout of its `*_optim_states.pt` file (`optimizer_state_dict` there). Lightning's Trainer
+    calls it on every rank when it builds a checkpoint, then drops the result and saves through
+    `engine.save_checkpoint`. Collective here (the pieces are re-cut to DeepSpeed's layout), so
+    every rank must call it, as Lightning does."""
+
+    _engine_ref: Any = None   # weakref to the engine, set by engine_setup.wrap_optimizer
+    step_consumes_grads = True   # step() ends with zero_grad() (see step_on_shards); the engine skips its own
+
+    def state_dict(self) -> dict:
+        engine = self._engine_ref() if self._engine_ref is not None else None
+        if engine is None:
+            raise RuntimeError(f"{type(self).__name__}.state_dict(): the optimizer's engine is gone")
+        from ..checkpoint.engine_io import optimizer_partition_state
+
+        return optimizer_partition_state(engine)
+
+    def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.load_state_dict: load ZeRO optimizer state with "
+                                  "engine.load_checkpoint(...) (it re-shards to any world size and stage)")
+
+
+class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
     """Wraps the base optimizer so it updates this rank's shard of fp32 master weights."""
 
     fragment_layout = "buckets"  # read by deepspeed.utils.tensor_fragment

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from pydantic import Field
 
 from .base import DSModel, Int
@@ -39,3 +41,6 @@ class AioConfig(DSModel):
     """Overlap submission and completion."""
     use_gds: bool = False
     """Use GPUDirect Storage."""
+    thread_count: Optional[Int] = Field(None, gt=0)
+    """Pre-0.15 name of `intra_op_parallelism`. DeepSpeed 0.19.8 reads the aio section key by key
+    and ignores this one; Lightning's DeepSpeedStrategy still writes it. Accepted and ignored."""

@@ -23,7 +23,7 @@ from .... import comm as ds_comm
 from ...base_optimizer import ZeROOptimizer
 from ...optimizer_wrapper import OptimizerWrapper
 from ...precision.policy import PrecisionPolicy
-from ..optimizer import attach_fragment_masters, step_on_shards
+from ..optimizer import PartitionedStateDict, attach_fragment_masters, step_on_shards
 from .coordinator import Stage3Coordinator
 from .sharded_param import ShardedUnit
 
@@ -61,7 +61,7 @@ class _UnitMaster:
         self.master[changed] = self.unit.shard.to(self.master.device, self.master.dtype)[changed]
 
 
-class Stage3Optimizer(OptimizerWrapper, ZeROOptimizer):
+class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
     """Wraps the base optimizer so it updates this rank's fp32 master shard of every ZeRO-3 unit."""
 
     fragment_layout = "units"  # read by deepspeed.utils.tensor_fragment

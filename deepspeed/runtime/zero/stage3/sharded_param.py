@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -190,6 +191,7 @@ class ShardedUnit:
             p.ds_shape, p.ds_numel, p.ds_persist = self.shapes[i], self.spec.numels[i], self.spec.persistent
             p.ds_tensor = self.shard[f.shard_start:f.shard_start + f.numel] if f else self.shard[:0]
             p.ds_status = self.status
+            p.partition_numel = _partition_numel(p)   # Lightning's ZeRO-3 model summary calls it
 
     def _set_status(self, status: ZeroParamStatus) -> None:
         was = self.status is not ZeroParamStatus.NOT_AVAILABLE
@@ -406,3 +408,10 @@ class ShardedUnit:
     def __repr__(self) -> str:
         return (f"ShardedUnit({self.spec.owner or '<root>'}, numel={self.spec.numel}, "
                 f"shard={self.partition.shard_numel}, {self.status.name}, persistent={self.spec.persistent})")
+
+
+def _partition_numel(param: torch.nn.Parameter) -> Callable[[], int]:
+    """Upstream's `param.partition_numel()`: how many of the parameter's elements this rank holds
+    (its `ds_tensor`). Holds the parameter weakly (no reference cycle through its __dict__)."""
+    ref = weakref.ref(param)
+    return lambda: ref().ds_tensor.numel()

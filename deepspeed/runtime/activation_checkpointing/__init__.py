@@ -1,0 +1,1 @@
+"""`deepspeed.runtime.activation_checkpointing` (`deepspeed.checkpointing` is its `checkpointing` module)."""
