@@ -32,7 +32,9 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .... import comm as ds_comm
-from .sharded_param import _DS_IDS, ZeroParamStatus, _all_gather
+from . import param_attrs
+from .param_attrs import ZeroParamStatus
+from .sharded_param import _all_gather
 
 
 @dataclass(eq=False)
@@ -77,14 +79,13 @@ def full_shape(param: nn.Parameter) -> torch.Size:
 
 
 def _publish(param: nn.Parameter, record: InitShard) -> None:
-    param.ds_id, param.ds_shape, param.ds_numel, param.ds_persist = record.ds_id, record.shape, record.numel, False
-    param.ds_tensor = record.shard
-    param.ds_status = ZeroParamStatus.AVAILABLE if record.gathered else ZeroParamStatus.NOT_AVAILABLE
+    param_attrs.publish(param, ds_id=record.ds_id, shape=record.shape, persist=False, tensor=record.shard,
+                        world=record.world,
+                        status=ZeroParamStatus.AVAILABLE if record.gathered else ZeroParamStatus.NOT_AVAILABLE)
 
 
 def _unpublish(param: nn.Parameter) -> None:
-    for name in ("ds_id", "ds_shape", "ds_numel", "ds_persist", "ds_tensor", "ds_status"):
-        param.__dict__.pop(name, None)
+    param_attrs.unpublish(param)
 
 
 def _broadcast(tensor: torch.Tensor, src: int, group: Any, world: int) -> None:
@@ -120,7 +121,7 @@ def partition(params: Iterable[nn.Parameter], settings: "Init") -> None:
         for p in members:
             size = -(-p.numel() // world)
             shard = torch.zeros(size, dtype=dtype, device=settings.shard_device)
-            record = InitShard(shard, p.shape, group, rank, world, device, next(_DS_IDS))
+            record = InitShard(shard, p.shape, group, rank, world, device, param_attrs.next_ds_id())
             lo, hi = record.bounds()
             shard[:hi - lo].copy_(flat[offset + lo:offset + hi])
             if settings.pin_memory:
