@@ -144,3 +144,44 @@ def test_writes_to_ds_tensor_are_seen_after_gather(world: int, offload: bool) ->
 def test_odd_sizes_train_like_plain_pytorch(world: int, gas: int) -> None:
     config = _config(micro=2, gas=gas, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
     _check(*_run(world, "odd", config, steps=4))
+
+
+def _counted_initialize_and_save(save_dir: str, persistence: int) -> dict:
+    """Build OddNet under zero.Init, count the collectives of initialize and of save_checkpoint
+    (one frozen parameter), and return what the files' frozen pieces are."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    zero = {"stage": 3, "stage3_param_persistence_threshold": persistence}
+    config = _config(micro=2, zero_optimization=zero)
+    with deepspeed.zero.Init(config_dict_or_path=copy.deepcopy(config)):
+        model = build("odd")
+    model.mix.weight.requires_grad_(False)
+    init_pieces = {n: p.ds_tensor.clone() for n, p in model.named_parameters()}
+    dist.comms_counter.reset()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=config)
+    at_init = {op: s["count"] for op, s in dist.comms_counter.summary().items()}
+    after = {n: p.ds_tensor.clone() for n, p in engine.module.named_parameters()}
+    dist.comms_counter.reset()
+    engine.save_checkpoint(save_dir, tag="t")
+    at_save = {op: s["count"] for op, s in dist.comms_counter.summary().items()}
+    return {"init": at_init, "save": at_save, "before": init_pieces, "after": after,
+            "persistent_units": sum(u.spec.persistent for u in engine._stage3.units)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("persistence", [0, 10 ** 6])
+def test_zero_init_pieces_are_kept_and_checkpoints_move_nothing(tmp_path, world: int, persistence: int) -> None:
+    """initialize keeps zero.Init's slices as the units' pieces: no all-gather per parameter (a
+    persistent unit is gathered once); save_checkpoint re-cuts nothing across ranks (no
+    all-to-all) and writes the frozen parameter's pieces without gathering its unit."""
+    results = run_distributed(world, _counted_initialize_and_save, str(tmp_path), persistence)
+    for rank, r in enumerate(results):
+        assert r["init"].get("all_gather_into_tensor", 0) == r["persistent_units"], r["init"]
+        for name, piece in r["before"].items():
+            torch.testing.assert_close(r["after"][name], piece, rtol=0, atol=0)
+        assert "all_to_all_single" not in r["save"] and "all_gather_into_tensor" not in r["save"], r["save"]
+        saved = torch.load(tmp_path / "t" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt", weights_only=False)
+        torch.testing.assert_close(saved["frozen_param_fragments"]["mix.weight"], r["before"]["mix.weight"],
+                                   rtol=0, atol=0)

@@ -136,6 +136,11 @@ class ParamwisePartition:
             yield rank, before + lo - rank * size, end - lo, lo - start
             lo = end
 
+    def owners(self, index: int) -> list[int]:
+        """Ranks holding a piece of parameter `index` (all but those whose piece is all padding)."""
+        n = self.numels[index]
+        return list(range(-(-n // -(-n // self.world_size)))) if n else []
+
     def fragments(self, rank: int) -> list[Fragment]:
         found, offset = [], 0
         for index, n in enumerate(self.numels):

@@ -13,10 +13,11 @@ than one process's memory can be built as long as its largest module fits.
 
 `_SHARDS` (parameter -> InitShard) is the one owner of this state; the `ds_*` attributes are
 published from it for downstream readers (Hugging Face reads `param.ds_numel` right after
-building under Init). deepspeed.initialize adopts the slices (`adopt_into`): at stage 3 each
-parameter is all-gathered, one at a time, into its gather unit's flat buffer and the unit keeps
-its own slice (the full model never exists in one process); at stages 0-2 the parameters are
-made whole again (`materialize`). GatheredParameters (gathered.py) gathers and re-partitions
+building under Init). deepspeed.initialize adopts the slices: at stage 3 a gather unit over
+the same ranks keeps each slice as it is, since it shards every parameter the same way
+(`take_over`, no communication; a persistent unit is then gathered once), while a unit over
+other ranks all-gathers the parameter into its buffer (`adopt_into`); at stages 0-2 the
+parameters are made whole again (`materialize`). GatheredParameters (gathered.py) gathers and re-partitions
 them in between (`acquire` / `release`).
 """
 
@@ -170,13 +171,34 @@ def release(param: nn.Parameter, modifier_rank: int | None) -> None:
     _publish(param, record)
 
 
+def take_over(param: nn.Parameter) -> InitShard:
+    """deepspeed.initialize takes `param` over: its zero.Init record leaves the registry."""
+    record = _SHARDS.pop(param)
+    if record.gathered:
+        _SHARDS[param] = record
+        raise RuntimeError("deepspeed.initialize was called inside a GatheredParameters block of one of the "
+                           "model's parameters; call it after the block")
+    return record
+
+
+def _members(group: Any, world: int) -> list[int]:
+    return [ds_comm.get_global_rank(group, r) for r in range(world)]
+
+
+def partitioned_like(param: nn.Parameter, group: Any) -> bool:
+    """`param`'s zero.Init slice is the piece a ZeRO-3 unit over `group` keeps of it (the same
+    ranks in the same order): the unit can take it as it is, without communicating."""
+    record = _SHARDS.get(param)
+    if record is None:
+        return False
+    world = ds_comm.get_world_size(group) if ds_comm.is_initialized() else 1
+    return record.world == world and _members(record.group, world) == _members(group, world)
+
+
 def adopt_into(param: nn.Parameter, out: torch.Tensor) -> None:
     """deepspeed.initialize takes `param` over: its full value is all-gathered into `out` (cast
     to out's dtype) and the zero.Init slice is dropped. Collective: every rank, same order."""
-    record = _SHARDS.pop(param)
-    if record.gathered:
-        raise RuntimeError("deepspeed.initialize was called inside a GatheredParameters block of one of the "
-                           "model's parameters; call it after the block")
+    record = take_over(param)
     out.copy_(_gather_full(record).view(out.shape))
 
 

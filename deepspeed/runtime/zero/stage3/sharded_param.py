@@ -144,13 +144,17 @@ class ShardedUnit:
         first = params[0]
         self.flat = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device)
         self._views = [self.flat[o:o + n].view(s) for o, n, s in zip(self.offsets, spec.numels, self.shapes)]
-        # Flatten the unit and keep our slice: a full parameter is copied; a zero.Init one is
-        # all-gathered into place, one parameter at a time (the full model never exists).
+        # Flatten the unit and keep our pieces: a full parameter is copied; a zero.Init one keeps
+        # its slice, which is already our piece (partitioned over the same ranks; else it is
+        # all-gathered into place). The full model never exists in one process.
         # ds_id survives initialize (zero.Init gave one); other parameters get theirs here.
         self._ds_ids = [getattr(p, "ds_id", None) if init_context.init_shard(p) is not None else None
                         for p in params]
-        for view, p in zip(self._views, params):
-            if init_context.init_shard(p) is not None:
+        adopted: dict[int, torch.Tensor] = {}
+        for i, (view, p) in enumerate(zip(self._views, params)):
+            if init_context.partitioned_like(p, group):
+                adopted[i] = init_context.take_over(p).shard
+            elif init_context.init_shard(p) is not None:
                 init_context.adopt_into(p, view)
             else:
                 view.copy_(p.detach())
@@ -158,6 +162,8 @@ class ShardedUnit:
             setattr(p, _OWNER_ATTR, _Owner(self))
         self.shard_device = shard_device if shard_device is not None else first.device
         self.shard = self.layout.row(self.flat, self.rank).to(self.shard_device)
+        for i, piece in adopted.items():
+            self.layout.piece(self.shard, i).copy_(piece)
         # This rank's fp32 slice of the reduced gradients, accumulated across micro-steps; created
         # by the first reduction after a step and dropped at zero_grad (`release_grad`), unless
         # pinned (a pinned allocation per step would cost more than the memory).
@@ -175,6 +181,8 @@ class ShardedUnit:
         self._publish_compat_attrs()
         if not spec.persistent:
             self._free()
+        elif adopted:   # the zero.Init pieces are in the shard only
+            self.refresh()
 
     # --- compat attributes ------------------------------------------------------------------
     def _publish_compat_attrs(self) -> None:
