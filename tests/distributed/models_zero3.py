@@ -188,7 +188,30 @@ class CheckpointedNet(nn.Module):
         return F.cross_entropy(logits, y)
 
 
-MODELS = {"gpt": tiny_gpt, "tied": TiedNet, "branch": BranchNet, "moe": MoENet, "ckpt": CheckpointedNet}
+class OddNet(nn.Module):
+    """Parameters whose sizes no world size of 2 or 4 divides (55, 112, 7, 91, 13, 65, 13, 13,
+    52, 4 and 3 elements; 3 < 4, so at world 4 one rank's piece of `temp` is all padding), in
+    units of one, two and three parameters: every per-parameter padding case of the shards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 5)
+        self.inp = nn.Linear(16, 7)
+        self.mid = nn.Linear(7, 13)
+        self.mix = nn.Linear(5, 13, bias=False)
+        self.norm = nn.LayerNorm(13)
+        self.head = nn.Linear(13, 4)
+        self.temp = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        idx = (x[:, 0].abs() * 4).long() % 11
+        h = self.norm(self.mid(torch.tanh(self.inp(x))) + self.mix(self.emb(idx)))
+        logits = self.head(torch.relu(h)) * torch.cat([self.temp, self.temp.new_ones(1)])
+        return F.cross_entropy(logits, y)
+
+
+MODELS = {"gpt": tiny_gpt, "tied": TiedNet, "branch": BranchNet, "moe": MoENet, "ckpt": CheckpointedNet,
+          "odd": OddNet}
 
 
 def build(name: str, seed: int = 0, **kwargs: Any) -> nn.Module:

@@ -150,10 +150,11 @@ def _live_param_nbytes(model: nn.Module) -> int:
 
 
 def _expected_nbytes(coord: Stage3Coordinator, world: int) -> int:
-    """ceil(unit / N) elements per unit, plus the full padded buffer of persistent units."""
+    """ceil(numel / N) elements per parameter (upstream's ds_tensor), plus the full padded buffer
+    of persistent units."""
     total = 0
     for u in coord.plan.units:
-        shard = -(-u.numel // world)
+        shard = sum(-(-n // world) for n in u.numels)
         total += shard + (shard * world if u.persistent else 0)
     return total * 4
 

@@ -116,7 +116,7 @@ def zero3_memory(steps: int) -> dict:
         engine.backward(engine(micro_slice(x, micro, 0, rank, world), micro_slice(y, micro, 0, rank, world)))
         engine.step()
     coord = engine._stage3
-    shard_numel = sum(-(-u.numel // world) for u in coord.plan.units)
+    shard_numel = sum(-(-n // world) for u in coord.plan.units for n in u.numels)   # ceil(numel/N) per parameter
     storages: dict[int, int] = {}
     for p in engine.module.parameters():
         assert p.grad is None and p.numel() == 0, p.ds_shape   # released placeholders

@@ -115,9 +115,10 @@ def train(name: str, config: dict, steps: int, model_kwargs: dict | None = None,
         stage3 = engine._stage3
         with stage3.gathered() if stage3 is not None else contextlib.nullcontext():
             state = state_of(engine.module)
-        # one reduction of every trainable unit per backward: gas x the units' flat sizes, padded to N
+        # one reduction of every trainable unit per backward: gas x the units' flat sizes, each
+        # parameter padded to a multiple of N (its per-rank pieces are upstream's ds_tensor)
         trainable = [u.spec for u in stage3.units if u.trainable] if stage3 is not None else []
-        once = gas * sum(-(-spec.numel // world) * world for spec in trainable)
+        once = gas * sum(-(-n // world) * world for spec in trainable for n in spec.numels)
         out = {"losses": losses, "state": state, "collectives": collectives, "reduced": reduced, "once": once,
                "global_steps": engine.global_steps}
         if name == "moe":

@@ -118,7 +118,9 @@ class HpState:
         Replicated state is cut locally. Under ZeRO the plan of who sends what to whom follows
         from the bucket (or unit) and group partitions, which every rank knows, so one all-to-all
         per field moves exactly the elements each rank lacks (1/N of the field per rank) and
-        nothing else. `strip_padding` drops a BucketPartition's end padding.
+        nothing else; when no element changes rank (ZeRO-3 units, whose per-parameter pieces are
+        the files' pieces), no collective at all. `strip_padding` drops a BucketPartition's end
+        padding.
         """
         flats = []
         for layout in layouts:  # padding stays zero; every real element is written below
@@ -141,6 +143,7 @@ class HpState:
         sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
         mine = {(p.name, p.start): p for p in self.pieces}
         receives: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+        crossing = False   # any element changing rank; the same answer on every rank (same plan)
         for sb in self.sources:  # every rank walks the same plan in the same order
             for src_rank in range(world):
                 for f in sb.partition.fragments(src_rank):
@@ -153,10 +156,15 @@ class HpState:
                         value = piece.master if field == "fp32" else self.state_value(piece, field)
                         value = torch.zeros(f.numel) if value is None else value.float()
                     for dst, g, at, n, src in cuts(name, f.param_start, f.numel):
+                        crossing = crossing or dst != src_rank
                         if src_rank == rank:
                             sends[dst].append(value[src:src + n])
                         if dst == rank:
                             receives[src_rank].append((g, at, n))
+        if not crossing:   # every piece stays on its rank (ZeRO-3 into DeepSpeed's stage-3 files)
+            for (g, at, n), t in zip(receives[rank], sends[rank]):
+                flats[g][at:at + n].copy_(t.reshape(-1))
+            return flats
         device = self.wrapper._comm_device if self.stage3 else self.sources[0].param_flat.device
         in_splits = [sum(t.numel() for t in ts) for ts in sends]
         send, offset = torch.empty(sum(in_splits), dtype=torch.float32, device=device), 0

@@ -1,14 +1,15 @@
 """ZeRO-3 specifics of checkpoints: DeepSpeed's stage-3 files from our gather units, and back.
 
-Our ZeRO-3 shards per gather unit (one BucketPartition per module's parameter set, so that a
-gather is one collective); DeepSpeed's stage-3 files shard per parameter: rank r holds
-elements [r*s, (r+1)*s) of every parameter (s = ceil(numel/N), zero-padded), concatenated in
-param-group order (`ParamwisePartition`). Trained state (fp32 masters, optimizer fields) is
-re-cut into that layout by HpState.recut, one all-to-all per field. Frozen parameters have no
-master: their per-rank pieces (`frozen_param_fragments` of each rank's model-states file) are
-cut from one gathered unit at a time, so no rank ever holds more than one unit in full.
-Loading writes values into this rank's slice of each unit (and of its fp32 master, which the
-next step copies back into the shard) and re-gathers persistent units.
+Our ZeRO-3 units shard each parameter on its own (stage3/unit_layout.py): rank r holds elements
+[r*s, (r+1)*s) of every parameter (s = ceil(numel/N), zero-padded) -- upstream's `ds_tensor`,
+and exactly the pieces DeepSpeed's stage-3 files hold. The files concatenate those pieces in
+param-group order (`ParamwisePartition` per group) where a unit concatenates them in unit
+order, so trained state (fp32 masters, optimizer fields) is re-cut into the files' order by
+HpState.recut without moving an element between ranks (it issues no collective then). Frozen
+parameters have no master: their per-rank pieces (`frozen_param_fragments` of each rank's
+model-states file) are the parameters' `ds_tensor`s. Loading writes values into this rank's
+pieces of each unit (and of its fp32 master, which the next step copies back into the shard)
+and re-gathers persistent units.
 """
 
 from __future__ import annotations
@@ -28,13 +29,18 @@ def param_shapes(engine: Any) -> dict[str, torch.Size]:
 
 
 def frozen_fragments(engine: Any, rank: int, world: int) -> OrderedDict:
-    """{frozen parameter name: this rank's paramwise piece}, in module order. Collective: every
-    rank gathers the units holding frozen parameters, one at a time, in unit order."""
+    """{frozen parameter name: this rank's paramwise piece}, in module order: the pieces the
+    units hold (no communication) when they are sharded over the `world` ranks the file is for,
+    else cut from one gathered unit at a time (collective: every rank, in unit order)."""
     pieces: dict[str, torch.Tensor] = {}
     for unit in engine._stage3.units:
         trained = set(unit.trainable)
         frozen = [i for i in range(len(unit.params)) if i not in trained]
         if not frozen:
+            continue
+        if unit.world == world and unit.rank == rank:
+            for i in frozen:
+                pieces[unit.spec.param_names[i]] = unit.layout.piece(unit.shard, i).to("cpu", copy=True)
             continue
         full = unit.gather_full(unit.shard)
         for i in frozen:

@@ -97,7 +97,8 @@ class BucketPartition:
 class ParamwisePartition:
     """Every parameter split on its own: rank r holds elements [r*s, (r+1)*s) of each parameter
     (s = ceil(numel/N), the last piece zero-padded), its pieces concatenated in parameter order.
-    DeepSpeed's ZeRO-3 checkpoints store each param group's `fp32_flat_groups` this way."""
+    DeepSpeed's ZeRO-3 checkpoints store each param group's `fp32_flat_groups` this way, and our
+    ZeRO-3 gather units shard their parameters this way (stage3/unit_layout.py)."""
 
     numels: tuple[int, ...]
     world_size: int
@@ -111,6 +112,14 @@ class ParamwisePartition:
     @property
     def shard_numel(self) -> int:
         return self._starts[-1] + -(-self.numels[-1] // self.world_size) if self.numels else 0
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
 
     def padding(self, rank: int) -> int:
         return self.shard_numel - sum(f.numel for f in self.fragments(rank))
@@ -126,6 +135,11 @@ class ParamwisePartition:
             end = min(hi, (rank + 1) * size)
             yield rank, before + lo - rank * size, end - lo, lo - start
             lo = end
+
+    def owners(self, index: int) -> list[int]:
+        """Ranks holding a piece of parameter `index` (all but those whose piece is all padding)."""
+        n = self.numels[index]
+        return list(range(-(-n // -(-n // self.world_size)))) if n else []
 
     def fragments(self, rank: int) -> list[Fragment]:
         found, offset = [], 0

@@ -13,10 +13,11 @@ than one process's memory can be built as long as its largest module fits.
 
 `_SHARDS` (parameter -> InitShard) is the one owner of this state; the `ds_*` attributes are
 published from it for downstream readers (Hugging Face reads `param.ds_numel` right after
-building under Init). deepspeed.initialize adopts the slices (`adopt_into`): at stage 3 each
-parameter is all-gathered, one at a time, into its gather unit's flat buffer and the unit keeps
-its own slice (the full model never exists in one process); at stages 0-2 the parameters are
-made whole again (`materialize`). GatheredParameters (gathered.py) gathers and re-partitions
+building under Init). deepspeed.initialize adopts the slices: at stage 3 a gather unit over
+the same ranks keeps each slice as it is, since it shards every parameter the same way
+(`take_over`, no communication; a persistent unit is then gathered once), while a unit over
+other ranks all-gathers the parameter into its buffer (`adopt_into`); at stages 0-2 the
+parameters are made whole again (`materialize`). GatheredParameters (gathered.py) gathers and re-partitions
 them in between (`acquire` / `release`).
 """
 
@@ -32,8 +33,9 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .... import comm as ds_comm
-from . import tensor_ctors
-from .sharded_param import _DS_IDS, ZeroParamStatus, _all_gather
+from . import param_attrs, tensor_ctors
+from .param_attrs import ZeroParamStatus
+from .sharded_param import _all_gather
 
 
 @dataclass(eq=False)
@@ -78,14 +80,13 @@ def full_shape(param: nn.Parameter) -> torch.Size:
 
 
 def _publish(param: nn.Parameter, record: InitShard) -> None:
-    param.ds_id, param.ds_shape, param.ds_numel, param.ds_persist = record.ds_id, record.shape, record.numel, False
-    param.ds_tensor = record.shard
-    param.ds_status = ZeroParamStatus.AVAILABLE if record.gathered else ZeroParamStatus.NOT_AVAILABLE
+    param_attrs.publish(param, ds_id=record.ds_id, shape=record.shape, persist=False, tensor=record.shard,
+                        world=record.world,
+                        status=ZeroParamStatus.AVAILABLE if record.gathered else ZeroParamStatus.NOT_AVAILABLE)
 
 
 def _unpublish(param: nn.Parameter) -> None:
-    for name in ("ds_id", "ds_shape", "ds_numel", "ds_persist", "ds_tensor", "ds_status"):
-        param.__dict__.pop(name, None)
+    param_attrs.unpublish(param)
 
 
 def _broadcast(tensor: torch.Tensor, src: int, group: Any, world: int) -> None:
@@ -121,7 +122,7 @@ def partition(params: Iterable[nn.Parameter], settings: "Init") -> None:
         for p in members:
             size = -(-p.numel() // world)
             shard = torch.zeros(size, dtype=dtype, device=settings.shard_device)
-            record = InitShard(shard, p.shape, group, rank, world, device, next(_DS_IDS))
+            record = InitShard(shard, p.shape, group, rank, world, device, param_attrs.next_ds_id())
             lo, hi = record.bounds()
             shard[:hi - lo].copy_(flat[offset + lo:offset + hi])
             if settings.pin_memory:
@@ -170,13 +171,34 @@ def release(param: nn.Parameter, modifier_rank: int | None) -> None:
     _publish(param, record)
 
 
+def take_over(param: nn.Parameter) -> InitShard:
+    """deepspeed.initialize takes `param` over: its zero.Init record leaves the registry."""
+    record = _SHARDS.pop(param)
+    if record.gathered:
+        _SHARDS[param] = record
+        raise RuntimeError("deepspeed.initialize was called inside a GatheredParameters block of one of the "
+                           "model's parameters; call it after the block")
+    return record
+
+
+def _members(group: Any, world: int) -> list[int]:
+    return [ds_comm.get_global_rank(group, r) for r in range(world)]
+
+
+def partitioned_like(param: nn.Parameter, group: Any) -> bool:
+    """`param`'s zero.Init slice is the piece a ZeRO-3 unit over `group` keeps of it (the same
+    ranks in the same order): the unit can take it as it is, without communicating."""
+    record = _SHARDS.get(param)
+    if record is None:
+        return False
+    world = ds_comm.get_world_size(group) if ds_comm.is_initialized() else 1
+    return record.world == world and _members(record.group, world) == _members(group, world)
+
+
 def adopt_into(param: nn.Parameter, out: torch.Tensor) -> None:
     """deepspeed.initialize takes `param` over: its full value is all-gathered into `out` (cast
     to out's dtype) and the zero.Init slice is dropped. Collective: every rank, same order."""
-    record = _SHARDS.pop(param)
-    if record.gathered:
-        raise RuntimeError("deepspeed.initialize was called inside a GatheredParameters block of one of the "
-                           "model's parameters; call it after the block")
+    record = take_over(param)
     out.copy_(_gather_full(record).view(out.shape))
 
 

@@ -20,8 +20,8 @@ rank-slices of the bucket laid side by side,
     input = [u1 slice 0 | u2 slice 0 | ... | u1 slice 1 | u2 slice 1 | ...]   (N x B elements)
     output = [u1 slice r | u2 slice r | ...]                                   (B elements)
 
-so rank r receives exactly its shard of every unit in the bucket (each unit is padded to a
-multiple of N by BucketPartition, so its slices are equal). What is queued is each unit's
+so rank r receives exactly its shard of every unit in the bucket (a unit's flat gradient is
+already rank-major, N equal slices: see [Note: ZeRO-3 parameter-major shards] in unit_layout.py). What is queued is each unit's
 padded flat gradient (its parameters' `.grad` are dropped when queued), so memory waiting in
 the queue stays below `bucket_numel` elements. Every rank queues the same units in the same
 order (completion is deterministic; see [Note: ZeRO-3 backward]), so buckets match across

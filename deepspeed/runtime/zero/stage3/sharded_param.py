@@ -1,19 +1,20 @@
 """ShardedUnit: the one owner of a gather unit's parameter storage, shard and gradient shard.
 
-Each unit's parameters are flattened back to back and split with the same `BucketPartition`
-as stages 1/2 (see [Note: per-bucket shards] in zero/partition.py): padded to a multiple of N,
-rank r owns slice r. Between uses a rank holds only that slice (`shard`, parameters' dtype)
-and its fp32 gradient slice (`grad_shard`); `gather()` is ONE all-gather into the unit's flat
+Each parameter of a unit is split on its own, as upstream does (rank r holds elements
+[r*s, (r+1)*s) of it, s = ceil(numel/N), zero-padded), and a rank's `shard` is its pieces of the
+unit's parameters back to back: see [Note: ZeRO-3 parameter-major shards] in unit_layout.py.
+Between uses a rank holds only that shard (parameters' dtype) and its fp32 gradient shard
+(`grad_shard`, the same layout); `gather()` is ONE all-gather, unpacked into the unit's flat
 buffer, whose views become the parameters' `.data`; `prefetch()` issues that all-gather
 asynchronously ahead of use (prefetch.py) and `gather()` then waits for it instead. With
-`offload_param` both slices live in CPU memory (`shard_device`) and each gather copies the
+`offload_param` both shards live in CPU memory (`shard_device`) and each gather copies the
 shard to the compute device first.
 
 This class is the only writer of the parameters' `.data` while they are sharded and of the
-upstream-compatible attributes `ds_id`, `ds_shape`, `ds_numel`, `ds_status`, `ds_persist` and
-`ds_tensor` (published for downstream code such as Hugging Face's `maybe_zero_3`; the runtime
-itself asks this object, never the attributes). `ds_tensor` is this rank's fragment of the
-parameter: a 1-D view of `shard` (possibly empty), not upstream's per-parameter slice.
+upstream-compatible attributes (param_attrs.py; published for downstream code such as Hugging
+Face's `maybe_zero_3`; the runtime itself asks this object, never the attributes). `ds_tensor`
+is upstream's per-parameter partition, a view of `shard`: what is written to it is what the
+next gather shows.
 
 [Note: ZeRO-3 release and autograd's saved tensors]
 Forward saves tensors for backward that alias parameters: the parameter itself (a leaf:
@@ -32,9 +33,6 @@ not bump the version counter, so autograd's saved-tensor version checks are unaf
 
 from __future__ import annotations
 
-import enum
-import itertools
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,17 +40,11 @@ import torch
 from torch import nn
 
 from .... import comm as ds_comm
-from ..partition import BucketPartition
-from . import watchdog
+from ..partition import ParamwisePartition
+from . import param_attrs, watchdog
+from .param_attrs import ZeroParamStatus
+from .unit_layout import UnitLayout
 from .units import UnitSpec
-
-
-class ZeroParamStatus(enum.Enum):
-    """Upstream's parameter status (deepspeed.runtime.zero.partition_parameters.ZeroParamStatus)."""
-
-    AVAILABLE = 1       # gathered: `.data` is the full parameter
-    NOT_AVAILABLE = 2   # released: only this rank's shard exists
-    INFLIGHT = 3        # a prefetch (asynchronous all-gather) is running; see prefetch.py
 
 
 @dataclass
@@ -70,9 +62,6 @@ class GatherStats:
     def resident(self, delta: int) -> None:
         self.live += delta
         self.peak_live = max(self.peak_live, self.live)
-
-
-_DS_IDS = itertools.count()
 
 
 class _Owner:
@@ -125,8 +114,9 @@ class ShardedUnit:
 
     spec: UnitSpec
     params: list[nn.Parameter]
-    partition: BucketPartition
-    shard: torch.Tensor          # 1D, params' dtype: this rank's slice of the padded flat unit
+    partition: ParamwisePartition
+    layout: UnitLayout
+    shard: torch.Tensor          # 1D, params' dtype: this rank's piece of every parameter, back to back
     status: ZeroParamStatus
 
     def __init__(self, spec: UnitSpec, params: list[nn.Parameter], group: Any = None,
@@ -137,6 +127,7 @@ class ShardedUnit:
         `stats`: shared with the coordinator's other units (a private one by default)."""
         self.stats = stats if stats is not None else GatherStats()
         self._pending: watchdog.PendingGather | None = None
+        self._received: torch.Tensor | None = None   # a rank-major all-gather buffer not yet unpacked
         from . import init_context   # it imports this module
 
         dtypes = {(p.dtype, p.device) for p in params}
@@ -145,25 +136,34 @@ class ShardedUnit:
                              f"a unit is gathered as one flat buffer, so its parameters must agree")
         self.spec, self.params, self.group = spec, params, group
         self.rank, self.world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
-        self.partition = BucketPartition(spec.numels, self.world)
+        self.layout = UnitLayout(spec.numels, self.world)
+        self.partition = self.layout.partition
         self.shapes = [init_context.full_shape(p) for p in params]
-        self.offsets = self.partition.offsets()
+        self.offsets = self.layout.offsets
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
         first = params[0]
-        self.flat = torch.zeros(self.partition.padded_numel, dtype=first.dtype, device=first.device)
+        self.flat = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device)
         self._views = [self.flat[o:o + n].view(s) for o, n, s in zip(self.offsets, spec.numels, self.shapes)]
-        # Flatten the unit and keep our slice: a full parameter is copied; a zero.Init one is
-        # all-gathered into place, one parameter at a time (the full model never exists).
-        for view, p in zip(self._views, params):
-            if init_context.init_shard(p) is not None:
+        # Flatten the unit and keep our pieces: a full parameter is copied; a zero.Init one keeps
+        # its slice, which is already our piece (partitioned over the same ranks; else it is
+        # all-gathered into place). The full model never exists in one process.
+        # ds_id survives initialize (zero.Init gave one); other parameters get theirs here.
+        self._ds_ids = [getattr(p, "ds_id", None) if init_context.init_shard(p) is not None else None
+                        for p in params]
+        adopted: dict[int, torch.Tensor] = {}
+        for i, (view, p) in enumerate(zip(self._views, params)):
+            if init_context.partitioned_like(p, group):
+                adopted[i] = init_context.take_over(p).shard
+            elif init_context.init_shard(p) is not None:
                 init_context.adopt_into(p, view)
             else:
                 view.copy_(p.detach())
             p.data = view
             setattr(p, _OWNER_ATTR, _Owner(self))
         self.shard_device = shard_device if shard_device is not None else first.device
-        lo = self.rank * self.partition.shard_numel
-        self.shard = self.flat[lo:lo + self.partition.shard_numel].to(self.shard_device, copy=True)
+        self.shard = self.layout.row(self.flat, self.rank).to(self.shard_device)
+        for i, piece in adopted.items():
+            self.layout.piece(self.shard, i).copy_(piece)
         # This rank's fp32 slice of the reduced gradients, accumulated across micro-steps; created
         # by the first reduction after a step and dropped at zero_grad (`release_grad`), unless
         # pinned (a pinned allocation per step would cost more than the memory).
@@ -181,17 +181,15 @@ class ShardedUnit:
         self._publish_compat_attrs()
         if not spec.persistent:
             self._free()
+        elif adopted:   # the zero.Init pieces are in the shard only
+            self.refresh()
 
     # --- compat attributes ------------------------------------------------------------------
     def _publish_compat_attrs(self) -> None:
-        fragments = {f.index: f for f in self.partition.fragments(self.rank)}
         for i, p in enumerate(self.params):
-            f = fragments.get(i)
-            p.ds_id = next(_DS_IDS)
-            p.ds_shape, p.ds_numel, p.ds_persist = self.shapes[i], self.spec.numels[i], self.spec.persistent
-            p.ds_tensor = self.shard[f.shard_start:f.shard_start + f.numel] if f else self.shard[:0]
-            p.ds_status = self.status
-            p.partition_numel = _partition_numel(p)   # Lightning's ZeRO-3 model summary calls it
+            ds_id = self._ds_ids[i] if self._ds_ids[i] is not None else param_attrs.next_ds_id()
+            param_attrs.publish(p, ds_id=ds_id, shape=self.shapes[i], persist=self.spec.persistent,
+                                tensor=self.layout.piece(self.shard, i), world=self.world, status=self.status)
 
     def _set_status(self, status: ZeroParamStatus) -> None:
         was = self.status is not ZeroParamStatus.NOT_AVAILABLE
@@ -215,13 +213,24 @@ class ShardedUnit:
         if self.status is ZeroParamStatus.INFLIGHT:
             self.stats.waited += 1
             return self._finish_prefetch()
-        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
         phase = "backward" if self._held else ("forward" if self._refs else "post-step")
-        _all_gather(self.flat, self.shard.to(self.flat.device), self.group, self.spec, phase)
+        _all_gather(self._gather_buffer(), self.shard.to(self.flat.device), self.group, self.spec, phase)
         self.stats.sync += 1
         self._show_gathered()
 
+    def _gather_buffer(self) -> torch.Tensor:
+        """Re-allocate `flat` and return what the all-gather writes: `flat` itself where the
+        layouts coincide, else a rank-major buffer that `_show_gathered` unpacks into it."""
+        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+        if not self.layout.direct:
+            self._received = torch.empty_like(self.flat)
+        return self._received if not self.layout.direct else self.flat
+
     def _show_gathered(self) -> None:
+        received, self._received = self._received, None
+        if received is not None:
+            self.layout.unpack(received, self.flat)
+            del received
         for view, p in zip(self._views, self.params):
             p.data = view
         self._set_status(ZeroParamStatus.AVAILABLE)
@@ -231,12 +240,12 @@ class ShardedUnit:
         `gather()` waits for it instead of issuing one. `.data` stays the placeholder meanwhile."""
         if self.status is not ZeroParamStatus.NOT_AVAILABLE:
             raise RuntimeError(f"ZeRO-3: prefetch of {self}, which is not released")
-        self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
+        out = self._gather_buffer()
         shard = self.shard.to(self.flat.device)
         if ds_comm.is_initialized():
-            self._pending = watchdog.start_all_gather(self.flat, shard, self.group, self.spec, phase)
+            self._pending = watchdog.start_all_gather(out, shard, self.group, self.spec, phase)
         else:
-            self.flat.copy_(shard)
+            out.copy_(shard)
         self.stats.prefetched += 1
         self._set_status(ZeroParamStatus.INFLIGHT)
 
@@ -313,8 +322,7 @@ class ShardedUnit:
                 p.data = view
         if self.world > 1 and self.flat.numel():
             ds_comm.broadcast(self.flat, src=ds_comm.get_global_rank(self.group, src), group=self.group)
-        lo = self.rank * self.partition.shard_numel
-        new = self.flat[lo:lo + self.partition.shard_numel].to(self.shard_device)
+        new = self.layout.row(self.flat, self.rank).to(self.shard_device)
         changed = new != self.shard
         if bool(changed.any()):
             self.shard.copy_(new)
@@ -343,12 +351,13 @@ class ShardedUnit:
         when there is nothing to reduce. The caller reduce-scatters it (reducer.py) and hands
         this rank's slice to `add_reduced`."""
         flat_grad = None
-        if self.partition.padded_numel and self.trainable:
-            flat_grad = torch.zeros(self.partition.padded_numel, dtype=self.params[0].dtype, device=self.flat.device)
+        if self.layout.padded_numel and self.trainable:
+            flat_grad = torch.zeros(self.layout.padded_numel, dtype=self.params[0].dtype, device=self.flat.device)
+            rows = flat_grad.view(self.world, self.layout.shard_numel)
             for i in self.trainable:
                 g = self.params[i].grad
                 if g is not None:
-                    flat_grad[self.offsets[i]:self.offsets[i] + g.numel()].copy_(g.reshape(-1))
+                    self.layout.pack_into(rows, i, g.reshape(-1))
         for p in self.params:
             p.grad = None
         self._reduced, self._held = True, False
@@ -367,7 +376,7 @@ class ShardedUnit:
             self._grad_shard.add_(summed, alpha=alpha)
 
     def _new_grad_shard(self) -> torch.Tensor:
-        return torch.zeros(self.partition.shard_numel, dtype=torch.float32, device=self.shard_device)
+        return torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.shard_device)
 
     @property
     def grad_shard(self) -> torch.Tensor:
@@ -400,18 +409,11 @@ class ShardedUnit:
     # --- whole-unit views -------------------------------------------------------------------
     def gather_full(self, shard: torch.Tensor) -> list[torch.Tensor]:
         """All-gather a shard laid out like this unit (params or grads) and split it per parameter."""
-        full = torch.empty(self.partition.padded_numel, dtype=shard.dtype, device=self.flat.device)
+        full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=self.flat.device)
         if full.numel():
             _all_gather(full, shard.to(self.flat.device), self.group, self.spec, "full-state")
-        return [full[o:o + n].view(s).clone() for o, n, s in zip(self.offsets, self.spec.numels, self.shapes)]
+        return self.layout.split(full, self.shapes)
 
     def __repr__(self) -> str:
         return (f"ShardedUnit({self.spec.owner or '<root>'}, numel={self.spec.numel}, "
-                f"shard={self.partition.shard_numel}, {self.status.name}, persistent={self.spec.persistent})")
-
-
-def _partition_numel(param: torch.nn.Parameter) -> Callable[[], int]:
-    """Upstream's `param.partition_numel()`: how many of the parameter's elements this rank holds
-    (its `ds_tensor`). Holds the parameter weakly (no reference cycle through its __dict__)."""
-    ref = weakref.ref(param)
-    return lambda: ref().ds_tensor.numel()
+                f"shard={self.layout.shard_numel}, {self.status.name}, persistent={self.spec.persistent})")

@@ -1,0 +1,92 @@
+"""Upstream's ZeRO-3 parameter attributes, published on each partitioned parameter for downstream
+readers (Hugging Face transformers and accelerate, Lightning, upstream's own tests). The runtime
+never reads them back: it asks the gather unit (sharded_param.py) or the zero.Init registry
+(init_context.py), which call `publish` whenever something changes.
+
+    ds_id          a process-wide id
+    ds_shape       the full shape (`.shape` reads torch.Size([0]) while released)
+    ds_numel       the full number of elements
+    ds_persist     the parameter stays gathered (its unit is persistent)
+    ds_status      ZeroParamStatus: AVAILABLE (gathered), NOT_AVAILABLE, INFLIGHT (prefetching)
+    ds_tensor      this rank's partition of the parameter: elements [r*s, (r+1)*s) of the
+                   flattened parameter, s = ceil(ds_numel / N), the last ranks' padded with zeros;
+                   writes to it are what the next gather shows. Carries `ds_numel` (= s),
+                   `status` (PartitionedParamStatus.AVAILABLE) and `final_location` (None: no NVMe)
+    ds_numel_aligned  N*s
+    partition_numel()  s;  padding_size()  N*s - ds_numel;  aligned_size()  N*s
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Any
+
+import torch
+
+
+class ZeroParamStatus(enum.Enum):
+    """Upstream's parameter status (deepspeed.runtime.zero.partition_parameters.ZeroParamStatus)."""
+
+    AVAILABLE = 1       # gathered: `.data` is the full parameter
+    NOT_AVAILABLE = 2   # released: only this rank's shard exists
+    INFLIGHT = 3        # a prefetch (asynchronous all-gather) is running; see prefetch.py
+
+
+class PartitionedParamStatus(enum.Enum):
+    """Upstream's `ds_tensor.status` (deepspeed.runtime.swap_tensor): always AVAILABLE here."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+_DS_IDS = itertools.count()
+
+
+def next_ds_id() -> int:
+    return next(_DS_IDS)
+
+
+class _Constant:
+    """A zero-argument callable returning a fixed size (`param.partition_numel()` and friends):
+    no reference to the parameter, so copies and pickles of it stay correct and acyclic."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __call__(self) -> int:
+        return self.value
+
+    def __reduce__(self) -> tuple:
+        return (_Constant, (self.value,))
+
+    def __repr__(self) -> str:
+        return f"<ZeRO-3 size {self.value}>"
+
+
+def publish(param: Any, *, ds_id: int, shape: torch.Size, persist: bool, tensor: torch.Tensor, world: int,
+            status: ZeroParamStatus) -> None:
+    """Set every upstream attribute of `param`; `tensor` is this rank's partition (ceil(numel/world)
+    elements)."""
+    numel = shape.numel()
+    size = -(-numel // world)
+    param.ds_id, param.ds_shape, param.ds_numel, param.ds_persist = ds_id, shape, numel, persist
+    param.ds_numel_aligned = size * world
+    tensor.ds_numel, tensor.status, tensor.final_location = size, PartitionedParamStatus.AVAILABLE, None
+    param.ds_tensor = tensor
+    param.ds_status = status
+    param.partition_numel = _Constant(size)
+    param.padding_size = _Constant(size * world - numel)
+    param.aligned_size = _Constant(size * world)
+
+
+NAMES = ("ds_id", "ds_shape", "ds_numel", "ds_persist", "ds_numel_aligned", "ds_tensor", "ds_status",
+         "partition_numel", "padding_size", "aligned_size")
+
+
+def unpublish(param: Any) -> None:
+    for name in NAMES:
+        param.__dict__.pop(name, None)
