@@ -184,3 +184,13 @@ class HpState:
             pairs = self.wrapper._pairs
             if pairs:
                 torch._foreach_copy_([p.data for p, _ in pairs], [m.data for _, m in pairs])
+
+
+def upstream_scaler(scaler: Any) -> Any:
+    """The loss scaler as DeepSpeed's class at DeepSpeed's import path (its loader unpickles it)."""
+    from ..fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+    cls = DynamicLossScaler if scaler.dynamic else LossScaler
+    copy = cls.__new__(cls)
+    copy.__dict__.update({k: v for k, v in vars(scaler).items() if not callable(v)})
+    return copy

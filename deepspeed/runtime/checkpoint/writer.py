@@ -21,7 +21,8 @@ import torch
 from ... import comm as ds_comm
 from ...version import __version__
 from ..zero.partition import BucketPartition
-from .hp_state import HpState
+from .hp_state import HpState, upstream_scaler  # noqa: F401 (upstream_scaler: re-exported)
+from .zero3_io import param_shapes
 
 ALIGNMENT = 2
 
@@ -43,8 +44,6 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
     zero_frozen = engine.zero_optimization_stage() >= 2 and not exclude_frozen
     named = dict(module.named_parameters())
     if zero3_frozen is not None:
-        from .zero3_io import param_shapes
-
         shapes = param_shapes(engine)
         frozen_shapes = OrderedDict((n, shapes[n]) for n in named if n in frozen) if zero_frozen else None
         frozen_fragments = zero3_frozen if zero_frozen else None
@@ -163,16 +162,6 @@ def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int)
         state["zero_stage"] = ZeroStageEnum(engine.zero_optimization_stage())
         state["param_alignment_paddings"] = [[0] * len(g) for g in hp.groups]
     return state
-
-
-def upstream_scaler(scaler: Any) -> Any:
-    """The loss scaler as DeepSpeed's class at DeepSpeed's import path (its loader unpickles it)."""
-    from ..fp16.loss_scaler import DynamicLossScaler, LossScaler
-
-    cls = DynamicLossScaler if scaler.dynamic else LossScaler
-    copy = cls.__new__(cls)
-    copy.__dict__.update({k: v for k, v in vars(scaler).items() if not callable(v)})
-    return copy
 
 
 def rng_state() -> dict:

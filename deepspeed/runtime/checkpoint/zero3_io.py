@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..zero.partition import ParamwisePartition
-from .hp_state import HpState
+from .hp_state import HpState, upstream_scaler
 
 
 def param_shapes(engine: Any) -> dict[str, torch.Size]:
@@ -52,7 +52,6 @@ def optimizer_state(engine: Any, hp: HpState, rank: int, world: int) -> dict:
     """Rank `rank`'s `optimizer_state_dict` in DeepSpeed's ZeRO-3 layout (collective): per param
     group one fp32 flat (`fp32_flat_groups`, padding included) and its base optimizer state."""
     from ..zero.config import ZeroStageEnum
-    from .writer import upstream_scaler
 
     layouts = [ParamwisePartition(tuple(s.numel() for _, s in g), world) for g in hp.groups]
     fields, step = hp.agreed_fields(engine.data_parallel_group)
