@@ -93,10 +93,11 @@ def write_text(path: str, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    fsync_dir(os.path.dirname(path) or ".")
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync a directory (its entries: names created or renamed in it); errors are ignored."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -139,7 +140,7 @@ def commit_staging(save_dir: str, tag: str) -> str:
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(staging_dir(save_dir, tag), final)
-    _fsync_dir(save_dir)
+    fsync_dir(save_dir)
     shutil.rmtree(old, ignore_errors=True)
     return final
 

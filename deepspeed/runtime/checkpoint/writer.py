@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from typing import Any
 
@@ -28,14 +29,16 @@ ALIGNMENT = 2
 
 
 def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_frozen: bool,
-                 partitioned: bool, zero3_frozen: dict | None = None) -> dict:
+                 partitioned: bool, zero3_frozen: dict | None = None, snapshot: bool = False) -> dict:
     """The model-states dictionary (DeepSpeed's keys, then the client's). At stage 3 parameters
     are released placeholders (saved empty, as DeepSpeed does) and `zero3_frozen` holds this
-    rank's pieces of the frozen ones (zero3_io.frozen_fragments)."""
+    rank's pieces of the frozen ones (zero3_io.frozen_fragments). With `snapshot` no tensor in it
+    aliases state that training changes (for a background write)."""
     module = engine.module
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
     copies: dict[tuple, torch.Tensor] = {}  # tied weights stay one tensor (one storage) in the file
-    state = {k: own_storage(v, copies) for k, v in module.state_dict().items() if not (exclude_frozen and k in frozen)}
+    state = {k: own_storage(v, copies, snapshot) for k, v in module.state_dict().items()
+             if not (exclude_frozen and k in frozen)}
     if zero3_frozen is not None:  # every parameter saved as an empty placeholder (persistent ones too):
         params = {n for n, _ in module.named_parameters(remove_duplicate=False)}  # values live elsewhere
         state = {k: v.new_empty(0) if k in params else v for k, v in state.items()}
@@ -54,12 +57,12 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
     out = dict(
         module=state,
         buffer_names=buffers,
-        optimizer=hp.base.state_dict() if hp is not None and not partitioned else None,
+        optimizer=_optimizer_state_dict(hp.base, snapshot) if hp is not None and not partitioned else None,
         param_shapes=[OrderedDict((n, s) for n, s in g) for g in hp.groups] if hp is not None else None,
         frozen_param_shapes=frozen_shapes,
         shared_params=shared,
         frozen_param_fragments=frozen_fragments,
-        lr_scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None and
+        lr_scheduler=copy.deepcopy(engine.lr_scheduler.state_dict()) if engine.lr_scheduler is not None and
         hasattr(engine.lr_scheduler, "state_dict") else None,
         data_sampler=None,
         random_ltd=None,
@@ -81,23 +84,34 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
     return out
 
 
-def own_storage(tensor: torch.Tensor, copies: dict | None = None) -> torch.Tensor:
+def own_storage(tensor: torch.Tensor, copies: dict | None = None, snapshot: bool = False) -> torch.Tensor:
     """A CPU tensor that owns exactly its elements: torch.save writes a view's whole storage, and
     under ZeRO parameters are views of flat bucket buffers. `copies` makes views of the same
-    elements (tied weights) come out as one tensor."""
+    elements (tied weights) come out as one tensor. `snapshot`: always a copy, never the tensor
+    itself (training may change it while a background thread writes)."""
     tensor = tensor.detach()
     key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
     if copies is not None and key in copies:
         return copies[key]
     if tensor.device.type != "cpu":
         out = tensor.cpu()
-    elif tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+    elif snapshot or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
         out = tensor.clone()
     else:
         out = tensor
     if copies is not None:
         copies[key] = out
     return out
+
+
+def _optimizer_state_dict(optimizer: torch.optim.Optimizer, snapshot: bool) -> dict:
+    """The torch optimizer's state_dict (stage 0 fp32); with `snapshot` its tensors are copies."""
+    state = optimizer.state_dict()
+    if snapshot:
+        state["state"] = {k: {f: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for f, v in entry.items()}
+                          for k, entry in state["state"].items()}
+        state["param_groups"] = copy.deepcopy(state["param_groups"])
+    return state
 
 
 def _persistent_buffers(module: torch.nn.Module, prefix: str = "") -> list[tuple[str, torch.Tensor]]:

@@ -8,7 +8,7 @@ re-cut into that layout by HpState.recut, one all-to-all per field. Frozen param
 master: their per-rank pieces (`frozen_param_fragments` of each rank's model-states file) are
 cut from one gathered unit at a time, so no rank ever holds more than one unit in full.
 Loading writes values into this rank's slice of each unit (and of its fp32 master, which the
-next step copies back into the shard) and re-gathers persistent units.
+next step copies back into the shard); the loader then re-gathers persistent units.
 """
 
 from __future__ import annotations
@@ -75,13 +75,13 @@ def optimizer_state(engine: Any, hp: HpState, rank: int, world: int) -> dict:
     }
 
 
-def write_params(engine: Any, values: dict[str, torch.Tensor]) -> None:
+def write_param_slices(engine: Any, values: dict[str, torch.Tensor]) -> None:
     """Write full values (by parameter name) into this rank's slice of their units, and of the
-    units' fp32 masters when an optimizer trains them; then re-gather persistent units."""
-    coordinator = engine._stage3
+    units' fp32 masters when an optimizer trains them (local; the caller then re-gathers the
+    persistent units with `engine._stage3.after_shard_update()`)."""
     masters = {id(um.unit): um.master for um in getattr(engine.optimizer, "units", [])}
     with torch.no_grad():
-        for unit in coordinator.units:
+        for unit in engine._stage3.units:
             master = masters.get(id(unit))
             for f in unit.partition.fragments(unit.rank):
                 value = values.get(unit.spec.param_names[f.index])
@@ -91,4 +91,3 @@ def write_params(engine: Any, values: dict[str, torch.Tensor]) -> None:
                 unit.shard[f.shard_start:f.shard_start + f.numel].copy_(piece)
                 if master is not None:
                     master[f.shard_start:f.shard_start + f.numel].copy_(piece)
-    coordinator.after_shard_update()
