@@ -52,13 +52,23 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     ds_comm.arrive_and_wait("save_checkpoint", hint=_ALL_RANKS)
     wait_for_checkpoint(engine)  # a background save still running: finish it (and agree) first
     what = "save_checkpoint"
-    tag = agreed(what, lambda: _checked_tag(engine, save_dir, tag))
-    _validate_tag(engine, tag)  # collective; every rank sees the same tags and raises alike
     rank = engine.global_rank
     background = bool(engine._config.model.checkpoint.async_save)
-    agreed(f"{what}: cannot create {save_dir}/{tag}",
-           lambda: files.prepare_staging(save_dir, tag) if rank == 0 else None)
-    hp = agreed(what, lambda: HpState(engine) if engine.optimizer is not None else None)
+
+    def begin() -> tuple[str, HpState | None]:
+        checked = _checked_tag(engine, save_dir, tag)
+        hp = HpState(engine) if engine.optimizer is not None else None
+        if rank == 0:
+            files.prepare_staging(save_dir, checked)
+        return checked, hp
+
+    tag, hp = agreed(what, begin, cleanup=lambda: files.discard_staging(save_dir, _checked_tag(engine, save_dir, tag)))
+    try:
+        _validate_tag(engine, tag)  # collective; every rank sees the same tags and raises alike
+    except ValueError:
+        if rank == 0:
+            files.discard_staging(save_dir, tag)
+        raise
     partitioned = _partitioned(engine)
     optimizer_state, zero3 = None, engine._stage3 is not None
     # collectives, on every rank alike: re-cutting the partitions, gathering frozen ZeRO-3 pieces
@@ -83,13 +93,18 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         entries.append((f"rng_state_{rank}.pt", rng_state()))
         return SaveJob(save_dir, tag, rank, ds_comm.get_world_size(), entries, save_latest)
 
+    def written() -> SaveJob:
+        job = snapshot()
+        job.write()
+        return job
+
     discard = lambda: files.discard_staging(save_dir, tag)  # noqa: E731
-    job = agreed(f"{what}: writing {save_dir}/{tag} failed", snapshot, cleanup=discard)
     if background:  # [Note: background save]
+        job = agreed(f"{what}: snapshot of {save_dir}/{tag} failed", snapshot, cleanup=discard)
         engine._pending_checkpoint = PendingSave(job)
         log_dist(f"Saving checkpoint {os.path.join(save_dir, tag)} in the background", ranks=[0])
         return True
-    agreed(f"{what}: writing {save_dir}/{tag} failed", job.write, cleanup=discard)
+    job = agreed(f"{what}: writing {save_dir}/{tag} failed", written, cleanup=discard)
     agreed(f"{what}: publishing {save_dir}/{tag} failed", lambda: job.publish() if rank == 0 else None)
     log_dist(f"Saved checkpoint {os.path.join(save_dir, tag)}", ranks=[0])
     return True
@@ -108,15 +123,14 @@ def wait_for_checkpoint(engine: Any) -> None:
     """Finish a background save of `engine` ([Note: background save]); collective when one may be
     pending (every rank joins its writer thread, then all agree on the outcome)."""
     pending = getattr(engine, "_pending_checkpoint", None)
-    if pending is None and not engine._config.model.checkpoint.async_save:
+    if pending is None:  # pending on every rank or on none: set only after an agreed snapshot
         return
     engine._pending_checkpoint = None
-    error = pending.join() if pending is not None else None
+    error = pending.join()
     if isinstance(error, PeerFailed):  # not this rank's failure: the failing rank reports its own
         error = None
-    tag = pending.job.tag if pending is not None else "?"
-    raise_if_any(error, f"save_checkpoint of {tag} (written in the background)",
-                 cleanup=pending.job.discard if pending is not None else None)
+    raise_if_any(error, f"save_checkpoint of {pending.job.tag} (written in the background)",
+                 cleanup=pending.job.discard)
 
 
 def wait_local(engine: Any) -> None:

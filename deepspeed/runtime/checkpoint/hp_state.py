@@ -111,19 +111,21 @@ class HpState:
             if value is not None:
                 yield piece.name, piece.start, value.float()
 
-    def recut(self, field: str, layouts: list[Any], rank: int, strip_padding: bool = False) -> list[torch.Tensor]:
-        """This rank's slice of every param group's flat (`layouts`: one BucketPartition or
-        ParamwisePartition per group over `self.groups`), gathered from the ranks holding the pieces.
+    def recut_fields(self, fields: list[str], layouts: list[Any], rank: int,
+                     strip_padding: set[str] = frozenset()) -> dict[str, list[torch.Tensor]]:
+        """For each field ("fp32" or an optimizer state), this rank's slice of every param group's
+        flat (`layouts`: one BucketPartition or ParamwisePartition per group over `self.groups`),
+        gathered from the ranks holding the pieces.
 
         Replicated state is cut locally. Under ZeRO the plan of who sends what to whom follows
         from the bucket (or unit) and group partitions, which every rank knows, so one all-to-all
-        per field moves exactly the elements each rank lacks (1/N of the field per rank) and
-        nothing else. `strip_padding` drops a BucketPartition's end padding.
+        for all fields together moves exactly the elements each rank lacks (1/N of each field per
+        rank) and nothing else. Fields in `strip_padding` drop a BucketPartition's end padding.
         """
-        flats = []
-        for layout in layouts:  # padding stays zero; every real element is written below
-            pad = layout.padding(rank) if strip_padding else 0
-            flats.append(torch.zeros(layout.shard_numel - pad, dtype=torch.float32))
+        flats: dict[str, list[torch.Tensor]] = {}
+        for field in fields:  # padding stays zero; every real element is written below
+            flats[field] = [torch.zeros(layout.shard_numel - (layout.padding(rank) if field in strip_padding else 0),
+                                        dtype=torch.float32) for layout in layouts]
         where = {n: (g, i) for g, group in enumerate(self.groups) for i, (n, _) in enumerate(group)}
 
         def cuts(name: str, start: int, numel: int):
@@ -132,13 +134,14 @@ class HpState:
             return ((dst, g, at, n, src) for dst, at, n, src in layouts[g].placements(i, start, numel))
 
         if not self.zero or self.wrapper.dp_world == 1:
-            for name, start, values in self.local_values(field):
-                for dst, g, at, n, src in cuts(name, start, values.numel()):
-                    if dst == rank:
-                        flats[g][at:at + n].copy_(values[src:src + n])
+            for field in fields:
+                for name, start, values in self.local_values(field):
+                    for dst, g, at, n, src in cuts(name, start, values.numel()):
+                        if dst == rank:
+                            flats[field][g][at:at + n].copy_(values[src:src + n])
             return flats
         world = self.wrapper.dp_world
-        sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        sends: list[list[tuple[Piece, int, int]]] = [[] for _ in range(world)]   # (piece, offset, length)
         mine = {(p.name, p.start): p for p in self.pieces}
         receives: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
         for sb in self.sources:  # every rank walks the same plan in the same order
@@ -147,30 +150,33 @@ class HpState:
                     name = self.names[id(sb.params[f.index])]
                     if name not in where:   # frozen: no master, no optimizer state
                         continue
-                    value = None
-                    if src_rank == rank:
-                        piece = mine[(name, f.param_start)]
-                        value = piece.master if field == "fp32" else self.state_value(piece, field)
-                        value = torch.zeros(f.numel) if value is None else value.float()
                     for dst, g, at, n, src in cuts(name, f.param_start, f.numel):
                         if src_rank == rank:
-                            sends[dst].append(value[src:src + n])
+                            sends[dst].append((mine[(name, f.param_start)], src, n))
                         if dst == rank:
                             receives[src_rank].append((g, at, n))
         device = self.wrapper._comm_device if self.stage3 else self.sources[0].param_flat.device
-        in_splits = [sum(t.numel() for t in ts) for ts in sends]
+        in_splits = [len(fields) * sum(n for _, _, n in ss) for ss in sends]
         send, offset = torch.empty(sum(in_splits), dtype=torch.float32, device=device), 0
-        for t in (t for ts in sends for t in ts):
-            send[offset:offset + t.numel()].copy_(t.reshape(-1))
-            offset += t.numel()
-        out_splits = [sum(n for _, _, n in rs) for rs in receives]
+        for ss in sends:  # per destination: field by field, in plan order
+            for field in fields:
+                for piece, src, n in ss:
+                    value = piece.master if field == "fp32" else self.state_value(piece, field)
+                    if value is None:
+                        send[offset:offset + n].zero_()
+                    else:
+                        send[offset:offset + n].copy_(value[src:src + n])
+                    offset += n
+        out_splits = [len(fields) * sum(n for _, _, n in rs) for rs in receives]
         recv = torch.empty(sum(out_splits), dtype=torch.float32, device=device)
         ds_comm.all_to_all_single(recv, send, out_splits, in_splits, group=self.wrapper.group)
+        del send
         recv, offset = recv.cpu(), 0
         for rs in receives:
-            for g, at, n in rs:
-                flats[g][at:at + n].copy_(recv[offset:offset + n])
-                offset += n
+            for field in fields:
+                for g, at, n in rs:
+                    flats[field][g][at:at + n].copy_(recv[offset:offset + n])
+                    offset += n
         return flats
 
     # --- writing back -------------------------------------------------------------------------

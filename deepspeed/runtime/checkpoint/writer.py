@@ -6,7 +6,7 @@
   mixed precision at stage 0): rank r's slice of each param group flattened and padded to a
   multiple of 2N (DeepSpeed's layout, `BucketPartition(..., alignment=2)`), for the fp32
   masters and every optimizer state. Our runtime shards per bucket instead (1.0x DDP's bytes);
-  the slices are re-cut here with one all-to-all per field (HpState.recut), so the files are
+  the slices are re-cut here with one all-to-all for all fields (HpState.recut_fields), so the files are
   exactly what DeepSpeed writes and its tools read them.
 * Stage 0 fp32: the torch optimizer's own state_dict inside the model-states file, as DeepSpeed.
 """
@@ -141,7 +141,7 @@ def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int)
     layouts = [BucketPartition(tuple(s.numel() for _, s in g), world, ALIGNMENT) for g in hp.groups]
     fields, step = hp.agreed_fields(engine.data_parallel_group)
     # DeepSpeed stores the fp32 slices without their end padding, the optimizer states with it
-    parts = {field: hp.recut(field, layouts, rank, strip_padding=field == "fp32") for field in ["fp32"] + fields}
+    parts = hp.recut_fields(["fp32"] + fields, layouts, rank, strip_padding={"fp32"})
     paddings = [layout.padding(rank) for layout in layouts]
     base_state = {}
     for g in range(len(layouts)):

@@ -4,7 +4,7 @@ Our ZeRO-3 shards per gather unit (one BucketPartition per module's parameter se
 gather is one collective); DeepSpeed's stage-3 files shard per parameter: rank r holds
 elements [r*s, (r+1)*s) of every parameter (s = ceil(numel/N), zero-padded), concatenated in
 param-group order (`ParamwisePartition`). Trained state (fp32 masters, optimizer fields) is
-re-cut into that layout by HpState.recut, one all-to-all per field. Frozen parameters have no
+re-cut into that layout by HpState.recut_fields, one all-to-all for all fields. Frozen parameters have no
 master: their per-rank pieces (`frozen_param_fragments` of each rank's model-states file) are
 cut from one gathered unit at a time, so no rank ever holds more than one unit in full.
 Loading writes values into this rank's slice of each unit (and of its fp32 master, which the
@@ -55,7 +55,7 @@ def optimizer_state(engine: Any, hp: HpState, rank: int, world: int) -> dict:
 
     layouts = [ParamwisePartition(tuple(s.numel() for _, s in g), world) for g in hp.groups]
     fields, step = hp.agreed_fields(engine.data_parallel_group)
-    parts = {field: hp.recut(field, layouts, rank) for field in ["fp32"] + fields}
+    parts = hp.recut_fields(["fp32"] + fields, layouts, rank)
     base_state = {}
     for g in range(len(layouts)):
         entry: dict[str, Any] = {} if step is None else {"step": torch.tensor(float(step))}
