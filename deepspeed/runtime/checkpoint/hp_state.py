@@ -120,7 +120,7 @@ class HpState:
         Replicated state is cut locally. Under ZeRO the plan of who sends what to whom follows
         from the bucket (or unit) and group partitions, which every rank knows, so one all-to-all
         for all fields together moves exactly the elements each rank lacks (1/N of each field per
-        rank) and nothing else. Fields in `strip_padding` drop a BucketPartition's end padding.
+        rank) and nothing else; elements that stay on their rank are copied directly. Fields in `strip_padding` drop a BucketPartition's end padding.
         """
         flats: dict[str, list[torch.Tensor]] = {}
         for field in fields:  # padding stays zero; every real element is written below
@@ -144,6 +144,7 @@ class HpState:
         sends: list[list[tuple[Piece, int, int]]] = [[] for _ in range(world)]   # (piece, offset, length)
         mine = {(p.name, p.start): p for p in self.pieces}
         receives: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+        local: list[tuple[Piece, int, int, int, int]] = []  # (piece, offset, length, group, offset in slice)
         for sb in self.sources:  # every rank walks the same plan in the same order
             for src_rank in range(world):
                 for f in sb.partition.fragments(src_rank):
@@ -151,9 +152,11 @@ class HpState:
                     if name not in where:   # frozen: no master, no optimizer state
                         continue
                     for dst, g, at, n, src in cuts(name, f.param_start, f.numel):
-                        if src_rank == rank:
+                        if src_rank == rank and dst == rank:  # already here: copied directly below
+                            local.append((mine[(name, f.param_start)], src, n, g, at))
+                        elif src_rank == rank:
                             sends[dst].append((mine[(name, f.param_start)], src, n))
-                        if dst == rank:
+                        elif dst == rank:
                             receives[src_rank].append((g, at, n))
         device = self.wrapper._comm_device if self.stage3 else self.sources[0].param_flat.device
         in_splits = [len(fields) * sum(n for _, _, n in ss) for ss in sends]
@@ -167,6 +170,11 @@ class HpState:
                     else:
                         send[offset:offset + n].copy_(value[src:src + n])
                     offset += n
+        for field in fields:  # what stays on this rank skips the wire (and two copies)
+            for piece, src, n, g, at in local:
+                value = piece.master if field == "fp32" else self.state_value(piece, field)
+                if value is not None:
+                    flats[field][g][at:at + n].copy_(value[src:src + n])
         out_splits = [len(fields) * sum(n for _, _, n in rs) for rs in receives]
         recv = torch.empty(sum(out_splits), dtype=torch.float32, device=device)
         ds_comm.all_to_all_single(recv, send, out_splits, in_splits, group=self.wrapper.group)
