@@ -186,7 +186,8 @@ def run_worker(args) -> int:
     got = [step(engine, args.train_steps), step(engine, args.train_steps + 1, train=False)]
     with open(os.path.join(args.result_dir, f"rank{rank}.json"), "w") as f:
         json.dump(dict(rank=rank, ds_file=ds_file, ds_version=deepspeed.__version__, params=n_params,
-                       save_times=save_times, durable_times=durable_times, load_times=load_times, files=files, outside=outside,
+                       save_times=save_times, durable_times=durable_times, load_times=load_times,
+                       files=files, outside=outside,
                        ref=ref, got=got, prof_save=prof_save, prof_load=prof_load), f)
     tdist.barrier()
     if rank == 0:
@@ -239,7 +240,8 @@ def aggregate(cell: tuple, jobs: list[dict]) -> dict:
     r0 = good[-1][0]
     files = r0["files"]
     rng = {f: s for f, s in files.items() if os.path.basename(f).startswith("rng_state")}
-    row.update(save=slowest("save_times"), durable=slowest("durable_times"), load=slowest("load_times"), files=files, rng=rng,
+    row.update(save=slowest("save_times"), durable=slowest("durable_times"), load=slowest("load_times"),
+               files=files, rng=rng,
                total=sum(files.values()), params=r0["params"], outside=r0["outside"],
                ds=f"{r0['ds_version']} `{r0['ds_file']}`", prof=(r0["prof_save"], r0["prof_load"]),
                diff=[max(abs(r["ref"][k] - r["got"][k]) for ranks in good for r in ranks) for k in (0, 1)],

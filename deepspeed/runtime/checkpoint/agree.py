@@ -10,7 +10,8 @@ caught, one small all-reduce (two floats) tells every rank whether any rank fail
 then (on failure only) the failing ranks' messages are exchanged, so every rank raises a
 `CheckpointError` naming each failing rank and its error (`.failures`: {rank: message}); the
 failing rank's own exception is chained as the cause. When every rank failed with the same
-CheckpointError (a missing tag on a shared file system), that error is raised as it is. The all-reduce runs on the calling (main) thread, like every collective.
+CheckpointError (a missing tag on a shared file system), that error is raised as it is. The
+all-reduce runs on the calling (main) thread, like every collective.
 """
 
 from __future__ import annotations

@@ -120,7 +120,8 @@ class HpState:
         Replicated state is cut locally. Under ZeRO the plan of who sends what to whom follows
         from the bucket (or unit) and group partitions, which every rank knows, so one all-to-all
         for all fields together moves exactly the elements each rank lacks (1/N of each field per
-        rank) and nothing else; elements that stay on their rank are copied directly. Fields in `strip_padding` drop a BucketPartition's end padding.
+        rank) and nothing else; elements that stay on their rank are copied directly. Fields in
+        `strip_padding` drop a BucketPartition's end padding.
         """
         flats: dict[str, list[torch.Tensor]] = {}
         for field in fields:  # padding stays zero; every real element is written below

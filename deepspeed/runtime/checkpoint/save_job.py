@@ -91,8 +91,9 @@ class SaveJob:
             if not waiting:
                 return
             if time.monotonic() > deadline:
-                raise files.CheckpointError(f"ranks {sorted(waiting)} did not finish writing {self.staging} within "
-                                            f"{PEER_TIMEOUT_S:g} s (DEEPSPEED_CHECKPOINT_PEER_TIMEOUT_S); not published")
+                raise files.CheckpointError(f"ranks {sorted(waiting)} did not finish writing {self.staging} "
+                                            f"within {PEER_TIMEOUT_S:g} s (DEEPSPEED_CHECKPOINT_PEER_TIMEOUT_S); "
+                                            "not published")
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
 
