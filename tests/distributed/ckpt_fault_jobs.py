@@ -95,6 +95,7 @@ def _attempt(fn) -> dict:
 
 def faulty_load_job(cfg: dict, load_dir: str, fault: str, victim: int) -> dict:
     """load_checkpoint while rank `victim` alone sees `fault`; then a clean load must work."""
+    from deepspeed.checkpoint import files
     from deepspeed.checkpoint import reader as reader_module
 
     engine = J.build(cfg, "tiny", seed=123)
@@ -106,7 +107,8 @@ def faulty_load_job(cfg: dict, load_dir: str, fault: str, victim: int) -> dict:
         return real_read(self, name, field, start, numel)
 
     real_read = reader_module.CheckpointReader.read
-    with patched(reader_module.CheckpointReader, "read", lacks_key, mine and fault == "shard_lacks_key"):
+    with patched(reader_module.CheckpointReader, "read", lacks_key, mine and fault == "shard_lacks_key"), \
+            patched(files, "read_latest", lambda *a: None, mine and fault == "no_latest"):
         out = _attempt(lambda: engine.load_checkpoint(load_dir))
     out["then"] = engine.load_checkpoint(load_dir, tag=None if fault != "rng" else "good")[0] is not None
     return out

@@ -86,6 +86,15 @@ def test_load_with_a_shard_lacking_a_key_on_one_rank_raises_on_every_rank(saved_
     assert all(r["then"] for r in results)
 
 
+def test_latest_seen_by_some_ranks_only_raises_on_every_rank(saved_stage1):
+    """One rank finds no `latest` (a lagging file system): it must not return (None, None) while
+    the others load and enter the re-gather."""
+    results = run_distributed(2, F.faulty_load_job, _cfg(1), str(saved_stage1), "no_latest", 1, timeout=BOUND_S * 2)
+    for r in results:
+        assert r["type"] == "CheckpointError" and "ranks disagree" in r["message"], r
+        assert r["elapsed"] < BOUND_S and r["then"], r
+
+
 @pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_write_failure_on_one_rank_raises_on_every_rank(tmp_path, stage, background):

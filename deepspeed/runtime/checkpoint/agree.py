@@ -47,7 +47,7 @@ def agreed(what: str, fn: Callable[[], T], cleanup: Callable[[], Any] | None = N
     failed, nones = _all_sum([1.0 if error is not None else 0.0, 1.0 if none else 0.0])
     world = ds_comm.get_world_size() if _distributed() else 1
     if failed == 0 and none_ok and 0 < nones < world:
-        error_text = "returned nothing on this rank while other ranks went on" if none else None
+        error_text = "found nothing to do (no `latest` file?) while other ranks went on" if none else None
         _raise(what, error_text, None, cleanup, prefix="ranks disagree")
     if failed > 0:
         _raise(what, describe(error) if error is not None else None, error, cleanup)

@@ -123,10 +123,10 @@ class HpState:
         rank) and nothing else; elements that stay on their rank are copied directly. Fields in
         `strip_padding` drop a BucketPartition's end padding.
         """
-        flats: dict[str, list[torch.Tensor]] = {}
-        for field in fields:  # padding stays zero; every real element is written below
-            flats[field] = [torch.zeros(layout.shard_numel - (layout.padding(rank) if field in strip_padding else 0),
-                                        dtype=torch.float32) for layout in layouts]
+        zero = not self.zero or self.wrapper.dp_world == 1
+        new = torch.zeros if zero else torch.empty  # under ZeRO only the padding is zeroed (below)
+        flats = {field: [new(layout.shard_numel - (layout.padding(rank) if field in strip_padding else 0),
+                             dtype=torch.float32) for layout in layouts] for field in fields}
         where = {n: (g, i) for g, group in enumerate(self.groups) for i, (n, _) in enumerate(group)}
 
         def cuts(name: str, start: int, numel: int):
@@ -134,7 +134,7 @@ class HpState:
             g, i = where[name]
             return ((dst, g, at, n, src) for dst, at, n, src in layouts[g].placements(i, start, numel))
 
-        if not self.zero or self.wrapper.dp_world == 1:
+        if zero:
             for field in fields:
                 for name, start, values in self.local_values(field):
                     for dst, g, at, n, src in cuts(name, start, values.numel()):
@@ -174,7 +174,9 @@ class HpState:
         for field in fields:  # what stays on this rank skips the wire (and two copies)
             for piece, src, n, g, at in local:
                 value = piece.master if field == "fp32" else self.state_value(piece, field)
-                if value is not None:
+                if value is None:
+                    flats[field][g][at:at + n].zero_()
+                else:
                     flats[field][g][at:at + n].copy_(value[src:src + n])
         out_splits = [len(fields) * sum(n for _, _, n in rs) for rs in receives]
         recv = torch.empty(sum(out_splits), dtype=torch.float32, device=device)
@@ -186,6 +188,7 @@ class HpState:
                 for g, at, n in rs:
                     flats[field][g][at:at + n].copy_(recv[offset:offset + n])
                     offset += n
+        _zero_gaps(flats, [(g, at, n) for _, _, n, g, at in local] + [r for rs in receives for r in rs])
         return flats
 
     # --- writing back -------------------------------------------------------------------------
@@ -199,6 +202,21 @@ class HpState:
             pairs = self.wrapper._pairs
             if pairs:
                 torch._foreach_copy_([p.data for p, _ in pairs], [m.data for _, m in pairs])
+
+
+def _zero_gaps(flats: dict[str, list[torch.Tensor]], written: list[tuple[int, int, int]]) -> None:
+    """Zero what no (group, offset, length) range in `written` covers: the layout's padding (the
+    flats were allocated uninitialised, which spares a pass over the whole slice)."""
+    by_group: dict[int, list[tuple[int, int]]] = {}
+    for g, at, n in written:
+        by_group.setdefault(g, []).append((at, at + n))
+    for fields in flats.values():
+        for g, flat in enumerate(fields):
+            end = 0
+            for lo, hi in sorted(by_group.get(g, [])) + [(flat.numel(), flat.numel())]:
+                if lo > end:
+                    flat[end:lo].zero_()
+                end = max(end, hi)
 
 
 def upstream_scaler(scaler: Any) -> Any:
