@@ -17,7 +17,11 @@ In each job:
 1. initialize and train ``--train-steps`` (2) steps, so Adam's state exists;
 2. ``engine.save_checkpoint(dir, tag=f"t{i}")`` ``--repeats`` times into new tags (a barrier
    before each start of the clock; wall time taken on every rank, the slowest rank counts;
-   the table shows the median; earlier tags are deleted untimed, the last one is kept);
+   the table shows the median; earlier tags are deleted untimed, the last one is kept).
+   "training blocked" is the time save_checkpoint takes to return; "until published" adds
+   ``engine.wait_for_checkpoint()`` (ours: until every file is fsynced and rank 0 has renamed
+   the tag and written ``latest``; the same as blocked without a background save; DeepSpeed has
+   no wait and does not fsync). ``ours-async`` is ours with ``checkpoint.async_save: true``;
 3. the sizes of the files of the last tag directory (``rng_state_*.pt`` listed separately;
    ``latest`` and ours' copy of ``zero_to_fp32.py`` lie in the save dir, not in the tag);
 4. the saving engine trains on batch 2 and computes the loss of batch 3 (reference losses);
@@ -48,7 +52,8 @@ import time
 
 import bench_zero as bz
 
-IMPLS, DTYPES = bz.IMPLS, bz.DTYPES
+DTYPES = bz.DTYPES
+IMPLS = ("ours", "ours-async", "deepspeed")  # ours-async: ours with checkpoint.async_save
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,7 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ds-venv", default=os.environ.get("DS_VENV", "/tmp/ds-venv"))
     p.add_argument("--job-timeout", type=int, default=900)
     p.add_argument("--json", default=None)
-    p.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=bz.IMPLS, help=argparse.SUPPRESS)
+    p.add_argument("--async-save", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, help=argparse.SUPPRESS)
     p.add_argument("--dtype", choices=DTYPES, help=argparse.SUPPRESS)
     p.add_argument("--result-dir", help=argparse.SUPPRESS)
@@ -107,6 +113,8 @@ def run_worker(args) -> int:
 
     batches = bz.make_batches(args, rank, world)
     config = bz.ds_config(args)
+    if args.async_save:
+        config["checkpoint"] = {"async_save": True}
 
     def build(seed):
         torch.manual_seed(seed)
@@ -143,16 +151,20 @@ def run_worker(args) -> int:
     for i in range(args.train_steps):
         step(engine, i)
     save_dir = os.path.join(args.result_dir, "ckpt")
-    save_times = []
+    save_times, durable_times = [], []
+    wait = getattr(engine, "wait_for_checkpoint", lambda: None)  # ours: the background write, published
     for i in range(args.repeats):
         save_times.append(timed(lambda: engine.save_checkpoint(save_dir, tag=f"t{i}")))
+        t0 = time.perf_counter()
+        wait()
+        durable_times.append(save_times[-1] + time.perf_counter() - t0)
         tdist.barrier()
         if rank == 0 and i > 0:
             shutil.rmtree(os.path.join(save_dir, f"t{i - 1}"))
     tag = f"t{args.repeats - 1}"
     prof_save = prof_load = None
     if args.profile:
-        prof_save = profiled(lambda: engine.save_checkpoint(save_dir, tag="prof", save_latest=False))
+        prof_save = profiled(lambda: (engine.save_checkpoint(save_dir, tag="prof", save_latest=False), wait()))
         tdist.barrier()
     tag_dir = os.path.join(save_dir, tag)
     files = {os.path.relpath(os.path.join(d, f), tag_dir): os.path.getsize(os.path.join(d, f))
@@ -174,7 +186,8 @@ def run_worker(args) -> int:
     got = [step(engine, args.train_steps), step(engine, args.train_steps + 1, train=False)]
     with open(os.path.join(args.result_dir, f"rank{rank}.json"), "w") as f:
         json.dump(dict(rank=rank, ds_file=ds_file, ds_version=deepspeed.__version__, params=n_params,
-                       save_times=save_times, load_times=load_times, files=files, outside=outside,
+                       save_times=save_times, durable_times=durable_times, load_times=load_times,
+                       files=files, outside=outside,
                        ref=ref, got=got, prof_save=prof_save, prof_load=prof_load), f)
     tdist.barrier()
     if rank == 0:
@@ -196,7 +209,10 @@ def worker_argv(args, impl: str, stage: int, dtype: str, out: str) -> list[str]:
 
 
 def launch(args, impl: str, stage: int, dtype: str) -> dict:
-    return bz.launch(args, impl, stage, dtype, script=os.path.abspath(__file__), argv_of=worker_argv)
+    real = "ours" if impl == "ours-async" else impl
+    extra = ["--async-save"] if impl == "ours-async" else []
+    return bz.launch(args, real, stage, dtype, script=os.path.abspath(__file__),
+                     argv_of=lambda *a: worker_argv(*a) + extra)
 
 
 def theoretical(params: int, stage: int, dtype: str) -> int:
@@ -224,7 +240,8 @@ def aggregate(cell: tuple, jobs: list[dict]) -> dict:
     r0 = good[-1][0]
     files = r0["files"]
     rng = {f: s for f, s in files.items() if os.path.basename(f).startswith("rng_state")}
-    row.update(save=slowest("save_times"), load=slowest("load_times"), files=files, rng=rng,
+    row.update(save=slowest("save_times"), durable=slowest("durable_times"), load=slowest("load_times"),
+               files=files, rng=rng,
                total=sum(files.values()), params=r0["params"], outside=r0["outside"],
                ds=f"{r0['ds_version']} `{r0['ds_file']}`", prof=(r0["prof_save"], r0["prof_load"]),
                diff=[max(abs(r["ref"][k] - r["got"][k]) for ranks in good for r in ranks) for k in (0, 1)],
@@ -233,25 +250,27 @@ def aggregate(cell: tuple, jobs: list[dict]) -> dict:
 
 
 def print_tables(rows: list[dict]) -> None:
-    print("| impl | stage | dtype | save s (median) | load s (median) | tag bytes | bytes / theoretical "
-          "| next-step loss diff (weights / after +1 step) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| impl | stage | dtype | save: training blocked s (median) | save: until published s (median) "
+          "| load s (median) | tag bytes | bytes / theoretical | next-step loss diff (weights / after +1 step) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         head = f"| {r['impl']} | {r['stage']} | {r['dtype']} "
         if "error" in r:
-            print(head + f"| FAILED: {r['error'].strip().splitlines()[-1][:160]} | | | | |")
+            print(head + f"| FAILED: {r['error'].strip().splitlines()[-1][:160]} | | | | | |")
             continue
         rng = f" (of which rng_state: {len(r['rng'])} x {size(max(r['rng'].values()))})" if r["rng"] else ""
-        print(head + f"| {statistics.median(r['save']):.3f} | {statistics.median(r['load']):.3f} "
+        print(head + f"| {statistics.median(r['save']):.3f} | {statistics.median(r['durable']):.3f} "
+              f"| {statistics.median(r['load']):.3f} "
               f"| {r['total']:,} B{rng} | {r['total'] / theoretical(r['params'], r['stage'], r['dtype']):.3f} "
               f"| {r['diff'][0]:.3g} / {r['diff'][1]:.3g} |")
-    print("\n| impl | stage | dtype | save s (all) | load s (all) | files in the tag dir | save dir extras "
-          "| deepspeed |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| impl | stage | dtype | save blocked s (all) | until published s (all) | load s (all) "
+          "| files in the tag dir | save dir extras | deepspeed |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" not in r:
             fl = "<br>".join(f"{f}: {s:,}" for f, s in sorted(r["files"].items()))
             print(f"| {r['impl']} | {r['stage']} | {r['dtype']} | {', '.join(f'{t:.3f}' for t in r['save'])} "
+                  f"| {', '.join(f'{t:.3f}' for t in r['durable'])} "
                   f"| {', '.join(f'{t:.3f}' for t in r['load'])} | {fl} | {', '.join(r['outside'])} | {r['ds']} |")
     for r in rows:
         for what, text in zip(("save", "load"), r.get("prof") or ()):

@@ -215,11 +215,14 @@ class CheckpointReader:
                 self._step = float(state["step"])
                 break
 
-    def bind_replicated_names(self, optimizer_names: list[list[str]], trainable: set[str]) -> None:
+    def bind_replicated_names(self, optimizer_names: list[list[str]], trainable: set[str],
+                              strict: bool = True) -> None:
         """Stage-0 checkpoints key optimizer state by position: name the positions.
 
         Our own files record the names (`optimizer_param_names`); DeepSpeed's do not, so the
-        loading engine's optimizer groups name them (they must list the same parameters)."""
+        loading engine's optimizer groups name them (they must list the same parameters). When
+        they do not and `strict` is False, the weights are still read by name from the module
+        state, without optimizer state."""
         if not (self.optimizer_state == [] and not self.universal):
             return
         names = self._replicated_names or optimizer_names
@@ -228,6 +231,12 @@ class CheckpointReader:
         for g, group in enumerate(self._torch_groups or [[]]):
             indices = group["params"] if isinstance(group, dict) else []
             group_names = names[g] if g < len(names) else []
+            if len(indices) != len(group_names) and not strict and self._replicated_names is None:
+                self._torch_groups, self._torch_state, self.param_groups, self._step = [], {}, [], None
+                for f in [f for f in self._full if f != "fp32"]:
+                    del self._full[f]
+                shapes = []
+                break
             if len(indices) != len(group_names):
                 raise CheckpointError(f"{self.path}: optimizer param group {g} has {len(indices)} parameters in the "
                                       f"checkpoint but {len(group_names)} in this engine's optimizer")

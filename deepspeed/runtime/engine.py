@@ -425,6 +425,13 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only, custom_load_fn)
 
+    def wait_for_checkpoint(self) -> None:
+        """Wait until a background save (`checkpoint.async_save`) is written and published; raises on
+        every rank if it failed on any. Every rank must call it. A no-op without a pending save."""
+        from .checkpoint.engine_io import wait_for_checkpoint
+
+        wait_for_checkpoint(self)
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Write the module's weights (training dtype) to `save_dir/save_filename` on rank 0;
@@ -472,7 +479,17 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         return self.__dict__.get("_is_compiled", False)
 
     def destroy(self) -> None:
-        """Remove the engine's hooks so the module can be reused or freed."""
+        """Remove the engine's hooks so the module can be reused or freed; waits for a background
+        checkpoint save of this rank (and raises its error, if it failed here)."""
+        try:
+            if getattr(self, "_pending_checkpoint", None) is not None:
+                from .checkpoint.engine_io import wait_local
+
+                wait_local(self)
+        finally:
+            self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
         if self._reducer is not None:
             self._reducer.remove_hooks()
             self._reducer = None

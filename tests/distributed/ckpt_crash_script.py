@@ -1,6 +1,8 @@
 """Run under the launcher with two ranks (test_checkpoint_crash.py): train, save checkpoint A,
 train one more step, then save checkpoint B while rank 1 SIGKILLs itself half-way through
-writing its optimizer-state file. Usage: ckpt_crash_script.py SAVE_DIR RECORD_FILE."""
+writing its optimizer-state file. Usage: ckpt_crash_script.py SAVE_DIR RECORD_FILE [async].
+With `async` the saves use checkpoint.async_save: B's files are written by a background thread
+(the kill hits that thread's write, after save_checkpoint returned and training went on)."""
 
 from __future__ import annotations
 
@@ -41,9 +43,10 @@ def die_while_writing_optimizer_file(real_save_file):
 
 def main() -> None:
     save_dir, record = sys.argv[1], sys.argv[2]
+    background = len(sys.argv) > 3 and sys.argv[3] == "async"
     deepspeed.init_distributed(dist_backend="gloo", verbose=False, timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    engine = J.build(J.config(2, 2))
+    engine = J.build(J.config(2, 2, checkpoint={"async_save": background}))
     data = J.batches(3)
     J.train(engine, data[:2])
     snap = J.snapshot(engine)
@@ -56,6 +59,11 @@ def main() -> None:
         files.save_file = die_while_writing_optimizer_file(files.save_file)
     engine.save_checkpoint(save_dir, tag="B")
     sys.stdout.write(f"rank {rank}: save of B returned\n")
+    sys.stdout.flush()
+    if background:
+        J.train(engine, data[2:])  # training goes on while the thread writes (and dies)
+        engine.wait_for_checkpoint()
+        sys.stdout.write(f"rank {rank}: background save of B finished\n")
 
 
 if __name__ == "__main__":

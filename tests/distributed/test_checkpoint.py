@@ -483,3 +483,36 @@ def test_zero_to_fp32_equals_engine_weights(tmp_path, stage, world):
     written = torch.load(out / "pytorch_model.bin", weights_only=True)
     assert written.keys() == consolidated.keys()
     assert all(torch.equal(written[k], consolidated[k]) for k in written)
+
+
+@pytest.mark.parametrize("stage, world, model", [(2, 4, "tiny"), (3, 2, "variety")])
+def test_partition_padding_is_zero(tmp_path, stage, world, model):
+    """The re-cut slices are allocated uninitialised and only their padding is zeroed: DeepSpeed's
+    files hold zeros there (1732 elements pad to 1736 on 4 ranks at stage 2; odd sizes pad every
+    parameter's last piece at stage 3)."""
+    run_distributed(world, J.save_job, J.config(stage, world), str(tmp_path), model=model, pre=2, post=0)
+    for rank in range(world):
+        state = torch.load(tmp_path / "global_step2" / optim_file(rank), weights_only=False)["optimizer_state_dict"]
+        if stage == 2:
+            base = state["base_optimizer_state"]["state"]
+            for g, pad in enumerate(state["group_paddings"]):
+                for field in J.STATE_FIELDS:
+                    tail = base[g][field][base[g][field].numel() - pad:]
+                    assert tail.numel() == pad and not tail.any(), (rank, g, field)
+            assert state["group_paddings"] == ([4] if rank == world - 1 else [0])
+        else:
+            import math
+
+            flat = torch.cat([t.reshape(-1) for t in state["fp32_flat_groups"]])
+            states = state["optimizer_state_dict"]["state"]
+            fields = {f: torch.cat([states[k][f].reshape(-1) for k in sorted(states)]) for f in J.STATE_FIELDS}
+            shapes = {n: s for g in torch.load(tmp_path / "global_step2" / J.model_files(3, 2)[0],
+                                                weights_only=False)["param_shapes"] for n, s in g.items()}
+            offset = 0
+            for name, shape in shapes.items():
+                numel, piece = math.prod(shape), -(-math.prod(shape) // world)
+                real = max(0, min(piece, numel - rank * piece))
+                for values in [flat, *fields.values()]:
+                    assert not values[offset + real:offset + piece].any(), (rank, name)
+                offset += piece
+            assert offset == flat.numel()

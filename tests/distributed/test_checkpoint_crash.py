@@ -36,20 +36,42 @@ def resume_and_save_job(cfg: dict, save_dir: str) -> dict:
     return {"path": path, "snap": snap, "global_steps": engine.global_steps}
 
 
-def test_sigkill_while_saving_keeps_previous_checkpoint(tmp_path):
+def _crash(tmp_path, *mode: str):
     save_dir, record = tmp_path / "ckpt", tmp_path / "masters_at_A.pt"
     script = os.path.join(HERE, "ckpt_crash_script.py")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_LAUNCHER_GRACE_SECONDS": "2",
            "PYTHONPATH": os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(_free_port()),
-           "--num_gpus", "2", "--no_local_rank", script, str(save_dir), str(record)]
+           "--num_gpus", "2", "--no_local_rank", script, str(save_dir), str(record), *mode]
     start = time.monotonic()
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
     elapsed = time.monotonic() - start
     assert result.returncode != 0, result.stderr[-3000:]
     assert "killed by SIGKILL" in result.stderr and "rank 1" in result.stderr, result.stderr[-3000:]
-    assert "save of B returned" not in result.stdout
     assert elapsed < 150, elapsed
+    return save_dir, record, result
+
+
+def test_sigkill_while_saving_keeps_previous_checkpoint(tmp_path):
+    save_dir, record, result = _crash(tmp_path)
+    assert "save of B returned" not in result.stdout
+    _check_previous_checkpoint_survives(save_dir, record)
+
+
+def test_sigkill_during_background_write_keeps_previous_checkpoint(tmp_path):
+    """checkpoint.async_save: save_checkpoint(B) returned and training went on; rank 1's writer
+    thread is killed mid-file. Rank 0 wrote all its files (and waits for rank 1's marker), but B
+    is never published and `latest` still names A."""
+    save_dir, record, result = _crash(tmp_path, "async")
+    assert "rank 1: save of B returned" in result.stdout, result.stdout[-2000:]
+    assert "background save of B finished" not in result.stdout
+    staging = save_dir / ".B.partial"  # rank 0 finished its files and waited for rank 1's marker
+    assert (staging / ".rank0.done").exists() and (staging / optim_file(0)).exists(), os.listdir(staging)
+    assert not (staging / ".rank1.done").exists()
+    _check_previous_checkpoint_survives(save_dir, record)
+
+
+def _check_previous_checkpoint_survives(save_dir, record):
     # A is published and named by `latest`; B never became visible
     assert (save_dir / "latest").read_text() == "A"
     assert sorted(os.listdir(save_dir / "A")) == COMPLETE

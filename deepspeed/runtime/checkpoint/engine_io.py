@@ -3,25 +3,27 @@
 Save: every rank must call it ([Note: arrival check] in comm/rendezvous.py turns a rank-0-only
 call into an error instead of a hang); tags are validated across ranks; files go to a staging
 directory that rank 0 publishes only after every rank succeeded ([Note: crash-safe save] in
-checkpoint/files.py). Load: any layout, world size and stage ([Note: resume anywhere] in
-checkpoint/reader.py); each rank reads only the slices it owns.
+checkpoint/files.py), inline or in a background thread ([Note: background save] in
+save_job.py). Load: any layout, world size and stage ([Note: resume anywhere] in
+checkpoint/reader.py); each rank reads only the slices it owns (loader.py). Every local phase
+of both is agreed across ranks before the next collective ([Note: agreed checkpoint errors]).
 """
 
 from __future__ import annotations
 
+import copy
 import os
-import shutil
 from typing import Any
-
-import torch
 
 from ... import comm as ds_comm
 from ...checkpoint import files
-from ...checkpoint.reader import CheckpointReader
 from ...utils.logging import log_dist, logger
 from . import zero3_io
+from .agree import agreed, describe, raise_if_any
 from .hp_state import HpState
-from .writer import dp_rank, model_states, partitioned_optimizer_state, rng_state, set_rng_state
+from .loader import DEEPSPEED_KEYS, apply_plan, read_plan
+from .save_job import PeerFailed, PendingSave, SaveJob
+from .writer import dp_rank, model_states, partitioned_optimizer_state, rng_state
 
 _ALL_RANKS = ("all ranks must call save_checkpoint/load_checkpoint (not only rank 0): every rank saves its "
               "own optimizer partition.")
@@ -47,24 +49,26 @@ def _validate_tag(engine: Any, tag: str) -> None:
 
 def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-    if not save_dir:
-        raise ValueError(f"save_checkpoint: save_dir must be a non-empty path, got {save_dir!r}")
-    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
-    if os.sep in tag or tag.startswith("."):
-        raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name")
     ds_comm.arrive_and_wait("save_checkpoint", hint=_ALL_RANKS)
-    _validate_tag(engine, tag)
+    wait_for_checkpoint(engine)  # a background save still running: finish it (and agree) first
+    what = "save_checkpoint"
     rank = engine.global_rank
-    error = None
-    if rank == 0:
-        try:
-            files.prepare_staging(save_dir, tag)
-        except OSError as e:
-            error = e
-    _raise_if_any(error, f"save_checkpoint: cannot create {save_dir}/{tag}")
-    staging = files.staging_dir(save_dir, tag)
+    background = bool(engine._config.model.checkpoint.async_save)
 
-    hp = HpState(engine) if engine.optimizer is not None else None
+    def begin() -> tuple[str, HpState | None]:
+        checked = _checked_tag(engine, save_dir, tag)
+        hp = HpState(engine) if engine.optimizer is not None else None
+        if rank == 0:
+            files.prepare_staging(save_dir, checked)
+        return checked, hp
+
+    tag, hp = agreed(what, begin, cleanup=lambda: files.discard_staging(save_dir, _checked_tag(engine, save_dir, tag)))
+    try:
+        _validate_tag(engine, tag)  # collective; every rank sees the same tags and raises alike
+    except ValueError:
+        if rank == 0:
+            files.discard_staging(save_dir, tag)
+        raise
     partitioned = _partitioned(engine)
     optimizer_state, zero3 = None, engine._stage3 is not None
     # collectives, on every rank alike: re-cutting the partitions, gathering frozen ZeRO-3 pieces
@@ -73,30 +77,35 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         optimizer_state = cut(engine, hp, dp_rank(engine), engine.dp_world_size)
     frozen = zero3_io.frozen_fragments(engine, dp_rank(engine), engine.dp_world_size) \
         if zero3 and not exclude_frozen_parameters else None
-    try:
+
+    def snapshot() -> SaveJob:
+        """This rank's files as objects; with a background write, nothing in them aliases live state."""
+        entries = []
         if rank == 0 or zero3:  # ZeRO-3: every rank writes its own model-states file
-            state = model_states(engine, hp, dict(client_state or {}), exclude_frozen_parameters, partitioned,
-                                 zero3_frozen=frozen if zero3 else None)
-            name = files.model_file(zero3_dp_rank=dp_rank(engine)) if zero3 else files.model_file()
-            files.save_file(state, os.path.join(staging, name))
+            client = copy.deepcopy(client_state or {}) if background else dict(client_state or {})
+            state = model_states(engine, hp, client, exclude_frozen_parameters, partitioned,
+                                 zero3_frozen=frozen if zero3 else None, snapshot=background)
+            entries.append((files.model_file(zero3_dp_rank=dp_rank(engine)) if zero3 else files.model_file(), state))
         if optimizer_state is not None:
-            name = files.optim_file(dp_rank(engine), bf16=engine.bfloat16_enabled())
-            files.save_file({"optimizer_state_dict": optimizer_state, "ds_config": engine.config,
-                             "ds_version": state_version()}, os.path.join(staging, name))
-        files.save_file(rng_state(), os.path.join(staging, f"rng_state_{rank}.pt"))
-    except Exception as e:  # reported on every rank below, so none waits for a failed peer
-        error = e
-    _raise_if_any(error, f"save_checkpoint: writing {save_dir}/{tag} failed",
-                  cleanup=lambda: files.discard_staging(save_dir, tag))
-    if rank == 0:
-        try:
-            files.commit_staging(save_dir, tag)
-            if save_latest:
-                files.write_text(os.path.join(save_dir, files.LATEST), tag)
-            _copy_recovery_script(save_dir)
-        except OSError as e:
-            error = e
-    _raise_if_any(error, f"save_checkpoint: publishing {save_dir}/{tag} failed")
+            entries.append((files.optim_file(dp_rank(engine), bf16=engine.bfloat16_enabled()),
+                            {"optimizer_state_dict": optimizer_state, "ds_config": engine.config,
+                             "ds_version": state_version()}))
+        entries.append((f"rng_state_{rank}.pt", rng_state()))
+        return SaveJob(save_dir, tag, rank, ds_comm.get_world_size(), entries, save_latest)
+
+    def written() -> SaveJob:
+        job = snapshot()
+        job.write()
+        return job
+
+    discard = lambda: files.discard_staging(save_dir, tag)  # noqa: E731
+    if background:  # [Note: background save]
+        job = agreed(f"{what}: snapshot of {save_dir}/{tag} failed", snapshot, cleanup=discard)
+        engine._pending_checkpoint = PendingSave(job)
+        log_dist(f"Saving checkpoint {os.path.join(save_dir, tag)} in the background", ranks=[0])
+        return True
+    job = agreed(f"{what}: writing {save_dir}/{tag} failed", written, cleanup=discard)
+    agreed(f"{what}: publishing {save_dir}/{tag} failed", lambda: job.publish() if rank == 0 else None)
     log_dist(f"Saved checkpoint {os.path.join(save_dir, tag)}", ranks=[0])
     return True
 
@@ -107,35 +116,42 @@ def optimizer_partition_state(engine: Any) -> dict:
     return cut(engine, HpState(engine), dp_rank(engine), engine.dp_world_size)
 
 
+def _checked_tag(engine: Any, save_dir: str, tag: Any) -> str:
+    if not save_dir:
+        raise ValueError(f"save_checkpoint: save_dir must be a non-empty path, got {save_dir!r}")
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    if os.sep in tag or tag.startswith(".") or not tag:
+        raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name")
+    return tag
+
+
+def wait_for_checkpoint(engine: Any) -> None:
+    """Finish a background save of `engine` ([Note: background save]); collective when one may be
+    pending (every rank joins its writer thread, then all agree on the outcome)."""
+    pending = getattr(engine, "_pending_checkpoint", None)
+    if pending is None:  # pending on every rank or on none: set only after an agreed snapshot
+        return
+    engine._pending_checkpoint = None
+    error = pending.join()
+    if isinstance(error, PeerFailed):  # not this rank's failure: the failing rank reports its own
+        error = None
+    raise_if_any(error, f"save_checkpoint of {pending.job.tag} (written in the background)",
+                 cleanup=pending.job.discard)
+
+
+def wait_local(engine: Any) -> None:
+    """engine.destroy(): wait for this rank's background save (no collective); raise its error."""
+    pending = getattr(engine, "_pending_checkpoint", None)
+    engine._pending_checkpoint = None
+    if pending is not None and pending.join() is not None:
+        raise files.CheckpointError(f"background save_checkpoint of {pending.job.tag} failed on this rank: "
+                                    f"{describe(pending.error)}") from pending.error
+
+
 def state_version() -> str:
     from ...version import __version__
 
     return __version__
-
-
-def _raise_if_any(error: BaseException | None, what: str, cleanup: Any = None) -> None:
-    """Raise on every rank if any rank failed (one small all-reduce), so no rank is left waiting."""
-    failed = torch.tensor([1.0 if error is not None else 0.0])
-    if ds_comm.get_world_size() > 1:
-        ds_comm.all_reduce(failed, op=ds_comm.ReduceOp.MAX)
-    if failed.item() > 0:
-        if cleanup is not None and ds_comm.get_rank() == 0:
-            cleanup()
-        errors: list[Any] = [repr(error) if error is not None else None]
-        if ds_comm.get_world_size() > 1:  # name every failing rank's error on every rank
-            errors = [None] * ds_comm.get_world_size()
-            ds_comm.all_gather_object(errors, repr(error) if error is not None else None)
-        causes = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
-        raise RuntimeError(f"{what}: {causes}")
-
-
-def _copy_recovery_script(save_dir: str) -> None:
-    source = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "utils", "zero_to_fp32.py")
-    if os.path.isfile(source):
-        target = os.path.join(save_dir, "zero_to_fp32.py")
-        shutil.copyfile(source, target + ".tmp")
-        os.chmod(target + ".tmp", 0o755)
-        os.replace(target + ".tmp", target)
 
 
 # --- load -------------------------------------------------------------------------------------
@@ -143,151 +159,30 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
     ds_comm.arrive_and_wait("load_checkpoint", hint=_ALL_RANKS)
-    if tag is None:
+    wait_for_checkpoint(engine)
+    plan = agreed("load_checkpoint", lambda: read_plan(engine, load_dir, tag, load_module_strict,
+                                                       load_optimizer_states, load_lr_scheduler_states,
+                                                       load_module_only), none_ok=True)
+    if plan is None:
         latest = "latest_universal" if engine._config.model.checkpoint.load_universal else files.LATEST
-        tag = files.read_latest(load_dir, latest)
-        if tag is None:
-            logger.warning(f"Unable to find latest file at {os.path.join(load_dir, latest)}; if trying to "
-                           "load the latest checkpoint please pass an explicit tag or save one first.")
-            return None, None
-    tag = str(tag)
-    reader = CheckpointReader(load_dir, tag)
-    hp = HpState(engine) if engine.optimizer is not None else None
-    if hp is not None:
-        trainable = {n for g in hp.groups for n, _ in g}
-        reader.bind_replicated_names(hp.optimizer_names, trainable)
-    _load_module(engine, reader, hp, load_module_strict)
+        logger.warning(f"Unable to find latest file at {os.path.join(load_dir, latest)}; if trying to "
+                       "load the latest checkpoint please pass an explicit tag or save one first.")
+        return None, None
+    if (plan.missing or plan.unexpected) and engine.global_rank == 0:
+        logger.warning(f"load_checkpoint({plan.reader.path}, load_module_strict=False): missing (kept as they "
+                       f"are) {plan.missing}, unexpected (ignored) {plan.unexpected}")
+    agreed("load_checkpoint: applying the checkpoint", lambda: apply_plan(engine, plan))
+    # collectives, on every rank alike: re-gather parameters from what was written locally
+    if engine._stage3 is not None:
+        engine._stage3.after_shard_update()
+    if plan.hp is not None:
+        plan.hp.refresh_model()
+    reader = plan.reader
     state = reader.model_states
-    if hp is not None:
-        _load_masters(hp, reader)
-        if load_optimizer_states and not load_module_only:
-            _load_optimizer_state(hp, reader)
-            _load_scaler(hp, reader)
-        hp.refresh_model()
-    if not load_module_only:
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        engine.global_steps = int(state.get("global_steps", 0))
-        engine.global_samples = int(state.get("global_samples", engine.global_steps * engine.train_batch_size()))
-        engine.skipped_steps = int(state.get("skipped_steps", 0))
-        rng = os.path.join(reader.path, f"rng_state_{engine.global_rank}.pt")
-        if os.path.isfile(rng):
-            set_rng_state(files.load_file(rng, mmap=False))
-    client_state = {k: v for k, v in state.items() if k not in _DEEPSPEED_KEYS}
+    client_state = {k: v for k, v in state.items() if k not in DEEPSPEED_KEYS}
     # DeepSpeed returns the model-states file this engine's layout reads (one per rank at ZeRO-3)
     name = files.model_file(zero3_dp_rank=dp_rank(engine)) if engine._stage3 is not None else files.model_file()
-    path = os.path.join(load_dir, tag, name)
+    path = os.path.join(load_dir, reader.tag, name)
     log_dist(f"Loaded checkpoint {reader.path} (saved by {reader.world_size} rank(s), stage {reader.stage})",
              ranks=[0])
     return path, client_state
-
-
-_DEEPSPEED_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-                   "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
-                   "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
-                   "mp_world_size", "ds_config", "ds_version", "optimizer_param_names",
-                   "checkpoint_parallel_dimensions"}
-
-
-def _load_module(engine: Any, reader: CheckpointReader, hp: HpState | None, strict: bool) -> None:
-    """Buffers and frozen parameters from the module state; trained parameters from fp32 masters.
-
-    Names are checked first: a checkpoint of another model fails with the missing and the
-    unexpected names rather than a shape error deep inside. At ZeRO-3 parameter values go into
-    this rank's slices of the gather units (zero3_io.write_params), not the released placeholders."""
-    module = engine.module
-    expected = set(module.state_dict().keys())
-    saved = set(reader.model_states.get("module", {}).keys()) | set(reader.param_names())
-    saved |= set((reader.model_states.get("frozen_param_fragments") or {}).keys())
-    shared = reader.model_states.get("shared_params") or {}
-    saved |= set(shared)
-    missing, unexpected = sorted(expected - saved), sorted(saved - expected)
-    if strict and (missing or unexpected):
-        raise files.CheckpointError(f"{reader.path} does not match this model (load_module_strict=True): "
-                                    f"missing {missing}, unexpected {unexpected}")
-    trained = set(reader.param_names())
-    named = dict(module.named_parameters())
-    zero3 = engine._stage3 is not None
-    shapes = zero3_io.param_shapes(engine) if zero3 else {n: p.shape for n, p in named.items()}
-    by_param = {id(p): n for n, p in named.items()}
-    params: dict[str, torch.Tensor] = {}   # parameter values to write, by first name
-    with torch.no_grad():
-        for name, tensor in module.state_dict(keep_vars=True).items():
-            if name in trained or name not in saved:
-                continue
-            value = reader.module_tensor(shared.get(name, name))
-            if value is None:
-                continue
-            first = by_param.get(id(tensor))
-            shape = shapes[first] if first is not None else tensor.shape
-            if value.shape != shape:
-                raise files.CheckpointError(f"{reader.path}: {name} has shape {tuple(value.shape)} in the "
-                                            f"checkpoint, {tuple(shape)} in the model")
-            if first is not None:
-                params[first] = value
-            else:
-                tensor.copy_(value)
-        for name in trained & set(named):
-            if hp is None or not named[name].requires_grad:
-                params[name] = reader.read(name, "fp32").view(shapes[name])
-        if zero3:
-            zero3_io.write_params(engine, params)
-        else:
-            for name, value in params.items():
-                named[name].copy_(value)
-
-
-def _load_masters(hp: HpState, reader: CheckpointReader) -> None:
-    missing = sorted({p.name for p in hp.pieces if not reader.has(p.name)})
-    if missing:
-        raise files.CheckpointError(f"{reader.path} holds no fp32 weights for trainable parameters {missing}")
-    with torch.no_grad():
-        for piece in hp.pieces:
-            piece.master.copy_(reader.read(piece.name, "fp32", piece.start, piece.numel))
-
-
-def _load_optimizer_state(hp: HpState, reader: CheckpointReader) -> None:
-    """Rebuild the base optimizer's state for this rank's pieces, through its own load_state_dict
-    (which casts state to each tensor's dtype and device as the optimizer expects)."""
-    fields = reader.fields()
-    keys = [k for g in hp.base.param_groups for k in g["params"]]
-    index = {id(k): i for i, k in enumerate(keys)}
-    by_key = {id(p.key): p for p in hp.pieces}
-    state = {}
-    step = reader.step
-    for key in keys:
-        piece = by_key.get(id(key))
-        if piece is None:
-            continue
-        entry: dict[str, Any] = {}
-        for field in fields:
-            value = reader.read(piece.name, field, piece.start, piece.numel)
-            if value is not None:
-                entry[field] = value.view_as(key)
-        if entry and step is not None:
-            entry["step"] = torch.tensor(float(step))
-        if entry:
-            state[index[id(key)]] = entry
-    groups = hp.base.state_dict()["param_groups"]
-    saved_groups = reader.param_groups
-    if saved_groups and len(saved_groups) != len(groups):
-        raise files.CheckpointError(f"{reader.path}: {len(saved_groups)} optimizer param groups saved, this "
-                                    f"optimizer has {len(groups)}")
-    for group, saved in zip(groups, saved_groups):
-        group.update({k: v for k, v in saved.items() if k in group and k != "params"})
-    hp.base.load_state_dict({"state": state, "param_groups": groups})
-
-
-def _load_scaler(hp: HpState, reader: CheckpointReader) -> None:
-    scaler = getattr(hp.wrapper, "loss_scaler", None)
-    common = reader.common_state
-    saved = common.get("loss_scaler") or (common if "cur_scale" in common else None)  # stage-0 fp16 keeps it flat
-    if scaler is None or saved is None:
-        return
-    dynamic = reader.common_state.get("dynamic_loss_scale")
-    if not isinstance(saved, dict):
-        dynamic = type(saved).dynamic if dynamic is None else dynamic
-        saved = dict(vars(saved))
-    # a scale saved by another precision (bf16/fp32 save a fixed 1.0) does not carry over to fp16
-    if dynamic is not None and bool(dynamic) == scaler.dynamic:
-        scaler.load_state_dict({k: v for k, v in saved.items() if k in scaler._STATE_KEYS})

@@ -111,21 +111,23 @@ class HpState:
             if value is not None:
                 yield piece.name, piece.start, value.float()
 
-    def recut(self, field: str, layouts: list[Any], rank: int, strip_padding: bool = False) -> list[torch.Tensor]:
-        """This rank's slice of every param group's flat (`layouts`: one BucketPartition or
-        ParamwisePartition per group over `self.groups`), gathered from the ranks holding the pieces.
+    def recut_fields(self, fields: list[str], layouts: list[Any], rank: int,
+                     strip_padding: set[str] = frozenset()) -> dict[str, list[torch.Tensor]]:
+        """For each field ("fp32" or an optimizer state), this rank's slice of every param group's
+        flat (`layouts`: one BucketPartition or ParamwisePartition per group over `self.groups`),
+        gathered from the ranks holding the pieces.
 
         Replicated state is cut locally. Under ZeRO the plan of who sends what to whom follows
         from the bucket (or unit) and group partitions, which every rank knows, so one all-to-all
-        per field moves exactly the elements each rank lacks (1/N of the field per rank) and
-        nothing else; when no element changes rank (ZeRO-3 units, whose per-parameter pieces are
-        the files' pieces), no collective at all. `strip_padding` drops a BucketPartition's end
-        padding.
+        for all fields together moves exactly the elements each rank lacks (1/N of each field per
+        rank) and nothing else; elements that stay on their rank are copied directly, and when no
+        element changes rank (ZeRO-3 units, whose per-parameter pieces are the files' pieces) no
+        collective runs at all. Fields in `strip_padding` drop a BucketPartition's end padding.
         """
-        flats = []
-        for layout in layouts:  # padding stays zero; every real element is written below
-            pad = layout.padding(rank) if strip_padding else 0
-            flats.append(torch.zeros(layout.shard_numel - pad, dtype=torch.float32))
+        zero = not self.zero or self.wrapper.dp_world == 1
+        new = torch.zeros if zero else torch.empty  # under ZeRO only the padding is zeroed (below)
+        flats = {field: [new(layout.shard_numel - (layout.padding(rank) if field in strip_padding else 0),
+                             dtype=torch.float32) for layout in layouts] for field in fields}
         where = {n: (g, i) for g, group in enumerate(self.groups) for i, (n, _) in enumerate(group)}
 
         def cuts(name: str, start: int, numel: int):
@@ -133,16 +135,18 @@ class HpState:
             g, i = where[name]
             return ((dst, g, at, n, src) for dst, at, n, src in layouts[g].placements(i, start, numel))
 
-        if not self.zero or self.wrapper.dp_world == 1:
-            for name, start, values in self.local_values(field):
-                for dst, g, at, n, src in cuts(name, start, values.numel()):
-                    if dst == rank:
-                        flats[g][at:at + n].copy_(values[src:src + n])
+        if zero:
+            for field in fields:
+                for name, start, values in self.local_values(field):
+                    for dst, g, at, n, src in cuts(name, start, values.numel()):
+                        if dst == rank:
+                            flats[field][g][at:at + n].copy_(values[src:src + n])
             return flats
         world = self.wrapper.dp_world
-        sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        sends: list[list[tuple[Piece, int, int]]] = [[] for _ in range(world)]   # (piece, offset, length)
         mine = {(p.name, p.start): p for p in self.pieces}
         receives: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+        local: list[tuple[Piece, int, int, int, int]] = []  # (piece, offset, length, group, offset in slice)
         crossing = False   # any element changing rank; the same answer on every rank (same plan)
         for sb in self.sources:  # every rank walks the same plan in the same order
             for src_rank in range(world):
@@ -150,35 +154,47 @@ class HpState:
                     name = self.names[id(sb.params[f.index])]
                     if name not in where:   # frozen: no master, no optimizer state
                         continue
-                    value = None
-                    if src_rank == rank:
-                        piece = mine[(name, f.param_start)]
-                        value = piece.master if field == "fp32" else self.state_value(piece, field)
-                        value = torch.zeros(f.numel) if value is None else value.float()
                     for dst, g, at, n, src in cuts(name, f.param_start, f.numel):
                         crossing = crossing or dst != src_rank
-                        if src_rank == rank:
-                            sends[dst].append(value[src:src + n])
-                        if dst == rank:
+                        if src_rank == rank and dst == rank:  # already here: copied directly below
+                            local.append((mine[(name, f.param_start)], src, n, g, at))
+                        elif src_rank == rank:
+                            sends[dst].append((mine[(name, f.param_start)], src, n))
+                        elif dst == rank:
                             receives[src_rank].append((g, at, n))
-        if not crossing:   # every piece stays on its rank (ZeRO-3 into DeepSpeed's stage-3 files)
-            for (g, at, n), t in zip(receives[rank], sends[rank]):
-                flats[g][at:at + n].copy_(t.reshape(-1))
-            return flats
         device = self.wrapper._comm_device if self.stage3 else self.sources[0].param_flat.device
-        in_splits = [sum(t.numel() for t in ts) for ts in sends]
+        in_splits = [len(fields) * sum(n for _, _, n in ss) for ss in sends]
         send, offset = torch.empty(sum(in_splits), dtype=torch.float32, device=device), 0
-        for t in (t for ts in sends for t in ts):
-            send[offset:offset + t.numel()].copy_(t.reshape(-1))
-            offset += t.numel()
-        out_splits = [sum(n for _, _, n in rs) for rs in receives]
+        for ss in sends:  # per destination: field by field, in plan order
+            for field in fields:
+                for piece, src, n in ss:
+                    value = piece.master if field == "fp32" else self.state_value(piece, field)
+                    if value is None:
+                        send[offset:offset + n].zero_()
+                    else:
+                        send[offset:offset + n].copy_(value[src:src + n])
+                    offset += n
+        for field in fields:  # what stays on this rank skips the wire (and two copies)
+            for piece, src, n, g, at in local:
+                value = piece.master if field == "fp32" else self.state_value(piece, field)
+                if value is None:
+                    flats[field][g][at:at + n].zero_()
+                else:
+                    flats[field][g][at:at + n].copy_(value[src:src + n])
+        if not crossing:   # every piece stays on its rank (ZeRO-3 into DeepSpeed's stage-3 files)
+            _zero_gaps(flats, [(g, at, n) for _, _, n, g, at in local])
+            return flats
+        out_splits = [len(fields) * sum(n for _, _, n in rs) for rs in receives]
         recv = torch.empty(sum(out_splits), dtype=torch.float32, device=device)
         ds_comm.all_to_all_single(recv, send, out_splits, in_splits, group=self.wrapper.group)
+        del send
         recv, offset = recv.cpu(), 0
         for rs in receives:
-            for g, at, n in rs:
-                flats[g][at:at + n].copy_(recv[offset:offset + n])
-                offset += n
+            for field in fields:
+                for g, at, n in rs:
+                    flats[field][g][at:at + n].copy_(recv[offset:offset + n])
+                    offset += n
+        _zero_gaps(flats, [(g, at, n) for _, _, n, g, at in local] + [r for rs in receives for r in rs])
         return flats
 
     # --- writing back -------------------------------------------------------------------------
@@ -192,3 +208,28 @@ class HpState:
             pairs = self.wrapper._pairs
             if pairs:
                 torch._foreach_copy_([p.data for p, _ in pairs], [m.data for _, m in pairs])
+
+
+def _zero_gaps(flats: dict[str, list[torch.Tensor]], written: list[tuple[int, int, int]]) -> None:
+    """Zero what no (group, offset, length) range in `written` covers: the layout's padding (the
+    flats were allocated uninitialised, which spares a pass over the whole slice)."""
+    by_group: dict[int, list[tuple[int, int]]] = {}
+    for g, at, n in written:
+        by_group.setdefault(g, []).append((at, at + n))
+    for fields in flats.values():
+        for g, flat in enumerate(fields):
+            end = 0
+            for lo, hi in sorted(by_group.get(g, [])) + [(flat.numel(), flat.numel())]:
+                if lo > end:
+                    flat[end:lo].zero_()
+                end = max(end, hi)
+
+
+def upstream_scaler(scaler: Any) -> Any:
+    """The loss scaler as DeepSpeed's class at DeepSpeed's import path (its loader unpickles it)."""
+    from ..fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+    cls = DynamicLossScaler if scaler.dynamic else LossScaler
+    copy = cls.__new__(cls)
+    copy.__dict__.update({k: v for k, v in vars(scaler).items() if not callable(v)})
+    return copy

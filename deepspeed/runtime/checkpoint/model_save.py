@@ -26,6 +26,7 @@ import torch
 from ... import comm as ds_comm
 from ...checkpoint import files
 from ...utils.logging import log_dist, logger
+from .agree import raise_if_any
 from .writer import own_storage
 
 _ALL_RANKS = "all ranks must call save_16bit_model (it is collective under ZeRO), not only rank 0."
@@ -94,12 +95,8 @@ def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_m
             log_dist(f"Saved 16-bit model weights to {path}", ranks=[0])
         except Exception as e:  # raised on every rank below
             error = e
-    failed = torch.tensor([0.0 if error is None else 1.0])
-    if ds_comm.get_world_size() > 1:
-        ds_comm.all_reduce(failed, op=ds_comm.ReduceOp.MAX)
-    if failed.item() > 0:
-        cause = repr(error) if error is not None else "see rank 0's error"
-        raise RuntimeError(f"save_16bit_model: writing {save_dir}/{save_filename} failed on rank 0: {cause}")
+    # agreed: every rank raises rank 0's error (with its message), none waits for a failed peer
+    raise_if_any(error, f"save_16bit_model: writing {save_dir}/{save_filename}")
     return True
 
 

@@ -6,13 +6,14 @@
   mixed precision at stage 0): rank r's slice of each param group flattened and padded to a
   multiple of 2N (DeepSpeed's layout, `BucketPartition(..., alignment=2)`), for the fp32
   masters and every optimizer state. Our runtime shards per bucket instead (1.0x DDP's bytes);
-  the slices are re-cut here with one all-to-all per field (HpState.recut), so the files are
+  the slices are re-cut here with one all-to-all for all fields (HpState.recut_fields), so the files are
   exactly what DeepSpeed writes and its tools read them.
 * Stage 0 fp32: the torch optimizer's own state_dict inside the model-states file, as DeepSpeed.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from typing import Any
 
@@ -21,20 +22,23 @@ import torch
 from ... import comm as ds_comm
 from ...version import __version__
 from ..zero.partition import BucketPartition
-from .hp_state import HpState
+from .hp_state import HpState, upstream_scaler  # noqa: F401 (upstream_scaler: re-exported)
+from .zero3_io import param_shapes
 
 ALIGNMENT = 2
 
 
 def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_frozen: bool,
-                 partitioned: bool, zero3_frozen: dict | None = None) -> dict:
+                 partitioned: bool, zero3_frozen: dict | None = None, snapshot: bool = False) -> dict:
     """The model-states dictionary (DeepSpeed's keys, then the client's). At stage 3 parameters
     are released placeholders (saved empty, as DeepSpeed does) and `zero3_frozen` holds this
-    rank's pieces of the frozen ones (zero3_io.frozen_fragments)."""
+    rank's pieces of the frozen ones (zero3_io.frozen_fragments). With `snapshot` no tensor in it
+    aliases state that training changes (for a background write)."""
     module = engine.module
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
     copies: dict[tuple, torch.Tensor] = {}  # tied weights stay one tensor (one storage) in the file
-    state = {k: own_storage(v, copies) for k, v in module.state_dict().items() if not (exclude_frozen and k in frozen)}
+    state = {k: own_storage(v, copies, snapshot) for k, v in module.state_dict().items()
+             if not (exclude_frozen and k in frozen)}
     if zero3_frozen is not None:  # every parameter saved as an empty placeholder (persistent ones too):
         params = {n for n, _ in module.named_parameters(remove_duplicate=False)}  # values live elsewhere
         state = {k: v.new_empty(0) if k in params else v for k, v in state.items()}
@@ -43,8 +47,6 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
     zero_frozen = engine.zero_optimization_stage() >= 2 and not exclude_frozen
     named = dict(module.named_parameters())
     if zero3_frozen is not None:
-        from .zero3_io import param_shapes
-
         shapes = param_shapes(engine)
         frozen_shapes = OrderedDict((n, shapes[n]) for n in named if n in frozen) if zero_frozen else None
         frozen_fragments = zero3_frozen if zero_frozen else None
@@ -55,12 +57,12 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
     out = dict(
         module=state,
         buffer_names=buffers,
-        optimizer=hp.base.state_dict() if hp is not None and not partitioned else None,
+        optimizer=_optimizer_state_dict(hp.base, snapshot) if hp is not None and not partitioned else None,
         param_shapes=[OrderedDict((n, s) for n, s in g) for g in hp.groups] if hp is not None else None,
         frozen_param_shapes=frozen_shapes,
         shared_params=shared,
         frozen_param_fragments=frozen_fragments,
-        lr_scheduler=engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None and
+        lr_scheduler=copy.deepcopy(engine.lr_scheduler.state_dict()) if engine.lr_scheduler is not None and
         hasattr(engine.lr_scheduler, "state_dict") else None,
         data_sampler=None,
         random_ltd=None,
@@ -82,23 +84,34 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
     return out
 
 
-def own_storage(tensor: torch.Tensor, copies: dict | None = None) -> torch.Tensor:
+def own_storage(tensor: torch.Tensor, copies: dict | None = None, snapshot: bool = False) -> torch.Tensor:
     """A CPU tensor that owns exactly its elements: torch.save writes a view's whole storage, and
     under ZeRO parameters are views of flat bucket buffers. `copies` makes views of the same
-    elements (tied weights) come out as one tensor."""
+    elements (tied weights) come out as one tensor. `snapshot`: always a copy, never the tensor
+    itself (training may change it while a background thread writes)."""
     tensor = tensor.detach()
     key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
     if copies is not None and key in copies:
         return copies[key]
     if tensor.device.type != "cpu":
         out = tensor.cpu()
-    elif tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+    elif snapshot or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
         out = tensor.clone()
     else:
         out = tensor
     if copies is not None:
         copies[key] = out
     return out
+
+
+def _optimizer_state_dict(optimizer: torch.optim.Optimizer, snapshot: bool) -> dict:
+    """The torch optimizer's state_dict (stage 0 fp32); with `snapshot` its tensors are copies."""
+    state = optimizer.state_dict()
+    if snapshot:
+        state["state"] = {k: {f: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for f, v in entry.items()}
+                          for k, entry in state["state"].items()}
+        state["param_groups"] = copy.deepcopy(state["param_groups"])
+    return state
 
 
 def _persistent_buffers(module: torch.nn.Module, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -128,7 +141,7 @@ def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int)
     layouts = [BucketPartition(tuple(s.numel() for _, s in g), world, ALIGNMENT) for g in hp.groups]
     fields, step = hp.agreed_fields(engine.data_parallel_group)
     # DeepSpeed stores the fp32 slices without their end padding, the optimizer states with it
-    parts = {field: hp.recut(field, layouts, rank, strip_padding=field == "fp32") for field in ["fp32"] + fields}
+    parts = hp.recut_fields(["fp32"] + fields, layouts, rank, strip_padding={"fp32"})
     paddings = [layout.padding(rank) for layout in layouts]
     base_state = {}
     for g in range(len(layouts)):
@@ -163,16 +176,6 @@ def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int)
         state["zero_stage"] = ZeroStageEnum(engine.zero_optimization_stage())
         state["param_alignment_paddings"] = [[0] * len(g) for g in hp.groups]
     return state
-
-
-def upstream_scaler(scaler: Any) -> Any:
-    """The loss scaler as DeepSpeed's class at DeepSpeed's import path (its loader unpickles it)."""
-    from ..fp16.loss_scaler import DynamicLossScaler, LossScaler
-
-    cls = DynamicLossScaler if scaler.dynamic else LossScaler
-    copy = cls.__new__(cls)
-    copy.__dict__.update({k: v for k, v in vars(scaler).items() if not callable(v)})
-    return copy
 
 
 def rng_state() -> dict:

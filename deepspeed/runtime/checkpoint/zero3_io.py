@@ -5,7 +5,7 @@ Our ZeRO-3 units shard each parameter on its own (stage3/unit_layout.py): rank r
 and exactly the pieces DeepSpeed's stage-3 files hold. The files concatenate those pieces in
 param-group order (`ParamwisePartition` per group) where a unit concatenates them in unit
 order, so trained state (fp32 masters, optimizer fields) is re-cut into the files' order by
-HpState.recut without moving an element between ranks (it issues no collective then). Frozen
+HpState.recut_fields without moving an element between ranks (it issues no collective then). Frozen
 parameters have no master: their per-rank pieces (`frozen_param_fragments` of each rank's
 model-states file) are the parameters' `ds_tensor`s. Loading writes values into this rank's
 pieces of each unit (and of its fp32 master, which the next step copies back into the shard)
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..zero.partition import ParamwisePartition
-from .hp_state import HpState
+from .hp_state import HpState, upstream_scaler
 
 
 def param_shapes(engine: Any) -> dict[str, torch.Size]:
@@ -58,11 +58,10 @@ def optimizer_state(engine: Any, hp: HpState, rank: int, world: int) -> dict:
     """Rank `rank`'s `optimizer_state_dict` in DeepSpeed's ZeRO-3 layout (collective): per param
     group one fp32 flat (`fp32_flat_groups`, padding included) and its base optimizer state."""
     from ..zero.config import ZeroStageEnum
-    from .writer import upstream_scaler
 
     layouts = [ParamwisePartition(tuple(s.numel() for _, s in g), world) for g in hp.groups]
     fields, step = hp.agreed_fields(engine.data_parallel_group)
-    parts = {field: hp.recut(field, layouts, rank) for field in ["fp32"] + fields}
+    parts = hp.recut_fields(["fp32"] + fields, layouts, rank)
     base_state = {}
     for g in range(len(layouts)):
         entry: dict[str, Any] = {} if step is None else {"step": torch.tensor(float(step))}
@@ -82,13 +81,13 @@ def optimizer_state(engine: Any, hp: HpState, rank: int, world: int) -> dict:
     }
 
 
-def write_params(engine: Any, values: dict[str, torch.Tensor]) -> None:
+def write_param_slices(engine: Any, values: dict[str, torch.Tensor]) -> None:
     """Write full values (by parameter name) into this rank's slice of their units, and of the
-    units' fp32 masters when an optimizer trains them; then re-gather persistent units."""
-    coordinator = engine._stage3
+    units' fp32 masters when an optimizer trains them (local; the caller then re-gathers the
+    persistent units with `engine._stage3.after_shard_update()`)."""
     masters = {id(um.unit): um.master for um in getattr(engine.optimizer, "units", [])}
     with torch.no_grad():
-        for unit in coordinator.units:
+        for unit in engine._stage3.units:
             master = masters.get(id(unit))
             for f in unit.partition.fragments(unit.rank):
                 value = values.get(unit.spec.param_names[f.index])
@@ -98,4 +97,3 @@ def write_params(engine: Any, values: dict[str, torch.Tensor]) -> None:
                 unit.shard[f.shard_start:f.shard_start + f.numel].copy_(piece)
                 if master is not None:
                     master[f.shard_start:f.shard_start + f.numel].copy_(piece)
-    coordinator.after_shard_update()

@@ -1,0 +1,230 @@
+"""load_checkpoint in three phases: read (local), apply (local), re-gather (collective).
+
+`read_plan` opens the tag, checks names and shapes and reads every value this rank will write
+(its slices of the fp32 masters and optimizer state, buffers, frozen parameters, counters, RNG)
+into a `LoadPlan`, touching nothing in the engine; `apply_plan` copies the plan into the engine.
+Each local phase runs under an agreement ([Note: agreed checkpoint errors] in agree.py), so a
+missing or corrupt file that one rank sees raises on every rank, and a failed read leaves the
+engine untouched. Only then do the collectives run (re-gathering parameters from the masters).
+
+[Note: non-strict loads]
+With `load_module_strict=False` (DeepSpeed's semantics: torch's `load_state_dict(strict=False)`),
+names the model has and the checkpoint lacks keep their current values, names only the
+checkpoint has are ignored, and both lists go to a warning. For a trained parameter the
+checkpoint lacks, this rank's fp32 master slices and optimizer state are left as they are, so
+the re-gather after the load puts back exactly the values it had (masters and module weights
+stay consistent). A shape mismatch is an error in both modes, as in torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...checkpoint import files
+from ...checkpoint.reader import CheckpointReader
+from . import zero3_io
+from .hp_state import HpState
+from .writer import set_rng_state
+
+DEEPSPEED_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+                  "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
+                  "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
+                  "mp_world_size", "ds_config", "ds_version", "optimizer_param_names",
+                  "checkpoint_parallel_dimensions"}
+
+
+@dataclass
+class LoadPlan:
+    reader: CheckpointReader
+    hp: HpState | None
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (target, value)
+    zero3_params: dict[str, torch.Tensor] | None = None   # ZeRO-3: full values by name (zero3_io)
+    optimizer_state: dict | None = None                    # for the base optimizer's load_state_dict
+    scaler_state: dict | None = None
+    lr_scheduler: Any = None
+    counters: dict | None = None
+    rng: dict | None = None
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer_states: bool,
+              load_lr_scheduler_states: bool, load_module_only: bool) -> LoadPlan | None:
+    """Everything this rank will load, read and checked; None when there is no `latest` to follow."""
+    if tag is None:
+        latest = "latest_universal" if engine._config.model.checkpoint.load_universal else files.LATEST
+        tag = files.read_latest(load_dir, latest)
+        if tag is None:
+            return None
+    reader = CheckpointReader(load_dir, str(tag))
+    hp = HpState(engine) if engine.optimizer is not None else None
+    if hp is not None:
+        trainable = {n for g in hp.groups for n, _ in g}
+        reader.bind_replicated_names(hp.optimizer_names, trainable, strict=strict)
+    plan = LoadPlan(reader, hp)
+    _plan_module(engine, plan, strict)
+    state = reader.model_states
+    if hp is not None:
+        _plan_masters(plan, strict)
+        if load_optimizer_states and not load_module_only:
+            _plan_optimizer_state(plan)
+            plan.scaler_state = _scaler_state(hp, reader)
+    if not load_module_only:
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            plan.lr_scheduler = state["lr_scheduler"]
+        steps = int(state.get("global_steps", 0))
+        plan.counters = {"global_steps": steps,
+                         "global_samples": int(state.get("global_samples", steps * engine.train_batch_size())),
+                         "skipped_steps": int(state.get("skipped_steps", 0))}
+        rng = os.path.join(reader.path, f"rng_state_{engine.global_rank}.pt")
+        if os.path.isfile(rng):
+            plan.rng = files.load_file(rng, mmap=False)
+    return plan
+
+
+def apply_plan(engine: Any, plan: LoadPlan) -> None:
+    """Copy the plan into the engine (local; the caller re-gathers afterwards)."""
+    with torch.no_grad():
+        for target, value in plan.copies:
+            target.copy_(value)
+        if plan.zero3_params is not None:
+            zero3_io.write_param_slices(engine, plan.zero3_params)
+    if plan.optimizer_state is not None:
+        plan.hp.base.load_state_dict(plan.optimizer_state)
+    if plan.scaler_state is not None:
+        plan.hp.wrapper.loss_scaler.load_state_dict(plan.scaler_state)
+    if plan.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(plan.lr_scheduler)
+    if plan.counters is not None:
+        for key, value in plan.counters.items():
+            setattr(engine, key, value)
+    if plan.rng is not None:
+        set_rng_state(plan.rng)
+
+
+def _plan_module(engine: Any, plan: LoadPlan, strict: bool) -> None:
+    """Buffers and frozen parameters from the module state; trained parameters from fp32 masters.
+
+    Names are checked first: a checkpoint of another model fails with the missing and the
+    unexpected names rather than a shape error deep inside. At ZeRO-3 parameter values go into
+    this rank's slices of the gather units (zero3_io), not the released placeholders."""
+    reader, hp = plan.reader, plan.hp
+    module = engine.module
+    expected = set(module.state_dict().keys())
+    saved = set(reader.model_states.get("module", {}).keys()) | set(reader.param_names())
+    saved |= set((reader.model_states.get("frozen_param_fragments") or {}).keys())
+    shared = reader.model_states.get("shared_params") or {}
+    saved |= set(shared)
+    plan.missing, plan.unexpected = sorted(expected - saved), sorted(saved - expected)
+    if strict and (plan.missing or plan.unexpected):
+        raise files.CheckpointError(f"{reader.path} does not match this model (load_module_strict=True): "
+                                    f"missing {plan.missing}, unexpected {plan.unexpected}")
+    trained = set(reader.param_names())
+    named = dict(module.named_parameters())
+    zero3 = engine._stage3 is not None
+    shapes = zero3_io.param_shapes(engine) if zero3 else {n: p.shape for n, p in named.items()}
+    by_param = {id(p): n for n, p in named.items()}
+    params: dict[str, torch.Tensor] = {}   # parameter values to write, by first name
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if name in trained or name not in saved:
+            continue
+        value = reader.module_tensor(shared.get(name, name))
+        if value is None:
+            continue
+        first = by_param.get(id(tensor))
+        shape = shapes[first] if first is not None else tensor.shape
+        if value.shape != shape:
+            raise files.CheckpointError(f"{reader.path}: {name} has shape {tuple(value.shape)} in the "
+                                        f"checkpoint, {tuple(shape)} in the model")
+        if first is not None:
+            params[first] = value
+        else:
+            plan.copies.append((tensor, value))
+    for name in trained & set(named):
+        if hp is None or not named[name].requires_grad:
+            value = reader.read(name, "fp32")
+            if value.numel() != shapes[name].numel():
+                raise files.CheckpointError(f"{reader.path}: {name} has {value.numel()} elements in the "
+                                            f"checkpoint, shape {tuple(shapes[name])} in the model")
+            params[name] = value.view(shapes[name])
+    if zero3:
+        plan.zero3_params = params
+    else:
+        plan.copies += [(named[name].data, value) for name, value in params.items()]
+
+
+def _plan_masters(plan: LoadPlan, strict: bool) -> None:
+    reader, hp = plan.reader, plan.hp
+    absent = sorted({p.name for p in hp.pieces if not reader.has(p.name)})
+    if absent and strict:
+        raise files.CheckpointError(f"{reader.path} holds no fp32 weights for trainable parameters {absent}")
+    for name in absent:  # non-strict: these keep their masters (and module values)
+        if name not in plan.missing:
+            plan.missing.append(name)
+    shapes = dict(n_s for g in reader.groups() for n_s in g)
+    for g in hp.groups:
+        for name, shape in g:
+            if name in shapes and torch.Size(shapes[name]) != torch.Size(shape):
+                raise files.CheckpointError(f"{reader.path}: {name} has shape {tuple(shapes[name])} in the "
+                                            f"checkpoint, {tuple(shape)} in the model")
+    for piece in hp.pieces:
+        if reader.has(piece.name):
+            plan.copies.append((piece.master, reader.read(piece.name, "fp32", piece.start, piece.numel)))
+
+
+def _plan_optimizer_state(plan: LoadPlan) -> None:
+    """The base optimizer's state for this rank's pieces, loaded through its own load_state_dict
+    (which casts state to each tensor's dtype and device as the optimizer expects). Pieces of
+    parameters the checkpoint lacks keep the state they have ([Note: non-strict loads])."""
+    reader, hp = plan.reader, plan.hp
+    fields = reader.fields()
+    keys = [k for g in hp.base.param_groups for k in g["params"]]
+    index = {id(k): i for i, k in enumerate(keys)}
+    by_key = {id(p.key): p for p in hp.pieces}
+    state = {}
+    step = reader.step
+    for key in keys:
+        piece = by_key.get(id(key))
+        if piece is None:
+            continue
+        if not reader.has(piece.name):
+            if key in hp.base.state:
+                state[index[id(key)]] = dict(hp.base.state[key])
+            continue
+        entry: dict[str, Any] = {}
+        for name in fields:
+            value = reader.read(piece.name, name, piece.start, piece.numel)
+            if value is not None:
+                entry[name] = value.view_as(key)
+        if entry and step is not None:
+            entry["step"] = torch.tensor(float(step))
+        if entry:
+            state[index[id(key)]] = entry
+    groups = hp.base.state_dict()["param_groups"]
+    saved_groups = reader.param_groups
+    if saved_groups and len(saved_groups) != len(groups):
+        raise files.CheckpointError(f"{reader.path}: {len(saved_groups)} optimizer param groups saved, this "
+                                    f"optimizer has {len(groups)}")
+    for group, saved in zip(groups, saved_groups):
+        group.update({k: v for k, v in saved.items() if k in group and k != "params"})
+    plan.optimizer_state = {"state": state, "param_groups": groups}
+
+
+def _scaler_state(hp: HpState, reader: CheckpointReader) -> dict | None:
+    scaler = getattr(hp.wrapper, "loss_scaler", None)
+    common = reader.common_state
+    saved = common.get("loss_scaler") or (common if "cur_scale" in common else None)  # stage-0 fp16 keeps it flat
+    if scaler is None or saved is None:
+        return None
+    dynamic = reader.common_state.get("dynamic_loss_scale")
+    if not isinstance(saved, dict):
+        dynamic = type(saved).dynamic if dynamic is None else dynamic
+        saved = dict(vars(saved))
+    # a scale saved by another precision (bf16/fp32 save a fixed 1.0) does not carry over to fp16
+    if dynamic is not None and bool(dynamic) == scaler.dynamic:
+        return {k: v for k, v in saved.items() if k in scaler._STATE_KEYS}
+    return None
