@@ -26,16 +26,20 @@ non-daemon thread has been joined. The step:
 1. settles the asynchronous collectives issued through `deepspeed.comm` that are still
    referenced (tracked weakly): polls them for a bounded time (`_SETTLE_S`; shorter when the
    process is exiting on an uncaught exception) and waits for the finished ones;
-2. if one is still pending (a peer will never join it: a rank that failed half way through a
-   step), it does nothing more: freeing the group would block until that collective times
-   out, and a failing rank must exit promptly (no barrier either: exit is never collective);
-3. otherwise destroys the process groups deepspeed.comm created and that are still alive: the
+2. if one is still pending (a peer will never join it: this rank failed half way through a
+   step), makes our groups' pending collectives fail at once (`comm.bounded.break_group`:
+   peers see a closed connection, as they would when this process is gone) instead of waiting
+   for them, here or in the group's destructor at finalization; if even then one is pending,
+   it leaves the groups alone. A failing rank exits promptly; exit is never collective (no
+   barrier);
+3. destroys the process groups deepspeed.comm created and that are still alive: the
    default group when `init_distributed` made it (all groups go with it), else only subgroups
    made by `deepspeed.comm.new_group`. A group the script already destroyed is left alone, and
    so is a default group the script created itself with torch;
-4. frees the destroyed groups: drops what pins them in functions' default arguments and
-   collects, so that their destructors join the worker threads now (the destructor releases
-   the GIL while it joins, so a worker can finish its release).
+4. frees the groups it created that are destroyed (by it or by the script) but still held:
+   points functions' default arguments that pin them at None and collects, so that their
+   destructors join the worker threads now (the destructor releases the GIL while it joins,
+   so a worker can finish its release).
 """
 
 from __future__ import annotations
@@ -206,21 +210,38 @@ def free_destroyed_groups() -> bool:
     return True
 
 
+def _break_pending_groups() -> None:
+    """Make our groups' pending collectives fail now on every rank (gloo: comm.bounded.break_group),
+    instead of their destructors waiting for them at finalization."""
+    from .bounded import break_group  # lazy: bounded imports comm, which imports this module
+
+    groups = [None] if _STATE.owns_default and _tdist.is_initialized() else []
+    groups += _live_subgroups() if _tdist.is_initialized() else []
+    for group in groups:
+        try:
+            break_group(group)
+        except Exception:
+            pass
+
+
 def _at_exit() -> None:
     """The registered exit step ([Note: exiting without destroy_process_group])."""
     try:
-        if not (_tdist.is_available() and _tdist.is_initialized()):
-            return  # the script destroyed the groups itself (or never had one)
         bound = _SETTLE_ON_ERROR_S if _exiting_on_error() else _SETTLE_S
         if not settle(bound):
-            logger.warning("deepspeed.comm: a collective was still pending at exit; leaving the process "
-                           "group as it is rather than waiting for it")
-            return
-        if _STATE.owns_default:
-            _tdist.destroy_process_group()
-        else:
-            for group in _live_subgroups():
-                _tdist.destroy_process_group(group)
-        free_destroyed_groups()
+            # A peer will never join (this rank failed half way): fail the collective instead of
+            # waiting for it here or in the group's destructor; peers see the closed connection.
+            _break_pending_groups()
+            if not settle(_SETTLE_ON_ERROR_S):
+                logger.warning("deepspeed.comm: a collective was still pending at exit; leaving the process "
+                               "group as it is rather than waiting for it")
+                return
+        if _tdist.is_available() and _tdist.is_initialized():
+            if _STATE.owns_default:
+                _tdist.destroy_process_group()
+            else:
+                for group in _live_subgroups():
+                    _tdist.destroy_process_group(group)
+        free_destroyed_groups()  # also when the script destroyed them itself: they may be pinned
     except Exception as exc:  # never turn a clean exit into a failure
         logger.warning(f"deepspeed.comm: process group teardown at exit failed: {exc!r}")

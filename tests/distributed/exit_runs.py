@@ -33,7 +33,7 @@ import deepspeed
 import deepspeed.comm as ds_comm
 
 _STEPS = 3
-_RAISE_PEER_ALIVE_S = 25.0
+_RAISE_PEER_ALIVE_S = 10.0
 # Imported once by the driver, before any process group exists, so a forked rank starts warm.
 _PRELOAD = ("torch._dynamo", "deepspeed.runtime.engine", "deepspeed.runtime.config", "deepspeed.runtime.builder",
             "deepspeed.runtime.zero.optimizer", "deepspeed.runtime.optimizers", "deepspeed.ops.adam",
@@ -101,13 +101,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _drive(stage: int, runs: int, mode: str) -> None:
+def _drive(stage: int, runs: int, mode: str, cpu: int) -> None:
     import importlib
 
     for name in _PRELOAD:
         importlib.import_module(name)
     cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[0]})
+    os.sched_setaffinity(0, {cpus[cpu % len(cpus)]})
     results = []
     for _ in range(runs):
         port, pids = _free_port(), {}
@@ -136,12 +136,13 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=1)
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--mode", choices=("plain", "destroy", "raise"), default="plain")
+    parser.add_argument("--cpu", type=int, default=0, help="index of the allowed CPU to run on")
     parser.add_argument("--single", action="store_true", help="be one rank of a launched job")
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
     if args.single:
         _rank_main(args.stage, args.mode)
-    _drive(args.stage, args.runs, args.mode)
+    _drive(args.stage, args.runs, args.mode, args.cpu)
 
 
 if __name__ == "__main__":
