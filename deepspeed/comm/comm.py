@@ -16,6 +16,7 @@ import torch.distributed as _tdist
 from torch.distributed import ReduceOp
 
 from ..utils.logging import logger
+from . import exit as _exit
 from .counting import comms_counter
 from .gloo_collectives import (all_gather_applies, broadcast_all_gather, exchange_reduce_scatter,
                                reduce_scatter_applies)
@@ -66,7 +67,7 @@ def _timed(op: str, tensor: torch.Tensor | None, group: Any, fn: Callable[[], An
     comms_counter.record(op, numel, size, dtype, _group_size(group), elapsed)
     if _LOG.enabled and _LOG.verbose and (_LOG.prof_all or op in _LOG.prof_ops):
         logger.info(f"comm op: {op} | time (ms): {elapsed * 1e3:.2f} | msg size: {size} B | dtype: {dtype}")
-    return result
+    return _exit.track(result)  # an asynchronous Work is settled at exit if still pending (exit.py)
 
 
 # --- process group state ------------------------------------------------------------------
@@ -103,7 +104,9 @@ def get_backend(group: Any = None) -> str:
 
 
 def new_group(ranks: list[int] | None = None, **kwargs: Any) -> Any:
-    return _tdist.new_group(ranks, **kwargs)
+    group = _tdist.new_group(ranks, **kwargs)
+    _exit.subgroup_created(group)  # ours: destroyed at exit if still alive (exit.py)
+    return group
 
 
 def destroy_process_group(group: Any = None) -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as _tdist
 
 from ..utils.logging import logger
+from . import exit as exit_step
 
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -63,6 +64,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     WORLD_SIZE), else MPI/SLURM discovery, else a single process on a free local port.
     """
     if dist_init_required is False or (_tdist.is_available() and _tdist.is_initialized()):
+        if _tdist.is_available() and _tdist.is_initialized():
+            exit_step.process_group_created(owned=False)  # the script's group: settle ours at exit only
         return
     backend = dist_backend or _default_backend()
     if rank < 0 and "RANK" not in os.environ and auto_mpi_discovery:
@@ -85,3 +88,4 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                     f"(rank {rank if rank >= 0 else os.environ.get('RANK')}, "
                     f"world size {world_size if world_size >= 0 else os.environ.get('WORLD_SIZE')})")
     _tdist.init_process_group(**kwargs)
+    exit_step.process_group_created(owned=True)  # destroyed at exit unless the script does it (exit.py)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 import zlib
 from collections import deque
 from dataclasses import dataclass, replace
@@ -261,7 +262,8 @@ class _GroupWatch:
         return "\n".join(lines)
 
 
-_WATCHES: dict[Any, _GroupWatch] = {}
+# Weak keys: a destroyed group is freed (its gloo workers joined), not kept alive by its journal.
+_WATCHES: "weakref.WeakKeyDictionary[Any, _GroupWatch]" = weakref.WeakKeyDictionary()
 
 
 def _store() -> Any:
