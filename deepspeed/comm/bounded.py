@@ -28,12 +28,10 @@ import torch
 import torch.distributed as _tdist
 from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions, BroadcastOptions, ReduceScatterOptions
 
-from .comm import ReduceOp, _timed, get_backend
+from .breaker import break_now, breakable
+from .comm import ReduceOp, _timed
 from .gloo_collectives import (all_gather_applies, broadcast_all_gather, exchange_reduce_scatter,
                                reduce_scatter_applies)
-
-_UNMATCHED_TAG = 0x5EED0FF   # no rank ever sends with this tag
-
 
 @lru_cache(maxsize=32)
 def _options(kind: type, timeout_s: float, op: Any = None, async_op: bool = False) -> Any:
@@ -44,24 +42,20 @@ def _options(kind: type, timeout_s: float, op: Any = None, async_op: bool = Fals
         opts.reduceOp = op
     return opts
 
-
 @lru_cache(maxsize=256)
 def _broadcast_options(timeout_s: float, root: int) -> Any:
     opts = BroadcastOptions()
     opts.timeout, opts.rootRank, opts.rootTensor = datetime.timedelta(seconds=timeout_s), root, 0
     return opts
 
-
 def _group(group: Any) -> Any:
     return group if group is not None else _tdist.distributed_c10d._get_default_group()
-
 
 def all_gather_into_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,
                                   group: Any = None) -> None:
     """`all_gather_into_tensor` that fails after `timeout_s` seconds (where the backend honours it)."""
     _timed("all_gather_into_tensor", output, group,
            lambda: _start_all_gather(output, tensor, float(timeout_s), group).wait())
-
 
 def start_all_gather_into_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,
                                         group: Any = None) -> Any:
@@ -71,14 +65,12 @@ def start_all_gather_into_tensor_within(output: torch.Tensor, tensor: torch.Tens
     return _timed("all_gather_into_tensor", output, group,
                   lambda: _start_all_gather(output, tensor, float(timeout_s), group))
 
-
 def _start_all_gather(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float, group: Any) -> Any:
     pg = _group(group)
     if all_gather_applies(output, tensor, group):  # [Note: gloo's reduce-scatter and all-gather]
         return broadcast_all_gather(output, tensor, group,
                                     lambda chunk, root: pg.broadcast([chunk], _broadcast_options(timeout_s, root)))
     return pg.all_gather_single(output, tensor, _options(AllgatherOptions, timeout_s, async_op=True))
-
 
 def reduce_scatter_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,
                                  group: Any = None, op: Any = ReduceOp.SUM) -> None:
@@ -92,20 +84,13 @@ def reduce_scatter_tensor_within(output: torch.Tensor, tensor: torch.Tensor, tim
     opts = _options(ReduceScatterOptions, float(timeout_s), op)
     _timed("reduce_scatter_tensor", tensor, group, lambda: pg.reduce_scatter_single(output, tensor, opts).wait())
 
-
 def break_group(group: Any = None) -> None:
     """Make the pending and later operations of `group` fail on every rank (gloo; elsewhere a no-op).
 
     A receive that no rank matches times out after a millisecond, and gloo closes this rank's
     connections when an operation times out, so every peer's pending or next operation of the
     group fails at once ("Connection closed by peer") instead of waiting for its timeout. For a
-    group whose ranks are known to be out of step (the group is unusable anyway)."""
-    pg = _group(group)
-    if pg.size() == 1 or get_backend(group) != "gloo":
-        return
-    peer = (pg.rank() + 1) % pg.size()
-    try:
-        _timed("recv", None, group, lambda: pg.recv([torch.empty(1)], peer, _UNMATCHED_TAG).wait(
-            datetime.timedelta(milliseconds=1)))
-    except RuntimeError:
-        pass   # the expected timeout
+    group whose ranks are known to be out of step (the group is unusable anyway). Counted as a
+    `recv` (comm/breaker.py has the primitive)."""
+    if breakable(group):
+        _timed("recv", None, group, lambda: break_now(group))

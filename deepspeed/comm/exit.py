@@ -211,9 +211,13 @@ def free_destroyed_groups() -> bool:
 
 
 def _break_pending_groups() -> None:
-    """Make our groups' pending collectives fail now on every rank (gloo: comm.bounded.break_group),
-    instead of their destructors waiting for them at finalization."""
-    from .bounded import break_group  # lazy: bounded imports comm, which imports this module
+    """Make our groups' pending collectives fail now on every rank (gloo: comm/breaker.py), instead
+    of their destructors waiting for them at finalization."""
+    from .breaker import break_now, breakable
+
+    def break_group(group: Any) -> None:
+        if breakable(group):
+            break_now(group)
 
     groups = [None] if _STATE.owns_default and _tdist.is_initialized() else []
     groups += _live_subgroups() if _tdist.is_initialized() else []

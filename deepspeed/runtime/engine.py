@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from .. import comm as ds_comm
-from ..accelerator import get_accelerator
-from ..utils.logging import log_dist, logger
+from ..utils.logging import log_dist
 from ..utils.timer import SynchronizedWallClockTimer, ThroughputTimer
 from .base_optimizer import DeepSpeedOptimizer
 from .dataloader import DeepSpeedDataLoader
@@ -431,6 +430,13 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         from .checkpoint.engine_io import wait_for_checkpoint
 
         wait_for_checkpoint(self)
+
+    def _optimizer_partition_state(self) -> dict:
+        """This rank's ZeRO optimizer state as save_checkpoint writes it (collective): what the ZeRO
+        optimizers' `state_dict()` returns (Lightning calls it on every rank when it saves)."""
+        from .checkpoint.engine_io import optimizer_partition_state
+
+        return optimizer_partition_state(self)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

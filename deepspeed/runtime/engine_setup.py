@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -169,9 +169,7 @@ class PartitionedStateDict:
         engine = self._engine_ref() if self._engine_ref is not None else None
         if engine is None:
             raise RuntimeError(f"{type(self).__name__}.state_dict(): the optimizer's engine is gone")
-        from ..checkpoint.engine_io import optimizer_partition_state
-
-        return optimizer_partition_state(engine)
+        return engine._optimizer_partition_state()   # the engine owns checkpoint I/O (a higher layer)
 
     def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(f"{type(self).__name__}.load_state_dict: load ZeRO optimizer state with "

@@ -35,7 +35,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .... import comm as ds_comm
 from . import param_attrs, tensor_ctors
 from .param_attrs import ZeroParamStatus
-from .sharded_param import _all_gather
+from .param_attrs import unit_of
+from .watchdog import gather_or_copy
 
 
 @dataclass(eq=False)
@@ -103,7 +104,6 @@ def _placeholder(param: nn.Parameter) -> torch.Tensor:
 def partition(params: Iterable[nn.Parameter], settings: "Init") -> None:
     """Broadcast `params` from group rank 0 and keep this rank's slice of each (one broadcast
     per dtype). Parameters already partitioned, or owned by a ZeRO-3 engine, are left alone."""
-    from .sharded_param import unit_of
 
     todo = [p for p in dict.fromkeys(params) if p is not None and p not in _SHARDS and unit_of(p) is None]
     if not todo:
@@ -136,7 +136,7 @@ def partition(params: Iterable[nn.Parameter], settings: "Init") -> None:
 def _gather_full(record: InitShard) -> torch.Tensor:
     """The whole parameter (record's dtype, compute device): one all-gather of the slices."""
     full = torch.empty(record.shard.numel() * record.world, dtype=record.shard.dtype, device=record.device)
-    _all_gather(full, record.shard.to(record.device), record.group)
+    gather_or_copy(full, record.shard.to(record.device), record.group)
     return full[:record.numel].view(record.shape)
 
 

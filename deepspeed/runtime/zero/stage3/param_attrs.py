@@ -90,3 +90,12 @@ NAMES = ("ds_id", "ds_shape", "ds_numel", "ds_persist", "ds_numel_aligned", "ds_
 def unpublish(param: Any) -> None:
     for name in NAMES:
         param.__dict__.pop(name, None)
+
+
+OWNER_ATTR = "_ds_zero3_owner"   # a ZeRO-3 parameter's link to its ShardedUnit (sharded_param._Owner)
+
+
+def unit_of(param: Any) -> Any:
+    """The ShardedUnit that holds `param` (None for a parameter no ZeRO-3 engine partitions)."""
+    owner = getattr(param, OWNER_ATTR, None) if isinstance(param, torch.nn.Parameter) else None
+    return owner.unit if owner is not None else None

@@ -41,8 +41,9 @@ from torch import nn
 
 from .... import comm as ds_comm
 from ..partition import ParamwisePartition
-from . import param_attrs, watchdog
-from .param_attrs import ZeroParamStatus
+from . import init_context, param_attrs, watchdog
+from .param_attrs import OWNER_ATTR as _OWNER_ATTR
+from .param_attrs import ZeroParamStatus, unit_of
 from .unit_layout import UnitLayout
 from .units import UnitSpec
 
@@ -88,27 +89,6 @@ def _no_owner() -> None:
     return None
 
 
-_OWNER_ATTR = "_ds_zero3_owner"
-
-
-def unit_of(param: Any) -> "ShardedUnit | None":
-    owner = getattr(param, _OWNER_ATTR, None) if isinstance(param, nn.Parameter) else None
-    return owner.unit if owner is not None else None
-
-
-def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec | None = None,
-                phase: str = "") -> None:
-    """All-gather through deepspeed.comm (counted); a plain copy in a process without a group.
-    A unit's collective (`spec` given) is bounded in time and checked across ranks: see
-    [Note: ZeRO-3 divergence] in watchdog.py."""
-    if not ds_comm.is_initialized():
-        out.copy_(shard)
-    elif spec is not None:
-        watchdog.all_gather(out, shard, group, spec, phase)
-    else:
-        ds_comm.all_gather_into_tensor(out, shard, group=group)
-
-
 class ShardedUnit:
     """Shard, gather buffer, gradient shard and gather/release bookkeeping of one unit."""
 
@@ -128,8 +108,6 @@ class ShardedUnit:
         self.stats = stats if stats is not None else GatherStats()
         self._pending: watchdog.PendingGather | None = None
         self._received: torch.Tensor | None = None   # a rank-major all-gather buffer not yet unpacked
-        from . import init_context   # it imports this module
-
         dtypes = {(p.dtype, p.device) for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"ZeRO-3 unit of module '{spec.owner}' mixes dtypes/devices {sorted(map(str, dtypes))}; "
@@ -214,7 +192,7 @@ class ShardedUnit:
             self.stats.waited += 1
             return self._finish_prefetch()
         phase = "backward" if self._held else ("forward" if self._refs else "post-step")
-        _all_gather(self._gather_buffer(), self.shard.to(self.flat.device), self.group, self.spec, phase)
+        watchdog.gather_or_copy(self._gather_buffer(), self.shard.to(self.flat.device), self.group, self.spec, phase)
         self.stats.sync += 1
         self._show_gathered()
 
@@ -243,7 +221,7 @@ class ShardedUnit:
         out = self._gather_buffer()
         shard = self.shard.to(self.flat.device)
         if ds_comm.is_initialized():
-            self._pending = watchdog.start_all_gather(out, shard, self.group, self.spec, phase)
+            self._pending = watchdog.startwatchdog.gather_or_copy(out, shard, self.group, self.spec, phase)
         else:
             out.copy_(shard)
         self.stats.prefetched += 1
@@ -411,7 +389,7 @@ class ShardedUnit:
         """All-gather a shard laid out like this unit (params or grads) and split it per parameter."""
         full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=self.flat.device)
         if full.numel():
-            _all_gather(full, shard.to(self.flat.device), self.group, self.spec, "full-state")
+            watchdog.gather_or_copy(full, shard.to(self.flat.device), self.group, self.spec, "full-state")
         return self.layout.split(full, self.shapes)
 
     def __repr__(self) -> str:

@@ -325,3 +325,16 @@ def reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any, spec: Unit
     """The unit's one reduce-scatter, bounded and checked; see [Note: ZeRO-3 divergence]."""
     _unit_collective("reduce-scatter", phase, spec, group, out.device,
                      lambda t: reduce_scatter_tensor_within(out, flat, t, group))
+
+
+def gather_or_copy(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec | None = None,
+                   phase: str = "") -> None:
+    """All-gather through deepspeed.comm (counted); a plain copy in a process without a group.
+    A unit's collective (`spec` given) is bounded in time and checked across ranks: see
+    [Note: ZeRO-3 divergence]."""
+    if not ds_comm.is_initialized():
+        out.copy_(shard)
+    elif spec is not None:
+        all_gather(out, shard, group, spec, phase)
+    else:
+        ds_comm.all_gather_into_tensor(out, shard, group=group)
