@@ -199,7 +199,8 @@ MISPLACED = [
     ({"zero_optimization": {"stage3_prefetch_bucket": 1}},
      "zero_optimization.stage3_prefetch_bucket: unknown key (did you mean 'stage3_prefetch_bucket_size'?)"),
     ({"fp16": {"loss_scale_windows": 100}}, "fp16.loss_scale_windows: unknown key (did you mean 'loss_scale_window'?)"),
-    ({"checkpoint": {"frequency": 10}}, "checkpoint.frequency: unknown key; allowed keys: checkpoint_serialization, "
+    ({"checkpoint": {"frequency": 10}}, "checkpoint.frequency: unknown key; allowed keys: async_save, "
+                                        "checkpoint_serialization, "
                                         "load_universal, parallel_write, tag_validation, use_node_local_storage, writer"),
     ({"checkpoint": {"universal": True}}, "checkpoint.universal: unknown key (did you mean 'load_universal'?)"),
 ]

@@ -11,6 +11,16 @@ from deepspeed.comm.init import mpi_discovery
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    """No launcher variables; and whatever the test's discovery writes into os.environ (RANK,
+    WORLD_SIZE, MASTER_PORT, ...) is undone afterwards, so a later test in this process that
+    initialises deepspeed.comm does not wait for 8 ranks."""
+    saved = dict(os.environ)
+    yield _clear_launcher_env(monkeypatch)
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _clear_launcher_env(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
                 "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID",
                 "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_LAUNCH_NODE_IPADDR", "PMIX_RANK", "PMIX_SIZE",
