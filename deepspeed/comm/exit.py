@@ -27,7 +27,7 @@ non-daemon thread has been joined. The step:
    referenced (tracked weakly): polls them for a bounded time (`_SETTLE_S`; shorter when the
    process is exiting on an uncaught exception) and waits for the finished ones;
 2. if one is still pending (a peer will never join it: this rank failed half way through a
-   step), makes our groups' pending collectives fail at once (`comm.bounded.break_group`:
+   step), makes our groups' pending collectives fail at once (`comm/breaker.py`:
    peers see a closed connection, as they would when this process is gone) instead of waiting
    for them, here or in the group's destructor at finalization; if even then one is pending,
    it leaves the groups alone. A failing rank exits promptly; exit is never collective (no

@@ -221,7 +221,7 @@ class ShardedUnit:
         out = self._gather_buffer()
         shard = self.shard.to(self.flat.device)
         if ds_comm.is_initialized():
-            self._pending = watchdog.startwatchdog.gather_or_copy(out, shard, self.group, self.spec, phase)
+            self._pending = watchdog.gather_or_copy(out, shard, self.group, self.spec, phase)
         else:
             out.copy_(shard)
         self.stats.prefetched += 1
