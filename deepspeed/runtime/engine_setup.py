@@ -217,7 +217,8 @@ def build_stage3_coordinator(engine: Any) -> Any:
 def _reduce_policy(engine: Any) -> ReducePolicy:
     model = engine._config.model
     return ReducePolicy(world_size=engine.dp_world_size, prescale_gradients=model.prescale_gradients,
-                        gradient_predivide_factor=model.gradient_predivide_factor)
+                        gradient_predivide_factor=model.gradient_predivide_factor,
+                        op=model.gradient_allreduce_op)
 
 
 def _bucket_numel(engine: Any, dtype: torch.dtype) -> int:

@@ -42,21 +42,25 @@ from ..utils.weak_hooks import remove_when_collected, weak_hook
 
 @dataclass(frozen=True)
 class ReducePolicy:
-    """How gradients are averaged (DeepSpeed's prescale/predivide semantics)."""
+    """How gradients are combined across ranks: DeepSpeed's prescale/predivide semantics and
+    `gradient_allreduce_op` ("mean": the average, "sum": the sum; the split between the scaling
+    before and after the collective only moves where the division happens)."""
 
     world_size: int
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
+    op: str = "mean"
 
     def before(self) -> float:
         if self.prescale_gradients:
-            return 1.0 / self.world_size
+            return 1.0 / self.world_size if self.op == "mean" else 1.0
         return 1.0 / self.gradient_predivide_factor
 
     def after(self) -> float:
         if self.prescale_gradients:
             return 1.0
-        return self.gradient_predivide_factor / self.world_size
+        total = 1.0 / self.world_size if self.op == "mean" else 1.0
+        return self.gradient_predivide_factor * total
 
 
 @dataclass

@@ -193,3 +193,32 @@ def test_no_sync_skips_reduction() -> None:
     results = run_distributed(2, no_sync_behaviour)
     assert results[0]["reduced"] == 0
     assert not torch.allclose(results[0]["grad"], results[1]["grad"])  # still local, not averaged
+
+
+def sum_or_mean_step(stage: int, op: str, extra: dict) -> list[float]:
+    """One SGD(lr=1) step of a linear loss whose gradient is the input on every rank: the update
+    is minus the combined gradient, so it shows whether ranks' gradients were summed or averaged."""
+    import deepspeed
+
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+              "gradient_allreduce_op": op, "zero_optimization": {"stage": stage, **extra.pop("zero", {})}, **extra}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                           config=config)
+    engine.backward(engine(torch.tensor([1.0, 2.0])).sum())
+    engine.step()
+    return engine.module.weight.detach().flatten().tolist()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("op,combined", [("mean", 1.0), ("sum", 2.0)])
+@pytest.mark.parametrize("extra", [{"zero": {"reduce_scatter": True, "contiguous_gradients": True}},
+                                   {"gradient_predivide_factor": 2.0, "zero": {"reduce_scatter": False}},
+                                   {"prescale_gradients": True, "zero": {"contiguous_gradients": False}}],
+                         ids=["reduce_scatter", "predivide", "prescale"])
+def test_gradient_allreduce_op_sum_and_mean(stage: int, op: str, combined: float, extra: dict) -> None:
+    # 2 ranks, identical gradients [1, 2]: "mean" gives [1, 2], "sum" gives [2, 4], whatever the
+    # prescale/predivide split (powers of two: exact in fp32)
+    for weights in run_distributed(2, sum_or_mean_step, stage, op, copy.deepcopy(extra)):
+        assert weights == [-1.0 * combined, -2.0 * combined]

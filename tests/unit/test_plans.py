@@ -32,3 +32,11 @@ def test_reduce_policy_always_averages(world, prescale, predivide):
     policy = ReducePolicy(world, prescale, predivide)
     # sum over `world` identical contributions of 1.0 must come back as 1.0
     assert policy.before() * world * policy.after() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+@pytest.mark.parametrize("prescale,predivide", [(False, 1.0), (False, 2.0), (False, 8.0), (True, 1.0)])
+def test_reduce_policy_sum_op_sums(world, prescale, predivide):
+    policy = ReducePolicy(world, prescale, predivide, op="sum")
+    # gradient_allreduce_op "sum": `world` contributions of 1.0 come back as `world`
+    assert policy.before() * world * policy.after() == pytest.approx(world)
