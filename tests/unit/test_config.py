@@ -569,3 +569,19 @@ def test_real_world_configs_load_strictly(text):
     cfg = DeepSpeedConfig(text, world_size=2, strict=True)
     assert cfg.model.zero_optimization.overlap_comm is True
     assert cfg.model.zero_optimization.stage in (2, 3) and cfg.train_batch_size in (16, 64)
+
+
+def test_hjson_config_file(tmp_path):
+    # upstream reads config files with hjson (comments, unquoted keys); ours does when hjson is installed
+    hjson = pytest.importorskip("hjson")
+    path = tmp_path / "ds_config.json"
+    path.write_text("{\n  # comment\n  train_batch_size: 8\n  bf16: {enabled: true}\n}\n")
+    assert load_config_dict(str(path)) == {"train_batch_size": 8, "bf16": {"enabled": True}}
+    path.write_text(hjson.dumps({"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}))
+    assert load_config_dict(str(path))["optimizer"]["params"]["lr"] == 1e-3
+    path.write_text("{\n  train_batch_size: 8\n  train_batch_size: 4\n}\n")
+    with pytest.raises(DeepSpeedConfigError, match="duplicate key"):
+        load_config_dict(str(path))
+    path.write_text("{ train_batch_size: [ }")
+    with pytest.raises(DeepSpeedConfigError, match="neither valid JSON"):
+        load_config_dict(str(path))

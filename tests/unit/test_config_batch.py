@@ -168,3 +168,17 @@ def test_batch_values_from_json_floats_and_type_errors():
     assert "train_batch_size: got 2.5; expected an integer (no fractional part)" in str(info.value)
     with pytest.raises(DeepSpeedConfigError, match="train_batch_size: got true; expected a number, not a boolean"):
         DeepSpeedConfig({"train_batch_size": True}, world_size=1)
+
+
+def test_assigned_batch_members_are_re_resolved():
+    # upstream's pattern: assign the members (None: unset), then _configure_train_batch_size()
+    cfg = DeepSpeedConfig({"train_batch_size": 8}, world_size=2)
+    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = 32, 8, None
+    cfg._configure_train_batch_size()
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (32, 8, 2)
+    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = 33, 17, 2
+    with pytest.raises(AssertionError, match="train_batch_size"):  # also a DeepSpeedConfigError
+        cfg._configure_train_batch_size()
+    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = None, None, 2
+    with pytest.raises(DeepSpeedConfigError, match="either"):
+        cfg._configure_train_batch_size()

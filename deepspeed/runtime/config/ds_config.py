@@ -11,7 +11,7 @@ import torch
 from deepspeed.utils.logging import logger
 
 from .batch import BatchSizes, resolve_batch
-from .errors import DeepSpeedConfigError
+from .errors import BatchConfigError, DeepSpeedConfigError
 from .loader import load_config_dict
 from .root import BATCH_KEYS, RootConfig, log_auto_defaults, prepare, validate
 from .sections.base import TORCH_DTYPES, field_keys, submodel
@@ -122,17 +122,42 @@ class DeepSpeedConfig:
         return resolve_batch(*values, self.world_size)
 
     # -------------------------------------------------------------------------- accessors
+    # Upstream lets code assign the three batch members and then call _configure_train_batch_size()
+    # (its tests and some launch scripts do); an assignment only records the value (None: unset).
     @property
-    def train_batch_size(self) -> int:
+    def train_batch_size(self) -> Optional[int]:
         return self.model.train_batch_size
 
-    @property
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.model.train_micro_batch_size_per_gpu
+    @train_batch_size.setter
+    def train_batch_size(self, value: Optional[int]) -> None:
+        self.model.__dict__["train_batch_size"] = value
 
     @property
-    def gradient_accumulation_steps(self) -> int:
+    def train_micro_batch_size_per_gpu(self) -> Optional[int]:
+        return self.model.train_micro_batch_size_per_gpu
+
+    @train_micro_batch_size_per_gpu.setter
+    def train_micro_batch_size_per_gpu(self, value: Optional[int]) -> None:
+        self.model.__dict__["train_micro_batch_size_per_gpu"] = value
+
+    @property
+    def gradient_accumulation_steps(self) -> Optional[int]:
         return self.model.gradient_accumulation_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: Optional[int]) -> None:
+        self.model.__dict__["gradient_accumulation_steps"] = value
+
+    def _configure_train_batch_size(self) -> None:
+        """Resolve the batch triple from the members as they are now (upstream's name); an
+        inconsistent or incomplete triple raises BatchConfigError (also an AssertionError, as upstream)."""
+        try:
+            batch = resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                                  self.gradient_accumulation_steps, self.world_size)
+        except DeepSpeedConfigError as exc:
+            raise BatchConfigError(exc.errors) from None
+        for key in BATCH_KEYS:
+            self.model.__dict__[key] = getattr(batch, key)
 
     def set_batch(self, train_batch_size: int, gradient_accumulation_steps: int,
                   micro_batch_size: Optional[int] = None) -> None:

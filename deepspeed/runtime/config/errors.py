@@ -29,6 +29,11 @@ class DeepSpeedConfigError(ValueError):
         super().__init__(message)
 
 
+class BatchConfigError(DeepSpeedConfigError, AssertionError):
+    """Batch sizes that do not fit together, found when they are re-resolved at run time
+    (upstream asserts there, and callers catch AssertionError)."""
+
+
 # ------------------------------------------------------------------------------ suggestions
 def edit_distance(a: str, b: str) -> int:
     """Optimal-string-alignment distance: one per insertion, deletion, substitution, swap."""

@@ -1,4 +1,5 @@
-"""Where a config comes from: a dict, a JSON file, a JSON string or base64-encoded JSON."""
+"""Where a config comes from: a dict, a JSON file (or an HJSON file, as upstream reads files with
+hjson, when the optional `hjson` package is installed), a JSON string or base64-encoded JSON."""
 
 from __future__ import annotations
 
@@ -33,6 +34,23 @@ def _parse_json(text: str, source: str) -> dict[str, Any]:
     return value
 
 
+def _parse_hjson(text: str, source: str, json_error: DeepSpeedConfigError) -> dict[str, Any]:
+    """Upstream reads config files with hjson (a superset of JSON): accept one when hjson is there."""
+    try:
+        import hjson
+    except ImportError:
+        raise DeepSpeedConfigError(f"{json_error} (HJSON files need the optional package: pip install hjson)") from None
+    try:
+        value = hjson.loads(text, object_pairs_hook=_reject_duplicates)
+    except DeepSpeedConfigError as exc:
+        raise DeepSpeedConfigError(f"{source}: {exc}") from None
+    except Exception as exc:  # hjson.HjsonDecodeError: neither JSON nor HJSON
+        raise DeepSpeedConfigError(f"{source} is neither valid JSON ({json_error}) nor valid HJSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise DeepSpeedConfigError(f"{source} must hold an object, got {type(value).__name__}")
+    return dict(value)
+
+
 def _decode_base64(text: str) -> str | None:
     compact = "".join(text.split())
     try:
@@ -56,7 +74,13 @@ def load_config_dict(config: Any) -> dict[str, Any]:
     text = os.fspath(config)
     if os.path.isfile(text):
         with open(text, encoding="utf-8") as handle:
-            return _parse_json(handle.read(), f"config file {text}")
+            content = handle.read()
+        try:
+            return _parse_json(content, f"config file {text}")
+        except DeepSpeedConfigError as exc:
+            if "not valid JSON" not in str(exc):
+                raise
+            return _parse_hjson(content, f"config file {text}", exc)
     if text.lstrip().startswith("{"):
         return _parse_json(text, "config JSON string")
     decoded = _decode_base64(text)
