@@ -335,3 +335,44 @@ def test_init_trains_a_model_larger_than_the_memory_cap() -> None:
         assert not r["plain_fits"]
         assert r["after_init"] < 0.3 * r["full_bytes"]              # 1/N while built
         assert len(r["losses"]) == 2 and all(map(math.isfinite, r["losses"]))
+
+
+class ParentInitialisesChildren(nn.Module):
+    """A parent whose __init__ initialises its (already partitioned) children through apply()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(12, 3)
+        self.norm = nn.LayerNorm(3)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        import deepspeed.comm as dist
+
+        if isinstance(module, nn.Linear):
+            with torch.no_grad():
+                module.weight.fill_(1.0 + dist.get_rank())   # ranks disagree: rank 0's values win
+                module.bias.zero_()
+
+
+def build_parent_initialised() -> dict:
+    with deepspeed.zero.Init():
+        model = ParentInitialisesChildren()
+    applied_outside = model.apply(lambda m: None) is model   # apply is torch's own again
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"full": full, "weight_shard": model.linear.weight.ds_tensor.clone(), "outside": applied_outside,
+            "apply_restored": nn.Module.apply.__module__ == "torch.nn.modules.module"}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_parent_apply_inside_init_reaches_partitioned_children(world: int) -> None:
+    # upstream: weights set by a parent's apply(init_fn) inside zero.Init are those of rank 0 on
+    # every rank (before, the fill landed on the empty placeholder and was lost)
+    for result in run_distributed(world, build_parent_initialised):
+        assert torch.equal(result["full"]["linear.weight"], torch.ones(3, 12))
+        assert torch.equal(result["full"]["linear.bias"], torch.zeros(3))
+        assert torch.equal(result["full"]["norm.weight"], torch.ones(3))
+        assert result["weight_shard"].numel() == math.ceil(36 / world)
+        assert torch.equal(result["weight_shard"], torch.ones(math.ceil(36 / world)))
+        assert result["outside"] and result["apply_restored"]

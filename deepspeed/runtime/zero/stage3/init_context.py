@@ -9,7 +9,9 @@ values whatever its RNG did -- and each rank keeps one slice of each: ceil(numel
 the last ranks' zero-padded (upstream's per-parameter `ds_tensor`). `p.data` becomes an empty
 placeholder of the parameter's dtype. Once built, a rank holds ~1/N of the parameters; at any
 moment at most one module's parameters (and one broadcast buffer) are full, so a model larger
-than one process's memory can be built as long as its largest module fits.
+than one process's memory can be built as long as its largest module fits. `nn.Module.apply` is
+patched too: a parent initialising its children's (already partitioned) weights through
+`self.apply(fn)` sees each module's parameters whole, and rank 0's result is re-partitioned.
 
 `_SHARDS` (parameter -> InitShard) is the one owner of this state; the `ds_*` attributes are
 published from it for downstream readers (Hugging Face reads `param.ds_numel` right after
@@ -218,6 +220,7 @@ _CONSTRUCTING: set[int] = set()      # id() of modules whose outermost __init__ 
 _PATCHED: dict[type, Callable] = {}  # class -> its original __init__
 _NO_HOOK = object()
 _SAVED_INIT_SUBCLASS: Any = _NO_HOOK  # nn.Module's own __init_subclass__, if torch defines one
+_SAVED_APPLY: Any = None               # nn.Module.apply while patched
 
 
 def _wrap_init(init: Callable) -> Callable:
@@ -235,6 +238,27 @@ def _wrap_init(init: Callable) -> Callable:
     return wrapper
 
 
+def _apply_gathered(module: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Module:
+    """nn.Module.apply inside Init: a parent's __init__ often initialises its children's weights
+    (`self.apply(self._init_weights)`) after they were partitioned. Each module's own partitioned
+    parameters are whole while `fn` sees it and re-partitioned from rank 0's values afterwards
+    (GatheredParameters(modifier_rank=0) semantics, as upstream), one module at a time."""
+    for child in module.children():
+        child.apply(fn)
+    own = [p for p in module.parameters(recurse=False) if p in _SHARDS]
+    for p in own:
+        acquire(p)
+    try:
+        fn(module)
+    except BaseException:
+        for p in own:
+            release(p, None)   # no collective: this rank is failing
+        raise
+    for p in own:
+        release(p, 0)
+    return module
+
+
 def _patch_class(cls: type) -> None:
     if "__init__" in cls.__dict__ and cls not in _PATCHED:
         _PATCHED[cls] = cls.__dict__["__init__"]
@@ -250,7 +274,7 @@ def _init_subclass(cls: type, **kwargs: Any) -> None:
 
 
 def _patch() -> None:
-    global _SAVED_INIT_SUBCLASS
+    global _SAVED_INIT_SUBCLASS, _SAVED_APPLY
     todo = [nn.Module]
     while todo:
         cls = todo.pop()
@@ -258,9 +282,11 @@ def _patch() -> None:
         todo.extend(cls.__subclasses__())
     _SAVED_INIT_SUBCLASS = nn.Module.__dict__.get("__init_subclass__", _NO_HOOK)
     nn.Module.__init_subclass__ = classmethod(_init_subclass)
+    _SAVED_APPLY, nn.Module.apply = nn.Module.apply, _apply_gathered
 
 
 def _unpatch() -> None:
+    nn.Module.apply = _SAVED_APPLY
     for cls, init in _PATCHED.items():
         cls.__init__ = init
     _PATCHED.clear()
