@@ -376,3 +376,36 @@ def test_parent_apply_inside_init_reaches_partitioned_children(world: int) -> No
         assert result["weight_shard"].numel() == math.ceil(36 / world)
         assert torch.equal(result["weight_shard"], torch.ones(math.ceil(36 / world)))
         assert result["outside"] and result["apply_restored"]
+
+
+class SkipInitChild(nn.Module):
+    def __init__(self, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.inner = nn.Linear(10, 10, device=device)
+
+
+class SkipInitModel(nn.Module):
+    """torch.nn.utils.skip_init: children built on the meta device, then materialised uninitialised."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = torch.nn.utils.skip_init(nn.Linear, 10, 10)
+        self.l2 = nn.Linear(10, 10)
+        self.l3 = torch.nn.utils.skip_init(SkipInitChild)
+
+
+def build_skip_init() -> dict:
+    with deepspeed.zero.Init():
+        model = SkipInitModel()
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"numel": {n: p.ds_tensor.numel() for n, p in model.named_parameters()}, "full": full}
+
+
+def test_skip_init_inside_init_is_partitioned() -> None:
+    results = run_distributed(2, build_skip_init)
+    for result in results:
+        assert result["numel"] == {"l1.weight": 50, "l1.bias": 5, "l2.weight": 50, "l2.bias": 5,
+                                   "l3.inner.weight": 50, "l3.inner.bias": 5}
+    for name, value in results[0]["full"].items():   # rank 0's (uninitialised) values on every rank
+        assert torch.equal(value, results[1]["full"][name]) or torch.isnan(value).any(), name

@@ -107,7 +107,8 @@ def partition(params: Iterable[nn.Parameter], settings: "Init") -> None:
     """Broadcast `params` from group rank 0 and keep this rank's slice of each (one broadcast
     per dtype). Parameters already partitioned, or owned by a ZeRO-3 engine, are left alone."""
 
-    todo = [p for p in dict.fromkeys(params) if p is not None and p not in _SHARDS and unit_of(p) is None]
+    todo = [p for p in dict.fromkeys(params) if p is not None and p not in _SHARDS and unit_of(p) is None
+            and not p.is_meta]   # meta: not built yet (skip_init); partitioned once materialised
     if not todo:
         return
     group, device = settings.group, settings.device
@@ -233,8 +234,8 @@ def _wrap_init(init: Callable) -> Callable:
         finally:
             if outer:
                 _CONSTRUCTING.discard(id(module))
-        if outer and _ACTIVE:
-            partition(module.parameters(recurse=False), _ACTIVE[0])
+        if outer and _ACTIVE:   # children's too: one built on meta and materialised later (skip_init)
+            partition(module.parameters(), _ACTIVE[0])
     return wrapper
 
 
