@@ -288,7 +288,7 @@ def _snap_equal(a: dict, b: dict) -> bool:
 
 
 def tag_mismatch_job(cfg: dict, save_dir: str) -> dict:
-    """Ranks pass different tags under checkpoint.tag_validation FAIL."""
+    """Ranks pass different tags (checkpoint.tag_validation FAIL raises; WARN/IGNORE save)."""
     engine = build(cfg, "tiny", seed=0)
     train(engine, batches(1))
     tag = f"rank{_dist().get_rank()}"
@@ -297,8 +297,8 @@ def tag_mismatch_job(cfg: dict, save_dir: str) -> dict:
     except Exception as error:  # noqa: BLE001
         # the pool must still be usable: a matched save right after works
         engine.save_checkpoint(save_dir, tag="agreed")
-        return {"type": type(error).__name__, "message": str(error)}
-    return {"type": None, "message": "no error"}
+        return {"type": type(error).__name__, "message": str(error), "assertion": isinstance(error, AssertionError)}
+    return {"type": None, "message": "no error", "snap": snapshot(engine)}
 
 
 def rank0_only_save_job(cfg: dict, save_dir: str, timeout_s: float) -> dict:

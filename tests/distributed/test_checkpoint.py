@@ -283,7 +283,20 @@ def test_tag_validation_fail_raises_on_every_rank(tmp_path):
     for r in results:
         assert r["type"] is not None, r
         assert "rank0" in r["message"] and "rank1" in r["message"], r["message"]
+        assert r["assertion"]   # upstream asserts; callers catch AssertionError
     assert sorted(os.listdir(tmp_path)) == ["agreed", "latest", "zero_to_fp32.py"]  # nothing of the failed one
+
+
+@pytest.mark.parametrize("mode", ["WARN", "IGNORE"])
+def test_tag_validation_warn_ignore_saves_under_rank0_tag(tmp_path, mode):
+    # upstream lets each rank write into its own tag's folder (no folder holds a whole checkpoint);
+    # ours saves one complete checkpoint under rank 0's tag, which loads
+    cfg = J.config(1, 2, checkpoint={"tag_validation": mode})
+    a = run_distributed(2, J.tag_mismatch_job, cfg, str(tmp_path))
+    assert [r["type"] for r in a] == [None, None]
+    assert sorted(os.listdir(tmp_path)) == ["latest", "rank0", "zero_to_fp32.py"]
+    b = run_distributed(2, J.load_job, cfg, str(tmp_path), pre=0, post=0)[0]
+    assert_snap_equal(a[0]["snap"], b["snap"])
 
 
 def test_save_before_first_step(tmp_path):

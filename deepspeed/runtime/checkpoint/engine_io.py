@@ -18,6 +18,7 @@ from typing import Any
 from ... import comm as ds_comm
 from ...checkpoint import files
 from ...utils.logging import log_dist, logger
+from ..errors import ArgumentError
 from . import zero3_io
 from .agree import agreed, describe, raise_if_any
 from .hp_state import HpState
@@ -34,17 +35,23 @@ def _partitioned(engine: Any) -> bool:
     return engine.optimizer is not None and (engine.zero_optimization_stage() > 0 or engine.precision.is_mixed)
 
 
-def _validate_tag(engine: Any, tag: str) -> None:
+def _validate_tag(engine: Any, tag: str) -> str:
+    """The tag every rank saves under: rank 0's. Tags that differ across ranks raise with
+    tag_validation FAIL (also an AssertionError, as upstream's assert); with WARN (warned) or IGNORE
+    every rank uses rank 0's tag, so the ranks still write one complete, loadable checkpoint
+    (upstream lets each rank write into its own tag's folder: no folder holds a whole checkpoint)."""
+    if ds_comm.get_world_size() == 1:
+        return tag
     mode = engine._config.model.checkpoint.tag_validation
-    if mode == "IGNORE" or ds_comm.get_world_size() == 1:
-        return
     tags: list[Any] = [None] * ds_comm.get_world_size()
     ds_comm.all_gather_object(tags, tag)
     if len(set(tags)) > 1:
         message = f"checkpoint tag differs across ranks: {tags} (checkpoint.tag_validation={mode})"
         if mode == "FAIL":
-            raise ValueError(message)
-        logger.warning(message)
+            raise ArgumentError(message)
+        if mode == "WARN":
+            logger.warning(f"{message}; every rank saves under rank 0's tag {tags[0]!r}")
+    return tags[0]
 
 
 def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict | None = None,
@@ -64,7 +71,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
 
     tag, hp = agreed(what, begin, cleanup=lambda: files.discard_staging(save_dir, _checked_tag(engine, save_dir, tag)))
     try:
-        _validate_tag(engine, tag)  # collective; every rank sees the same tags and raises alike
+        tag = _validate_tag(engine, tag)  # collective; every rank sees the same tags and raises alike
     except ValueError:
         if rank == 0:
             files.discard_staging(save_dir, tag)
