@@ -85,3 +85,23 @@ def test_cpu_device_count_follows_local_size(clean_env):
     nodes = [p for p in __import__("glob").glob("/sys/devices/system/node/node[0-9]*/cpulist")
              if open(p).read().strip()]
     assert accel.device_count() == max(len(nodes), 1)
+
+
+def test_zero_init_initialises_deepspeed_comm_in_a_single_process(tmp_path):
+    # upstream: zero.Init sets up the process group like deepspeed.initialize does, even for one
+    # process started without a launcher (own interpreter: the group lives for the process)
+    import os
+    import subprocess
+    import sys
+
+    script = ("import torch, deepspeed, deepspeed.comm as dist\n"
+              "assert not dist.is_initialized()\n"
+              "with deepspeed.zero.Init():\n"
+              "    assert dist.is_initialized() and dist.get_world_size() == 1\n"
+              "    layer = torch.nn.Linear(4, 4)\n"
+              "assert layer.weight.ds_tensor.numel() == 16\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -346,8 +346,8 @@ class Init:
         device = str(device).lower() if device is not None else config_device
         if device not in (None, "none", "cpu"):
             raise _not_supported(f"remote_device={device!r} (only None or \"cpu\")")
-        if not ds_comm.is_initialized() and ds_comm.get_world_size() > 1:
-            ds_comm.init_distributed()   # launched (WORLD_SIZE > 1) but not initialised yet, as upstream
+        if not ds_comm.is_initialized():
+            ds_comm.init_distributed()   # as upstream (and deepspeed.initialize): even a single process
         if sequence_data_parallel_group is not None:
             self.group = sequence_data_parallel_group
         elif data_parallel_group is not None:
