@@ -35,6 +35,14 @@ def queue_autograd_callback(fn: Callable[[], None]) -> bool:
     return True
 
 
+def under_function_transform() -> bool:
+    """True inside torch.func.grad/vjp/jacrev/vmap: their autograd computes gradients of the
+    transformed function only (no parameter gradients, no optimizer step), so the engine's output
+    hooks (1/gas scaling, the backward prologue and epilogue) must stay out of it."""
+    level = getattr(torch._C._functorch, "maybe_current_level", None)
+    return level is not None and level() is not None
+
+
 def output_tensors(output: Any) -> list[torch.Tensor]:
     """Floating tensors that need grad inside a forward's (nested) output."""
     found: list[torch.Tensor] = []

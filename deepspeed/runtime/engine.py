@@ -22,7 +22,8 @@ from ..utils.timer import SynchronizedWallClockTimer, ThroughputTimer
 from .base_optimizer import DeepSpeedOptimizer
 from .dataloader import DeepSpeedDataLoader
 from .engine_accessors import EngineAccessors
-from .backward_hooks import BackwardState, derived_outputs, output_tensors, queue_autograd_callback
+from .backward_hooks import (BackwardState, derived_outputs, output_tensors, queue_autograd_callback,
+                             under_function_transform)
 from .engine_setup import (broadcast_module_states, build_lr_scheduler, build_optimizer_for_engine,
                            build_reducer, build_stage3_coordinator, check_supported, check_zero_layout,
                            NotSupportedYet, prepare_module, resolve_device, wrap_optimizer)
@@ -123,7 +124,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         inputs, kwargs = self.precision.cast_input(inputs), self.precision.cast_input(kwargs)
         with self.precision.forward_context(self.device.type):
             output = self.module(*inputs, **kwargs)
-        if self.optimizer is not None and torch.is_grad_enabled():
+        if self.optimizer is not None and torch.is_grad_enabled() and not under_function_transform():
             tensors = output_tensors(output)
             sources = derived_outputs(tensors)
             tokens = [next(self._output_tokens) for _ in tensors]  # unique, unlike id() of freed tensors
