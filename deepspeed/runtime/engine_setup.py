@@ -28,6 +28,10 @@ def check_supported(config: Any) -> None:
         unsupported.append("fp16.fp16_master_weights_and_grads=true (needs ZeRO with CPU offload)")
     if model.bf16.bf16_master_weights_and_grads:
         unsupported.append("bf16.bf16_master_weights_and_grads=true (needs ZeRO stages 1-3)")
+    if not model.managed_gradient_accumulation:
+        unsupported.append("managed_gradient_accumulation=false (every step() an accumulation boundary); "
+                           "use gradient_accumulation_steps, or set_gradient_accumulation_boundary() as "
+                           "Accelerate does")
     if unsupported:
         raise NotSupportedYet("Not implemented yet in this build of deepspeed: " + "; ".join(unsupported) +
                               ". See README.md, 'Features', for what is available.")

@@ -585,3 +585,13 @@ def test_hjson_config_file(tmp_path):
     path.write_text("{ train_batch_size: [ }")
     with pytest.raises(DeepSpeedConfigError, match="neither valid JSON"):
         load_config_dict(str(path))
+
+
+def test_unmanaged_gradient_accumulation_is_rejected_not_ignored():
+    # parsed (upstream's key) but not run here: initialize must say so instead of training differently
+    from deepspeed.runtime.engine_setup import check_supported
+    from deepspeed.runtime.errors import NotSupportedYet
+
+    check_supported(DeepSpeedConfig({**BASE, "managed_gradient_accumulation": True}, world_size=1))
+    with pytest.raises(NotSupportedYet, match="managed_gradient_accumulation=false"):
+        check_supported(DeepSpeedConfig({**BASE, "managed_gradient_accumulation": False}, world_size=1))
