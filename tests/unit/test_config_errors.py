@@ -98,7 +98,7 @@ CROSS_ERRORS = [
     ({"bf16": {"bf16_master_weights_and_grads": True}},
      "bf16.bf16_master_weights_and_grads: requires zero_optimization.stage 1, 2 or 3, got stage 0"),
     ({"gradient_allreduce_op": "SUM", "zero_optimization": {"stage": 3}},
-     'gradient_allreduce_op: "sum" is not supported with zero_optimization.stage 3'),
+     'gradient_allreduce_op: "sum" is not supported with ZeRO stage 3 (zero_optimization.stage 3)'),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
      "zero_optimization.offload_param: parameter offload needs stage 3, got stage 2"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
@@ -315,3 +315,17 @@ def test_unsupported_zero_features(enabled, disabled, path):
     DeepSpeedConfig({**BASE, "zero_optimization": {"stage": 3, **disabled}}, world_size=1)
     text = str(errors_of({"zero_optimization": {"stage": 3, **enabled}}))
     assert f"{path}: " in text and "is not supported by this implementation (pure-Python deepspeed)" in text
+
+
+def test_allgather_bucket_size_odd_at_stage_1_2_is_rejected_as_upstream():
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    for stage in (1, 2):
+        with pytest.raises(AssertionError, match="allgather_bucket_size must be a multiple of "
+                                                 "nccl_start_alignment_factor"):
+            DeepSpeedConfig({"train_batch_size": 2, "zero_optimization": {"stage": stage,
+                                                                          "allgather_bucket_size": 1001}}, world_size=1)
+    DeepSpeedConfig({"train_batch_size": 2, "zero_optimization": {"stage": 2, "allgather_bucket_size": 1000}},
+                    world_size=1)
+    DeepSpeedConfig({"train_batch_size": 2, "zero_optimization": {"stage": 3, "allgather_bucket_size": 1001}},
+                    world_size=1)

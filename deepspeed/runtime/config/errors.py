@@ -16,8 +16,9 @@ from pydantic import BaseModel, ValidationError
 from .sections.base import field_keys, model_at
 
 
-class DeepSpeedConfigError(ValueError):
-    """An invalid DeepSpeed config. `errors` holds one line per problem found."""
+class DeepSpeedConfigError(ValueError, AssertionError):
+    """An invalid DeepSpeed config. `errors` holds one line per problem found. Also an
+    AssertionError: upstream asserts on most bad values, and callers catch that."""
 
     def __init__(self, errors: Iterable[str] | str):
         self.errors = [errors] if isinstance(errors, str) else list(errors)
@@ -29,7 +30,7 @@ class DeepSpeedConfigError(ValueError):
         super().__init__(message)
 
 
-class BatchConfigError(DeepSpeedConfigError, AssertionError):
+class BatchConfigError(DeepSpeedConfigError):
     """Batch sizes that do not fit together, found when they are re-resolved at run time
     (upstream asserts there, and callers catch AssertionError)."""
 

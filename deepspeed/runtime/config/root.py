@@ -174,7 +174,7 @@ class RootConfig(UnsupportedSections):
             if getattr(getattr(self, section), name) and stage == 0:
                 yield key, "requires zero_optimization.stage 1, 2 or 3, got stage 0"
         if self.gradient_allreduce_op == "sum" and stage == 3:
-            yield "gradient_allreduce_op", '"sum" is not supported with zero_optimization.stage 3'
+            yield "gradient_allreduce_op", '"sum" is not supported with ZeRO stage 3 (zero_optimization.stage 3)'
         if self.vocabulary_size and self.vocabulary_size % 8:
             logger.warning(f"vocabulary_size {self.vocabulary_size} is not a multiple of 8 (tensor-core alignment)")
 

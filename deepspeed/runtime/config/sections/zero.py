@@ -182,6 +182,9 @@ class ZeroConfig(DSModel):
             yield "offload_param", f"parameter offload needs stage 3, got stage {self.stage}"
         if self.offload_optimizer is not None and self.offload_optimizer.enabled and self.stage == 0:
             yield "offload_optimizer", "optimizer offload needs stage 1, 2 or 3, got stage 0"
+        if self.stage in (1, 2) and self.allgather_bucket_size % 2:   # upstream's rule: portable configs
+            yield "allgather_bucket_size", ("allgather_bucket_size must be a multiple of nccl_start_alignment_factor "
+                                            f"(2), got {self.allgather_bucket_size}")
         yield from self._unsupported()
 
     def _unsupported(self) -> Iterator[Problem]:
