@@ -63,10 +63,13 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     Rank and world size come from the arguments, else the launcher's env variables (RANK,
     WORLD_SIZE), else MPI/SLURM discovery, else a single process on a free local port.
     """
-    if dist_init_required is False or (_tdist.is_available() and _tdist.is_initialized()):
-        if _tdist.is_available() and _tdist.is_initialized():
-            exit_step.process_group_created(owned=False)  # the script's group: settle ours at exit only
+    if _tdist.is_available() and _tdist.is_initialized():
+        exit_step.process_group_created(owned=False)  # the script's group: settle ours at exit only
         return
+    if dist_init_required is False:   # as upstream: refusing to create the group leaves none to run on
+        raise RuntimeError("deepspeed.init_distributed(dist_init_required=False): torch.distributed is not "
+                           "initialized; call torch.distributed.init_process_group() first, or pass "
+                           "dist_init_required=None (the default) to let DeepSpeed initialize it")
     backend = dist_backend or _default_backend()
     if rank < 0 and "RANK" not in os.environ and auto_mpi_discovery:
         mpi_discovery(distributed_port, verbose)

@@ -105,3 +105,15 @@ def test_zero_init_initialises_deepspeed_comm_in_a_single_process(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_dist_init_required_false_without_a_group_raises():
+    import torch.distributed as tdist
+
+    import deepspeed
+
+    if tdist.is_initialized():
+        pytest.skip("a process group already exists in this interpreter")
+    with pytest.raises(RuntimeError, match="dist_init_required=False"):
+        deepspeed.init_distributed(dist_init_required=False)
+    assert not tdist.is_initialized()
