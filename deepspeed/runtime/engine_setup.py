@@ -11,6 +11,7 @@ from torch import nn
 from .. import comm as ds_comm
 from ..accelerator import get_accelerator
 from ..utils.logging import log_dist, logger
+from .config.sections.base import TORCH_DTYPES
 from .errors import NotSupportedYet, UsageError  # NotSupportedYet re-exported: engine.py imports it here
 from .grad_reducer import GradBucketReducer, ReducePolicy
 
@@ -173,6 +174,25 @@ def wrap_optimizer(engine: Any) -> Any:
                                                       group=engine.data_parallel_group))
 
 
+def cast_module(module: torch.nn.Module, param_dtype: torch.dtype, buffer_dtype: torch.dtype | None,
+                keep_in_fp32: Any = "auto") -> None:
+    """Floating parameters to `param_dtype`; buffers keep their dtype (a rotary `inv_freq` stays
+    fp32) unless `buffer_dtype` is given, and then buffers of modules named in `keep_in_fp32`
+    ("auto": the model's own `_keep_in_fp32_modules`, as Hugging Face models declare) still stay."""
+    for p in module.parameters():
+        if p.is_floating_point() and p.dtype != param_dtype:
+            p.data = p.data.to(param_dtype)
+    if buffer_dtype is None:
+        return
+    keep = (getattr(module, "_keep_in_fp32_modules", None) or []) if keep_in_fp32 == "auto" else keep_in_fp32
+    for name, sub in module.named_modules():
+        if any(pattern in name.split(".") or pattern == name for pattern in keep):
+            continue
+        for key, buf in sub.named_buffers(recurse=False):
+            if buf.is_floating_point() and buf.dtype != buffer_dtype:
+                sub._buffers[key] = buf.to(buffer_dtype)
+
+
 def prepare_module(engine: Any) -> None:
     """Cast the module to the compute dtype and mark torch_autocast's lower-precision params.
     Below stage 3, parameters partitioned by zero.Init are made whole first."""
@@ -181,8 +201,9 @@ def prepare_module(engine: Any) -> None:
         from .zero.stage3.init_context import materialize
 
         materialize(engine.module)
-    if policy.param_dtype != torch.float32:
-        engine.module.to(policy.param_dtype)
+    data_types = engine._config.model.data_types
+    cast_module(engine.module, policy.param_dtype, TORCH_DTYPES.get(data_types.buffer_dtype or ""),
+                data_types.keep_in_fp32_modules)
     if policy.autocast_dtype is not None:
         from .torch_autocast import init_autocast_params
 

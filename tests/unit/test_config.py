@@ -595,3 +595,39 @@ def test_unmanaged_gradient_accumulation_is_rejected_not_ignored():
     check_supported(DeepSpeedConfig({**BASE, "managed_gradient_accumulation": True}, world_size=1))
     with pytest.raises(NotSupportedYet, match="managed_gradient_accumulation=false"):
         check_supported(DeepSpeedConfig({**BASE, "managed_gradient_accumulation": False}, world_size=1))
+
+
+def test_data_types_param_dtype_must_match_the_precision_flags():
+    DeepSpeedConfig({**BASE, "bf16": {"enabled": True}, "data_types": {"param_dtype": "bf16"}}, world_size=1)
+    for cfg in ({"bf16": {"enabled": True}, "data_types": {"param_dtype": "fp16"}},
+                {"data_types": {"param_dtype": "bf16"}},
+                {"fp16": {"enabled": True}, "data_types": {"param_dtype": "fp32"}}):
+        with pytest.raises(AssertionError, match="data_types.param_dtype"):   # also a DeepSpeedConfigError
+            DeepSpeedConfig({**BASE, **cfg}, world_size=1)
+
+
+def test_cast_module_keeps_buffers_unless_buffer_dtype():
+    from deepspeed.runtime.engine_setup import cast_module
+
+    def model():
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.LayerNorm(4)))
+        m.register_buffer("inv_freq", torch.ones(4))
+        m[1].register_buffer("steps", torch.zeros(1, dtype=torch.int64))
+        m[1][0].register_buffer("table", torch.ones(2))
+        return m
+
+    m = model()
+    cast_module(m, torch.bfloat16, None)
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    assert m.inv_freq.dtype == torch.float32 and m[1][0].table.dtype == torch.float32
+    m = model()
+    cast_module(m, torch.bfloat16, torch.bfloat16)
+    assert m.inv_freq.dtype == torch.bfloat16 and m[1][0].table.dtype == torch.bfloat16
+    assert m[1].steps.dtype == torch.int64   # integer buffers never cast
+    m = model()
+    cast_module(m, torch.bfloat16, torch.bfloat16, ["1"])   # module "1" and below stay fp32
+    assert m.inv_freq.dtype == torch.bfloat16 and m[1][0].table.dtype == torch.float32
+    m = model()
+    m._keep_in_fp32_modules = ["1"]   # "auto": the model's own list (Hugging Face attribute)
+    cast_module(m, torch.bfloat16, torch.bfloat16)
+    assert m[1][0].table.dtype == torch.float32
