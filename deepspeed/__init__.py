@@ -36,6 +36,7 @@ _LAZY = {
     "config": ("deepspeed.config", None),
     "checkpoint": ("deepspeed.checkpoint", None),
     "tp_model_init": ("deepspeed.runtime.builder", "tp_model_init"),
+    "OnDevice": ("deepspeed.utils.init_on_device", "OnDevice"),
     "checkpointing": ("deepspeed.runtime.activation_checkpointing.checkpointing", None),
 }
 

@@ -17,6 +17,7 @@ from .z3_leaf_module import (apply_zero_leaf_module_config, get_z3_leaf_modules,
 _LAZY = {
     "is_initialized": ("deepspeed.comm.comm", "is_initialized"),
     "RepeatingLoader": ("deepspeed.runtime.dataloader", "RepeatingLoader"),
+    "OnDevice": ("deepspeed.utils.init_on_device", "OnDevice"),
     "SynchronizedWallClockTimer": ("deepspeed.utils.timer", "SynchronizedWallClockTimer"),
     "ThroughputTimer": ("deepspeed.utils.timer", "ThroughputTimer"),
     "safe_get_full_fp32_param": ("deepspeed.utils.tensor_fragment", "safe_get_full_fp32_param"),
