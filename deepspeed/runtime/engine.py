@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .. import comm as ds_comm
-from ..utils.logging import log_dist
+from ..utils.logging import log_dist, set_log_level_from_string
 from ..utils.timer import SynchronizedWallClockTimer, ThroughputTimer
 from .base_optimizer import DeepSpeedOptimizer
 from .dataloader import DeepSpeedDataLoader
@@ -49,6 +49,8 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
             raise ValueError("deepspeed.initialize: `model` is required (got None)")
         check_supported(config_class)
         self._config = config_class
+        if config_class.model.log_level is not None:   # the config's level for the deepspeed logger
+            set_log_level_from_string(config_class.model.log_level)
         self.config = config if isinstance(config, dict) else dict(config_class.raw)
         self.mpu = mpu
         self.module = model

@@ -6,7 +6,7 @@ from typing import Any
 
 from .._lazy import import_submodule
 
-from .logging import log_dist, logger, print_dist, warning_once
+from .logging import log_dist, logger, print_dist, set_log_level_from_string, warning_once
 
 # Eager, as upstream: importing the submodule binds `deepspeed.utils.z3_leaf_module` to the module,
 # and this import then rebinds it to the function of the same name, whoever imported it first.

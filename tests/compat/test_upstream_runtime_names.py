@@ -255,3 +255,27 @@ def test_new_modules_keep_import_deepspeed_cheap():
             "print([m for m in ('pydantic', 'deepspeed.runtime.engine') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_config_log_level_sets_the_deepspeed_logger():
+    import logging
+
+    import deepspeed
+    from deepspeed.utils import logger, set_log_level_from_string
+
+    saved = logger.level
+    try:
+        logger.setLevel(logging.DEBUG)
+        cfg = {"train_batch_size": 1, "log_level": "ERROR", "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+        engine, *_ = deepspeed.initialize(model=torch.nn.Linear(2, 2), config=cfg)
+        assert engine.log_level() == "ERROR" and logger.getEffectiveLevel() == logging.ERROR
+        logger.setLevel(logging.WARNING)
+        del cfg["log_level"]
+        engine, *_ = deepspeed.initialize(model=torch.nn.Linear(2, 2), config=cfg)
+        assert engine.log_level() is None and logger.getEffectiveLevel() == logging.WARNING   # left alone
+        set_log_level_from_string("info")
+        assert logger.level == logging.INFO
+        with pytest.raises(ValueError):
+            set_log_level_from_string("loud")
+    finally:
+        logger.setLevel(saved)
