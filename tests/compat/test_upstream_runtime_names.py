@@ -279,3 +279,12 @@ def test_config_log_level_sets_the_deepspeed_logger():
             set_log_level_from_string("loud")
     finally:
         logger.setLevel(saved)
+
+
+def test_version_attributes_upstream_checks():
+    import deepspeed
+
+    for name in ("__git_hash__", "__git_branch__", "__version__", "__version_major__", "__version_minor__",
+                 "__version_patch__"):
+        assert hasattr(deepspeed, name), name
+    assert deepspeed.__git_hash__ == deepspeed.git_hash
