@@ -85,6 +85,7 @@ def build_optimizer_for_engine(engine: Any, client_optimizer: Any, model_paramet
         else:
             raise TypeError(f"deepspeed.initialize: optimizer must be a torch.optim.Optimizer or a callable taking "
                             f"the model parameters, got {type(client_optimizer).__name__}")
+        _check_offload_client_optimizer(engine, optimizer)
     elif config.optimizer is not None:
         optimizer = build_optimizer(config.optimizer.type, dict(config.optimizer.params), params)
     else:
@@ -92,6 +93,24 @@ def build_optimizer_for_engine(engine: Any, client_optimizer: Any, model_paramet
     optimizer.param_groups[:] = [g for g in optimizer.param_groups if len(g["params"]) > 0]
     log_dist(f"DeepSpeed Basic Optimizer = {type(optimizer).__name__}", ranks=[0])
     return optimizer
+
+
+def _check_offload_client_optimizer(engine: Any, optimizer: Any) -> None:
+    """zero_force_ds_cpu_optimizer (default true), as upstream: ZeRO-Offload with a client optimizer
+    must use one of DeepSpeed's CPU optimizers."""
+    from ..ops.adagrad import DeepSpeedCPUAdagrad
+    from ..ops.adam import DeepSpeedCPUAdam
+    from ..ops.lion import DeepSpeedCPULion
+    from .zero.utils import ZeRORuntimeException
+
+    config = engine._config.model
+    if (config.zero_optimization.stage > 0 and engine.zero_offload_optimizer() == "cpu"
+            and config.zero_force_ds_cpu_optimizer
+            and not isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion))):
+        raise ZeRORuntimeException(
+            f"ZeRO-Offload (offload_optimizer.device=cpu) with a client optimizer ({type(optimizer).__name__}): use "
+            "deepspeed.ops.adam.DeepSpeedCPUAdam (or DeepSpeedCPUAdagrad / DeepSpeedCPULion), or an `optimizer` "
+            "section in the config; to use this optimizer anyway set \"zero_force_ds_cpu_optimizer\": false")
 
 
 def build_lr_scheduler(engine: Any, client_scheduler: Any) -> Any:

@@ -288,3 +288,20 @@ def test_version_attributes_upstream_checks():
                  "__version_patch__"):
         assert hasattr(deepspeed, name), name
     assert deepspeed.__git_hash__ == deepspeed.git_hash
+
+
+def test_offload_with_a_client_optimizer_needs_a_deepspeed_cpu_optimizer():
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
+    def init(optimizer_cls, force):
+        model = torch.nn.Linear(4, 4)
+        cfg = {"train_batch_size": 1, "zero_force_ds_cpu_optimizer": force,
+               "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+        return deepspeed.initialize(model=model, optimizer=optimizer_cls(model.parameters()), config=cfg)[0]
+
+    with pytest.raises(ZeRORuntimeException, match="zero_force_ds_cpu_optimizer"):
+        init(torch.optim.Adam, True)
+    assert init(torch.optim.Adam, False).zero_optimization_stage() == 1
+    assert init(DeepSpeedCPUAdam, True).zero_optimization_stage() == 1
