@@ -10,6 +10,8 @@ from typing import Any
 from ._lazy import import_submodule
 from .version import __version__, git_branch, git_hash, version
 
+__git_hash__, __git_branch__ = git_hash, git_branch   # upstream's names (None: not built from a git checkout)
+
 __version_major__, __version_minor__, __version_patch__ = (int(x) for x in __version__.split("+")[0].split(".")[:3])
 
 # name -> (module, attribute or None for the module itself)
@@ -36,6 +38,7 @@ _LAZY = {
     "config": ("deepspeed.config", None),
     "checkpoint": ("deepspeed.checkpoint", None),
     "tp_model_init": ("deepspeed.runtime.builder", "tp_model_init"),
+    "OnDevice": ("deepspeed.utils.init_on_device", "OnDevice"),
     "checkpointing": ("deepspeed.runtime.activation_checkpointing.checkpointing", None),
 }
 

@@ -94,6 +94,11 @@ class CPU_Accelerator(_Accelerator):  # noqa: N801 - upstream name
             return int(local)
         return _numa_nodes_with_cores()
 
+    def device_name(self, device_index: int | None = None) -> str:
+        """Always "cpu", as upstream's CPU accelerator: torch reports every CPU tensor's device as
+        plain `cpu`, so `tensor.device == torch.device(device_name(i))` holds."""
+        return "cpu"
+
     def current_device(self) -> int:
         return 0
 

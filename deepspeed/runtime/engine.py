@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .. import comm as ds_comm
-from ..utils.logging import log_dist
+from ..utils.logging import log_dist, set_log_level_from_string
 from ..utils.timer import SynchronizedWallClockTimer, ThroughputTimer
 from .base_optimizer import DeepSpeedOptimizer
 from .dataloader import DeepSpeedDataLoader
@@ -50,6 +50,8 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
             raise ValueError("deepspeed.initialize: `model` is required (got None)")
         check_supported(config_class)
         self._config = config_class
+        if config_class.model.log_level is not None:   # the config's level for the deepspeed logger
+            set_log_level_from_string(config_class.model.log_level)
         self.config = config if isinstance(config, dict) else dict(config_class.raw)
         self.mpu = mpu
         self.module = model
@@ -84,6 +86,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         self._reduced_this_boundary = False
         self.inside_no_sync_ctxt = False
         self.enable_backward_allreduce = True
+        self.pipeline_parallelism = False   # upstream's attribute (PipelineEngine: True)
         self.timers = SynchronizedWallClockTimer()
         self.tput_timer = ThroughputTimer(batch_size=self.train_batch_size(),
                                           steps_per_output=self.steps_per_print())
@@ -255,6 +258,41 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         finally:
             self.inside_no_sync_ctxt = False
 
+    @contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """Backward passes inside the block only accumulate gradients locally, at every ZeRO stage
+        (unlike no_sync, which stages 2-3 refuse); leaving the block reduces the sum once, bucket
+        by bucket, as one boundary reduction would. Call step() after the block. If the block
+        raises, nothing is reduced (stage 3 drops what the block accumulated)."""
+        if self.pipeline_parallelism:
+            raise NotImplementedError("coalesce_grad_reduction() is not supported with pipeline parallelism")
+        if self.inside_no_sync_ctxt:
+            raise UsageError("coalesce_grad_reduction() cannot be nested inside no_sync() or itself")
+        self.inside_no_sync_ctxt = True   # backward does not arm the reducer; step() refuses
+        if self._stage3 is not None:
+            self._stage3.defer_reduction()
+        completed = False
+        try:
+            yield
+            completed = True
+        finally:
+            self.inside_no_sync_ctxt = False
+            if self._stage3 is not None:
+                self._stage3.end_deferred_reduction(reduce=completed)
+            elif completed and self._reducer is not None:
+                self._reducer.arm()
+                self._reducer.finish()
+                self._reduced_this_boundary = True
+
+    def empty_partition_cache(self) -> None:
+        """ZeRO-3: release the gathered parameters no forward is using (kept for a backward that
+        has not run, prefetched) and empty the device cache. Other stages hold nothing to release."""
+        if self._stage3 is not None:
+            self._stage3.release_cache()
+        from ..accelerator import get_accelerator
+
+        get_accelerator().empty_cache()
+
     # --- accumulation boundary ----------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the current micro-batch ends an accumulation window (reduce + step)."""
@@ -269,8 +307,8 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
     def step(self, lr_kwargs: dict | None = None) -> None:
         """At an accumulation boundary: clip, optimizer step, LR schedule, zero grads. Always counts."""
         if self.inside_no_sync_ctxt:
-            raise UsageError("It is illegal to call Engine.step() inside no_sync context manager: leave the "
-                             "block first (its backward passes only accumulate)")
+            raise UsageError("It is illegal to call Engine.step() inside no_sync context manager (or "
+                             "coalesce_grad_reduction): leave the block first (its backward passes only accumulate)")
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: pass `optimizer` or an `optimizer` "
                                "section in the config to deepspeed.initialize")

@@ -13,7 +13,8 @@ _ACCESSORS: dict[str, Callable[[Any], Any]] = {
     "train_batch_size": lambda c: c.train_batch_size,
     "train_micro_batch_size_per_gpu": lambda c: c.train_micro_batch_size_per_gpu,
     "gradient_accumulation_steps": lambda c: c.gradient_accumulation_steps,
-    "gradient_clipping": lambda c: c.model.gradient_clipping,
+    "gradient_clipping": lambda c: c.gradient_clipping,   # DeepSpeedConfig attribute, as upstream reads it
+    "log_level": lambda c: c.log_level,
     "steps_per_print": lambda c: c.model.steps_per_print,
     "wall_clock_breakdown": lambda c: c.model.wall_clock_breakdown,
     "memory_breakdown": lambda c: c.model.memory_breakdown,
@@ -49,7 +50,6 @@ _ACCESSORS: dict[str, Callable[[Any], Any]] = {
     "scheduler_name": lambda c: c.model.scheduler.type if c.model.scheduler else None,
     "scheduler_params": lambda c: dict(c.model.scheduler.params) if c.model.scheduler else None,
     "dataloader_drop_last": lambda c: c.model.dataloader_drop_last,
-    "pipeline_parallelism": lambda c: False,
     "sparse_gradients_enabled": lambda c: bool(getattr(c.model, "sparse_gradients", False)),
     "checkpoint_tag_validation_enabled": lambda c: _tag_validation(c) != "ignore",
     "checkpoint_tag_validation_fail": lambda c: _tag_validation(c) == "fail",

@@ -90,6 +90,7 @@ def build_optimizer_for_engine(engine: Any, client_optimizer: Any, model_paramet
         else:
             raise TypeError(f"deepspeed.initialize: optimizer must be a torch.optim.Optimizer or a callable taking "
                             f"the model parameters, got {type(client_optimizer).__name__}")
+        _check_offload_client_optimizer(engine, optimizer)
     elif config.optimizer is not None:
         optimizer = build_optimizer(config.optimizer.type, dict(config.optimizer.params), params)
     else:
@@ -97,6 +98,24 @@ def build_optimizer_for_engine(engine: Any, client_optimizer: Any, model_paramet
     optimizer.param_groups[:] = [g for g in optimizer.param_groups if len(g["params"]) > 0]
     log_dist(f"DeepSpeed Basic Optimizer = {type(optimizer).__name__}", ranks=[0])
     return optimizer
+
+
+def _check_offload_client_optimizer(engine: Any, optimizer: Any) -> None:
+    """zero_force_ds_cpu_optimizer (default true), as upstream: ZeRO-Offload with a client optimizer
+    must use one of DeepSpeed's CPU optimizers."""
+    from ..ops.adagrad import DeepSpeedCPUAdagrad
+    from ..ops.adam import DeepSpeedCPUAdam
+    from ..ops.lion import DeepSpeedCPULion
+    from .zero.utils import ZeRORuntimeException
+
+    config = engine._config.model
+    if (config.zero_optimization.stage > 0 and engine.zero_offload_optimizer() == "cpu"
+            and config.zero_force_ds_cpu_optimizer
+            and not isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion))):
+        raise ZeRORuntimeException(
+            f"ZeRO-Offload (offload_optimizer.device=cpu) with a client optimizer ({type(optimizer).__name__}): use "
+            "deepspeed.ops.adam.DeepSpeedCPUAdam (or DeepSpeedCPUAdagrad / DeepSpeedCPULion), or an `optimizer` "
+            "section in the config; to use this optimizer anyway set \"zero_force_ds_cpu_optimizer\": false")
 
 
 def build_lr_scheduler(engine: Any, client_scheduler: Any) -> Any:
@@ -166,12 +185,26 @@ def wrap_optimizer(engine: Any) -> Any:
             wrapper = ZeroOptimizer(engine.basic_optimizer, engine._reducer, policy, engine.gradient_clipping(),
                                     names, group=engine.data_parallel_group, master_device=master_device)
         wrapper._engine_ref = weakref.ref(engine)   # state_dict() is built like the checkpoint's
+        wrapper.bf16_optimizer_route = _bf16_optimizer_route(engine)
         return register_optimizer(wrapper)
     if engine.basic_optimizer is None or not policy.is_mixed:
         return register_optimizer(engine.basic_optimizer)
-    return register_optimizer(MixedPrecisionOptimizer(engine.basic_optimizer, engine._reducer, policy,
-                                                      engine.gradient_clipping(), names,
-                                                      group=engine.data_parallel_group))
+    wrapper = MixedPrecisionOptimizer(engine.basic_optimizer, engine._reducer, policy, engine.gradient_clipping(),
+                                      names, group=engine.data_parallel_group)
+    wrapper.bf16_optimizer_route = _bf16_optimizer_route(engine)
+    return register_optimizer(wrapper)
+
+
+def _bf16_optimizer_route(engine: Any) -> bool:
+    """Whether upstream would have built its BF16_Optimizer here (runtime/bf16_optimizer.py): bf16
+    parameters with fp32 gradient accumulation and fp32 master weights, without ZeRO, or at stage 1
+    with `data_types.grad_accum_dtype: "fp32"` given and no optimizer offload."""
+    policy = engine.precision
+    if (policy.param_dtype, policy.master_dtype, policy.grad_accum_dtype) != (torch.bfloat16, torch.float32, torch.float32):
+        return False
+    stage = engine._config.model.zero_optimization.stage
+    return stage == 0 or (stage == 1 and engine._config.model.data_types.grad_accum_dtype == "fp32"
+                          and engine.zero_offload_optimizer() is None)
 
 
 def cast_module(module: torch.nn.Module, param_dtype: torch.dtype, buffer_dtype: torch.dtype | None,

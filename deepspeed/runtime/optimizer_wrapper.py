@@ -26,6 +26,7 @@ class OptimizerWrapper(DeepSpeedOptimizer):
     group: Any             # the data-parallel group
     overflow: bool
     _global_grad_norm: float | None
+    bf16_optimizer_route: bool = False   # upstream would have built BF16_Optimizer (bf16_optimizer.py)
 
     @property
     def param_groups(self) -> list[dict]:

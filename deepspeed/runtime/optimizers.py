@@ -25,23 +25,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-ADAGRAD_OPTIMIZER = "adagrad"
-ADAM_OPTIMIZER = "adam"
-ADAMW_OPTIMIZER = "adamw"
-LAMB_OPTIMIZER = "lamb"
-MUADAM_OPTIMIZER = "muadam"
-MUADAMW_OPTIMIZER = "muadamw"
-MUSGD_OPTIMIZER = "musgd"
-LION_OPTIMIZER = "lion"
-MUON_OPTIMIZER = "muon"
-DEEPSPEED_OPTIMIZERS = [
-    ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER,
-    MUSGD_OPTIMIZER, LION_OPTIMIZER, MUON_OPTIMIZER,
-]  # fmt: skip
-
-TORCH_ADAM_PARAM = "torch_adam"
-ADAM_W_MODE = "adam_w_mode"
-ADAM_W_MODE_DEFAULT = True
+from .constants import (ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAM_W_MODE, ADAM_W_MODE_DEFAULT,  # noqa: F401
+                        ADAMW_OPTIMIZER, DEEPSPEED_OPTIMIZERS, LAMB_OPTIMIZER, LION_OPTIMIZER, MUADAM_OPTIMIZER,
+                        MUADAMW_OPTIMIZER, MUON_OPTIMIZER, MUSGD_OPTIMIZER, TORCH_ADAM_PARAM)
 
 # Names upstream once accepted (or still lists) that this build does not implement, with why.
 _UNSUPPORTED = {

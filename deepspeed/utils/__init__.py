@@ -6,7 +6,7 @@ from typing import Any
 
 from .._lazy import import_submodule
 
-from .logging import log_dist, logger, print_dist, warning_once
+from .logging import log_dist, logger, print_dist, set_log_level_from_string, warning_once
 
 # Eager, as upstream: importing the submodule binds `deepspeed.utils.z3_leaf_module` to the module,
 # and this import then rebinds it to the function of the same name, whoever imported it first.
@@ -17,6 +17,7 @@ from .z3_leaf_module import (apply_zero_leaf_module_config, get_z3_leaf_modules,
 _LAZY = {
     "is_initialized": ("deepspeed.comm.comm", "is_initialized"),
     "RepeatingLoader": ("deepspeed.runtime.dataloader", "RepeatingLoader"),
+    "OnDevice": ("deepspeed.utils.init_on_device", "OnDevice"),
     "SynchronizedWallClockTimer": ("deepspeed.utils.timer", "SynchronizedWallClockTimer"),
     "ThroughputTimer": ("deepspeed.utils.timer", "ThroughputTimer"),
     "safe_get_full_fp32_param": ("deepspeed.utils.tensor_fragment", "safe_get_full_fp32_param"),

@@ -51,6 +51,16 @@ def print_dist(message: str, ranks: Iterable[int] | None = None) -> None:
         print(f"[Rank {rank}] {message}", flush=True)
 
 
+def set_log_level_from_string(log_level_str: str, custom_logger: logging.Logger | None = None) -> None:
+    """Set the `deepspeed` logger (or `custom_logger`) to a level named like "info" or "ERROR";
+    the config's top-level `log_level` is applied this way by deepspeed.initialize."""
+    level = getattr(logging, str(log_level_str).upper(), None)
+    if not isinstance(level, int):
+        raise ValueError(f"{log_level_str!r} is not one of the `logging` levels (debug, info, warning, error, "
+                         "critical)")
+    (custom_logger or logger).setLevel(level)
+
+
 def should_log_le(max_log_level_str: str) -> bool:
     level = getattr(logging, max_log_level_str.upper(), None)
     if not isinstance(level, int):

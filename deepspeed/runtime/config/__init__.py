@@ -6,9 +6,13 @@
 See docs/config.md for what is validated and how errors read.
 """
 
+from ..constants import (ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, DEEPSPEED_OPTIMIZERS,  # noqa: F401
+                         LAMB_OPTIMIZER, LION_OPTIMIZER, MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER, MUON_OPTIMIZER,
+                         MUSGD_OPTIMIZER, ONEBIT_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER)
 from .batch import BatchSizes, resolve_batch
 from .ds_config import DeepSpeedConfig, data_parallel_world_size
 from .errors import DeepSpeedConfigError
+from .getters import *  # noqa: F401,F403  (upstream's get_<key>(param_dict) readers)
 from .loader import load_config_dict
 from .root import RootConfig
 

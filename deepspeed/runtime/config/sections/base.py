@@ -15,7 +15,7 @@ import typing
 from typing import Annotated, Any, Iterator, Optional
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
 Problem = tuple[str, str]  # (key relative to the model, message)
@@ -37,9 +37,10 @@ class DSModel(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _drop_auto(cls, data: Any) -> Any:
-        """Upstream drops "auto" values so the default applies; direct constructions do the same."""
-        if isinstance(data, dict):
+    def _drop_auto(cls, data: Any, info: ValidationInfo) -> Any:
+        """Upstream drops "auto" values so the default applies; direct constructions do the same
+        (unless validated with context {"keep_auto": True}: upstream's `strict=True`)."""
+        if isinstance(data, dict) and not (info.context or {}).get("keep_auto"):
             return {k: v for k, v in data.items() if not (isinstance(v, str) and v == AUTO)}
         return data
 

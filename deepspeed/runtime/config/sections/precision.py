@@ -38,6 +38,14 @@ class FP16Config(DSModel):
     fp16_master_weights_and_grads: bool = False
     """Keep master weights and gradients in fp16 (upstream: ZeRO + CPU Adam only)."""
 
+    @field_validator("loss_scale", mode="before")
+    @classmethod
+    def _loss_scale_number(cls, value: Any) -> Any:
+        if isinstance(value, (list, tuple, dict, set)) or value is None:
+            raise PydanticCustomError("ds_expected", "must be a number (0: dynamic loss scaling), got {kind}",
+                                      {"kind": type(value).__name__})
+        return value
+
     @property
     def dynamic(self) -> bool:
         return self.loss_scale == 0

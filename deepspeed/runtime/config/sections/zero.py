@@ -22,6 +22,8 @@ DEFAULT_LEAF_MODULE_CLASSES = (
     "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
     "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
 )
+DEFAULT_LEAF_MODULE_NAMES: tuple[str, ...] = ()
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: tuple[str, ...] = ()
 
 # deprecated key -> (replacement key, value of the replacement or None to only warn)
 _DEPRECATED = {
@@ -45,9 +47,9 @@ class LeafModuleConfig(DSModel):
 
     classes: StrList = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
     """Class names (qualified or bare) treated as leaf modules."""
-    names: StrList = Field(default_factory=list)
+    names: StrList = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAMES))
     """Module names (as in named_modules()) treated as leaf modules."""
-    name_suffixes: StrList = Field(default_factory=list)
+    name_suffixes: StrList = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAME_SUFFIXES))
     """Module-name suffixes treated as leaf modules."""
 
     @field_validator("classes", "names", "name_suffixes")

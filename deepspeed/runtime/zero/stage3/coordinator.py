@@ -344,10 +344,31 @@ class Stage3Coordinator:
     def zero_grad(self) -> None:
         if self._in_backward:   # a backward raised before its end: forget it (nothing is reduced)
             self._in_backward = False
-            self.reducer.discard()
             self._forget_backward(self.units)
+        self.reducer.discard()   # also gradients held back by coalesce_grad_reduction
         for unit in self.units:
             unit.release_grad()
+
+    def defer_reduction(self) -> None:
+        """Backwards from now on keep their gradients local until `end_deferred_reduction`."""
+        self.reducer.defer()
+
+    def end_deferred_reduction(self, reduce: bool = True) -> None:
+        """Reduce-scatter what the deferred backwards accumulated (one pass, unit order), or drop it."""
+        self.reducer.flush_deferred(self.units, reduce)
+
+    def release_cache(self) -> None:
+        """Release every unit that no running forward uses (upstream's empty_partition_cache):
+        units kept gathered for a backward that has not come, and unused prefetches. Persistent
+        units stay gathered (they are never released). The backward of a forward that ran
+        before still works: its modules' units are gathered again first."""
+        if self._forward_depth or self._in_backward:
+            raise RuntimeError("ZeRO-3: empty_partition_cache() during a forward or backward pass")
+        for unit in self.units:          # unit order: the same collectives on every rank
+            unit.drop_prefetch()
+        kept, self._kept = self._kept, []
+        for unit in kept:
+            unit.end_backward()
 
     def after_shard_update(self) -> None:
         """Call after changing the shards (an optimizer step): persistent units are refreshed

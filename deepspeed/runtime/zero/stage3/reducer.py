@@ -72,13 +72,43 @@ class UnitGradReducer:
         self._queue: list[tuple[ShardedUnit, torch.Tensor]] = []
         self._queued = 0
         self.collectives = 0   # reduce-scatters issued (tests count them)
+        # engine.coalesce_grad_reduction(): unit -> (local fp32 sum of its flat gradients, their dtype)
+        self._deferred: dict[ShardedUnit, tuple[torch.Tensor, torch.dtype]] | None = None
 
     def add(self, unit: ShardedUnit) -> None:
         """`unit`'s gradients are complete: take them (the unit is released) and reduce them now
-        or with the next bucket."""
+        or with the next bucket (while deferring: add them to the unit's local sum instead)."""
         flat = unit.take_grads()
         if flat is None:
             return
+        if self._deferred is not None:
+            held = self._deferred.get(unit)
+            if held is None:
+                self._deferred[unit] = (flat.float(), flat.dtype)
+            else:
+                held[0].add_(flat)
+            return
+        self._enqueue(unit, flat)
+
+    def defer(self) -> None:
+        """Keep the gradients of the coming backwards local (summed per unit, in fp32) until
+        `flush_deferred`: one reduction for several backwards (coalesce_grad_reduction)."""
+        if self._deferred is None:
+            self._deferred = {}
+
+    def flush_deferred(self, units: list[ShardedUnit], reduce: bool = True) -> None:
+        """Stop deferring; reduce the local sums in `units` order (the same on every rank), in the
+        dtype the gradients had, or drop them (`reduce=False`: the block raised)."""
+        deferred, self._deferred = self._deferred, None
+        if not deferred or not reduce:
+            return
+        for unit in units:
+            if unit in deferred:
+                total, dtype = deferred.pop(unit)
+                self._enqueue(unit, total.to(dtype))
+        self.flush()
+
+    def _enqueue(self, unit: ShardedUnit, flat: torch.Tensor) -> None:
         numel = flat.numel()
         if self._queue and (self._queued + numel > self.bucket_numel or not self._fits(flat)):
             self.flush()
@@ -94,8 +124,11 @@ class UnitGradReducer:
         return flat.dtype == first.dtype and flat.device == first.device
 
     def discard(self) -> None:
-        """Drop queued gradients without reducing them (a backward that failed half-way)."""
+        """Drop queued (and deferred) gradients without reducing them (a backward that failed
+        half-way, or zero_grad)."""
         self._queue, self._queued = [], 0
+        if self._deferred:
+            self._deferred = {}
 
     def flush(self) -> None:
         """Reduce whatever is queued (end of backward, or the next unit would not fit)."""

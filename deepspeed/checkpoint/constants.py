@@ -1,0 +1,38 @@
+# compat: upstream path deepspeed.checkpoint.constants (DeepSpeed 0.19.8 names).
+"""Keys and file-name parts of DeepSpeed's checkpoint layout that our writer and reader use
+(deepspeed/runtime/checkpoint/writer.py, deepspeed/checkpoint/{files,reader,ds_to_universal}.py;
+docs/checkpoint_format.md). Upstream names for layout parts we do not write are not defined here.
+"""
+
+# --- optimizer-states files (<prefix>zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt) ------------
+OPTIMIZER_STATE_DICT = "optimizer_state_dict"
+BASE_OPTIMIZER_STATE = "base_optimizer_state"
+SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"
+FP32_GROUPS = "fp32_groups"
+FP32_FLAT_GROUPS = "fp32_flat_groups"
+PARAM_GROUPS = "param_groups"
+GROUP_PADDINGS = "group_paddings"
+PARTITION_COUNT = "partition_count"
+ZERO_STAGE = "zero_stage"
+LOSS_SCALER = "loss_scaler"
+PARAM_SLICE_MAPPINGS = "param_slice_mappings"
+
+# --- model-states files (mp_rank_<mp>_model_states.pt) ------------------------------------------
+PARAM_SHAPES = "param_shapes"
+BUFFER_NAMES = "buffer_names"
+FROZEN_PARAM_SHAPES = "frozen_param_shapes"
+FROZEN_PARAM_FRAGMENTS = "frozen_param_fragments"
+DS_VERSION = "ds_version"
+# A client-state key: Megatron-style trainers store their parameter-handling patterns under it for
+# upstream's universal converter. Ours saves it like any client state and does not need it.
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+
+# --- file names ---------------------------------------------------------------------------------
+ZERO_FILE_PREFIX = "zero_pp_rank_"
+BF16_ZERO_FILE_PREFIX = "bf16_" + ZERO_FILE_PREFIX
+OPTIM_FILE_SUFFIX = "_optim_states.pt"
+MODEL_FILE_SUFFIX = "_model_states.pt"
+
+# --- universal checkpoints (<out>/zero/<param name>/<field>.pt, each {PARAM: tensor}) -----------
+PARAM = "param"
+FP32_WEIGHT_KEY = "fp32"

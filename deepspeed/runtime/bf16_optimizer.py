@@ -1,0 +1,33 @@
+# compat: upstream path deepspeed.runtime.bf16_optimizer (DeepSpeed 0.19.8 name).
+"""`BF16_Optimizer`: upstream's optimizer wrapper for bf16 parameters with fp32 master weights and
+fp32 gradient accumulation, which its engine builds without ZeRO (bf16 defaults to fp32
+accumulation there) and at ZeRO stage 1 when `data_types.grad_accum_dtype` is "fp32" and the
+optimizer is not offloaded.
+
+Our engine builds the same numerics from its general wrappers (MixedPrecisionOptimizer without
+ZeRO, ZeroOptimizer at stage 1, both with fp32 masters and fp32 gradient buckets), so this is not
+a separate class: `isinstance(engine.optimizer, BF16_Optimizer)` is true exactly for the
+optimizers our engine built where upstream's would have built a BF16_Optimizer (the engine marks
+them, engine_setup._bf16_optimizer_route). It cannot be constructed directly; build it through
+`deepspeed.initialize`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class _RouteCheck(type):
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return getattr(obj, "bf16_optimizer_route", False) is True or type.__instancecheck__(cls, obj)
+
+
+class BF16_Optimizer(metaclass=_RouteCheck):  # noqa: N801 - upstream name
+    """See the module docstring."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("BF16_Optimizer is built by deepspeed.initialize (bf16 with fp32 gradient accumulation, "
+                        "ZeRO stage 0, or stage 1 with data_types.grad_accum_dtype=fp32); it has no public constructor")
+
+
+__all__ = ["BF16_Optimizer"]
