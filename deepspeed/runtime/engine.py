@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .. import comm as ds_comm
+from .activation_checkpointing import state as activation_checkpointing
 from ..utils.logging import log_dist
 from ..utils.timer import SynchronizedWallClockTimer, ThroughputTimer
 from .base_optimizer import DeepSpeedOptimizer
@@ -69,6 +70,8 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         # ZeRO-3: parameters become shards gathered by module hooks; gradients are reduce-scattered
         # by those hooks during backward, so there is no GradBucketReducer (self._reducer is None).
         self._stage3 = build_stage3_coordinator(self)
+        # its own deepspeed.checkpointing settings when the config has the section ([Note: one owner per engine])
+        self._activation_checkpointing = activation_checkpointing.for_engine(config_class, mpu)
         self._bstate = BackwardState()
         self._output_tokens = itertools.count()
 
@@ -121,7 +124,8 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         if self.training and self.tput_timer is not None:
             self.tput_timer.start()
         inputs, kwargs = self.precision.cast_input(inputs), self.precision.cast_input(kwargs)
-        with self.precision.forward_context(self.device.type):
+        with self.precision.forward_context(self.device.type), \
+                activation_checkpointing.activated(self._activation_checkpointing):
             output = self.module(*inputs, **kwargs)
         if self.optimizer is not None and torch.is_grad_enabled():
             tensors = output_tensors(output)
