@@ -178,7 +178,11 @@ def non_reentrant_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> A
         return function(*call)
 
     args_without_tensors = [None if torch.is_tensor(a) else a for a in args]
+    args_device = args[tensor_at[0]].device if tensor_at else torch.device("cpu")
     del args
-    # the kept tensors are passed so torch infers their device type; replay ignores them
-    return torch_checkpoint(replay, *[k.data for k in stash.kept], use_reentrant=False, context_fn=context_fn,
+    # torch infers the device type (for its autocast handling) from the arguments: an empty tensor
+    # on the inputs' device says it without handing torch the kept pieces, whose version counters
+    # a contiguous buffer bumps when the next region copies in
+    device_hint = torch.empty(0, device=args_device)
+    return torch_checkpoint(replay, device_hint, use_reentrant=False, context_fn=context_fn,
                             preserve_rng_state=False)
