@@ -278,3 +278,13 @@ def test_import_is_lazy_and_aliases() -> None:
             "from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint, "
             "CheckpointFunction, CudaRNGStatesTracker, get_cuda_rng_tracker, reset")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("kind", list(FNS))
+def test_retain_graph_second_backward(kind: str) -> None:
+    lin, x = nn.Linear(3, 3), torch.randn(2, 3, requires_grad=True)
+    out = FNS[kind](lin, x).sum()
+    out.backward(retain_graph=True)
+    first = lin.weight.grad.clone()
+    out.backward()
+    torch.testing.assert_close(lin.weight.grad, 2 * first, rtol=0, atol=0)   # g + g is exact

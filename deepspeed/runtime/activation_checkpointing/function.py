@@ -96,7 +96,6 @@ class CheckpointFunction(torch.autograd.Function):
                                "grad, so checkpointing it is not necessary")
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         input_grads = tuple(x.grad if torch.is_tensor(x) else None for x in inputs)
-        ctx.run_function = ctx.rng = ctx.stash = None   # drop references held by the graph node
         return (None, None) + input_grads
 
 
@@ -149,13 +148,8 @@ def non_reentrant_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> A
     rng = RngSnapshot.capture(owner.rng_tracker)
     autocast = _autocast_states()
 
-    @contextlib.contextmanager
-    def recompute() -> Iterator[None]:   # entered by torch only when (and if) it recomputes
-        with owner.phase("recompute", label), rng.replayed(owner.rng_tracker), _autocast_as(autocast):
-            yield
-
     def context_fn() -> tuple[Any, Any]:
-        return owner.phase("forward", label), recompute()
+        return owner.phase("forward", label), _Recompute(owner, label, rng, autocast)
 
     plan = owner.stash_plan()
     if not plan.changes_anything:
@@ -186,3 +180,23 @@ def non_reentrant_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> A
     device_hint = torch.empty(0, device=args_device)
     return torch_checkpoint(replay, device_hint, use_reentrant=False, context_fn=context_fn,
                             preserve_rng_state=False)
+
+
+class _Recompute:
+    """The recompute context handed to torch: entered only when (and each time) torch
+    recomputes, so it must be reusable (a second backward with retain_graph recomputes again)."""
+
+    def __init__(self, owner: ActivationCheckpointing, label: str, rng: RngSnapshot, autocast: list) -> None:
+        self.owner, self.label, self.rng, self.autocast = owner, label, rng, autocast
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.owner.phase("recompute", self.label))
+        stack.enter_context(self.rng.replayed(self.owner.rng_tracker))
+        stack.enter_context(_autocast_as(self.autocast))
+        self._stack = stack
+
+    def __exit__(self, *exc: Any) -> Any:
+        stack, self._stack = self._stack, None
+        return stack.__exit__(*exc)
