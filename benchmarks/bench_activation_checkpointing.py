@@ -3,7 +3,7 @@
     python benchmarks/bench_activation_checkpointing.py --repeats 3 --steps 10
 
 A 12-layer GPT (examples/gpt/model.py; width 256, 8 heads, block 128, batch 8, dropout 0.1) in one
-process, every block checkpointed (or none). Variants, interleaved within each repeat so drifts
+process, every block checkpointed (or none). Variants, alternating step by step so drifts
 of a shared machine hit all alike:
 - none: no checkpointing;
 - ds / ds_nonreentrant: deepspeed.checkpointing.checkpoint / non_reentrant_checkpoint;
@@ -12,7 +12,8 @@ of a shared machine hit all alike:
 Saved bytes: distinct storages packed by `torch.autograd.graph.saved_tensors_hooks` during one
 forward, parameters excluded (they are not activations). A region's inputs are included: the
 reentrant Function saves them with save_for_backward, torch's non-reentrant checkpoint through a
-no-op Function that does the same. Step time: forward + backward + SGD step, median over the timed steps.
+no-op Function that does the same. Step time: forward + backward + SGD step; the variants alternate step by step and the ratio to
+torch is the median of the paired steps' ratios.
 """
 
 from __future__ import annotations
@@ -74,17 +75,12 @@ def saved_bytes(model: Checkpointed, batch: tuple) -> int:
     return sum(seen.values())
 
 
-def step_times(model: Checkpointed, opt, batch: tuple, warmup: int, steps: int) -> list[float]:
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+def one_step(model: Checkpointed, opt, batch: tuple) -> float:
+    start = time.perf_counter()
+    model(*batch).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -112,26 +108,27 @@ def main() -> None:
         models[n].gpt.load_state_dict(base.state_dict())
     opts = {n: torch.optim.SGD(m.parameters(), lr=1e-3) for n, m in models.items()}
     nbytes = {n: saved_bytes(models[n], batch) for n in names}
+    for n in names:   # warm up every variant
+        for _ in range(a.warmup):
+            one_step(models[n], opts[n], batch)
+    # Variants alternate step by step (in a rotating order), so a load change on the shared
+    # machine hits neighbours alike; ratios are medians of the paired steps' ratios.
     times: dict[str, list[float]] = {n: [] for n in names}
-    repeat_medians: dict[str, list[float]] = {n: [] for n in names}
-    for _ in range(a.repeats):
-        for n in names:
-            t = step_times(models[n], opts[n], batch, a.warmup, a.steps)
-            times[n] += t
-            repeat_medians[n].append(statistics.median(t))
+    for i in range(a.repeats * a.steps):
+        order = names[i % len(names):] + names[:i % len(names)]
+        for n in order:
+            times[n].append(one_step(models[n], opts[n], batch))
     print(f"GPT {a.layers} layers, width {a.width}, 8 heads, block 128, batch {a.batch}, dropout 0.1, "
           f"{sum(p.numel() for p in base.parameters()):,} parameters; {a.threads} thread(s), "
-          f"{a.repeats} x {a.steps} timed steps per variant (interleaved)\n")
-    print("| variant | saved activation bytes | vs none | median step (s) | repeat medians (s) | vs torch (same kind) |")
+          f"{a.repeats * a.steps} timed steps per variant, alternating step by step\n")
+    print("| variant | saved activation bytes | vs none | median step (s) | p25-p75 (s) | vs torch, same kind (paired) |")
     print("|---|---|---|---|---|---|")
     for n in names:
-        med = statistics.median(times[n])
+        q = statistics.quantiles(times[n], n=4)
         ref = {"ds": "torch", "ds_nonreentrant": "torch_nonreentrant"}.get(n)
-        ratio = f"{med / statistics.median(times[ref]):.3f}x" if ref in times else ""
-        rm = "-".join(f"{m:.3f}" for m in (min(repeat_medians[n]), max(repeat_medians[n])))
-        print(f"| {n} | {nbytes[n]:,} | {nbytes[n] / nbytes['none']:.3f} | {med:.4f} | {rm} | {ratio} |"
-              if "none" in nbytes else f"| {n} | {nbytes[n]:,} | | {med:.4f} | {rm} | {ratio} |")
-
+        ratio = (f"{statistics.median(x / y for x, y in zip(times[n], times[ref])):.3f}x" if ref in times else "")
+        vs_none = f"{nbytes[n] / nbytes['none']:.3f}" if "none" in nbytes else ""
+        print(f"| {n} | {nbytes[n]:,} | {vs_none} | {statistics.median(times[n]):.4f} | {q[0]:.3f}-{q[2]:.3f} | {ratio} |")
 
 if __name__ == "__main__":
     main()
