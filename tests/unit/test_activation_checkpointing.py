@@ -20,7 +20,7 @@ from torch import nn
 
 import deepspeed
 from deepspeed.runtime.activation_checkpointing import state
-from deepspeed.runtime.activation_checkpointing.stash import ContiguousBuffer
+from deepspeed.runtime.activation_checkpointing.stash import ContiguousBuffer, InputStash
 
 ckpt = deepspeed.checkpointing
 FNS = {"reentrant": ckpt.checkpoint, "non_reentrant": ckpt.non_reentrant_checkpoint}
@@ -288,3 +288,21 @@ def test_retain_graph_second_backward(kind: str) -> None:
     first = lin.weight.grad.clone()
     out.backward()
     torch.testing.assert_close(lin.weight.grad, 2 * first, rtol=0, atol=0)   # g + g is exact
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA RNG replay and CPU-kept inputs")
+@pytest.mark.parametrize("kind", list(FNS))
+def test_cuda_dropout_bit_equal_and_inputs_kept_on_cpu(kind: str, _process_owner) -> None:
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Block(tracker=True) for _ in range(2)).cuda()
+    x = torch.randn(4, 16, device="cuda")
+    ckpt.model_parallel_cuda_manual_seed(99)
+    ref = _train(blocks, x)
+    ckpt.configure(None, checkpoint_in_cpu=True)
+    ckpt.model_parallel_cuda_manual_seed(99)
+    got = _train(blocks, x, FNS[kind])
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+    assert _process_owner.stats.kept_nbytes == _process_owner.stats.input_nbytes > 0
+    stash = InputStash([x], _process_owner.stash_plan())
+    assert stash.kept[0].data.device.type == "cpu" and stash.restore()[0].device.type == "cuda"

@@ -20,18 +20,10 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from ...accelerator import get_accelerator as _accelerator
+
 _MODEL_PARALLEL_RNG = "model-parallel-rng"
 _SEED_OFFSET = 2718   # Megatron's offset between the data-parallel and model-parallel seeds
-
-
-def _accelerator() -> Any:
-    from ...accelerator import get_accelerator
-
-    return get_accelerator()
-
-
-def _device_is_cpu() -> bool:
-    return _accelerator().device_name() == "cpu"
 
 
 class CudaRNGStatesTracker:
@@ -114,9 +106,8 @@ class RngSnapshot:
 
     @classmethod
     def capture(cls, tracker: CudaRNGStatesTracker) -> "RngSnapshot":
-        device = None
-        if not _device_is_cpu() and torch.cuda.is_available() and torch.cuda.is_initialized():
-            device = torch.cuda.get_rng_state()
+        # CUDA's state whenever CUDA is in use (whatever the accelerator: saving it is harmless)
+        device = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
         return cls(torch.get_rng_state(), device, tracker.get_states())
 
     def install(self, tracker: CudaRNGStatesTracker) -> None:
