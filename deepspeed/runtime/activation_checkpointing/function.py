@@ -35,8 +35,13 @@ def _autocast_states() -> list[tuple[str, bool, torch.dtype, bool]]:
 
 @contextlib.contextmanager
 def _autocast_as(states: list[tuple[str, bool, torch.dtype, bool]]) -> Iterator[None]:
+    """Re-enter the recorded autocast states; a device already in its recorded state (the usual
+    case: autocast off in forward and in backward) is left alone, which saves a torch.autocast."""
     with contextlib.ExitStack() as stack:
         for device, enabled, dtype, cache in states:
+            now_enabled = torch.is_autocast_enabled(device)
+            if enabled == now_enabled and (not enabled or dtype == torch.get_autocast_dtype(device)):
+                continue
             stack.enter_context(torch.autocast(device_type=device, dtype=dtype, enabled=enabled, cache_enabled=cache))
         yield
 
@@ -73,7 +78,7 @@ class CheckpointFunction(torch.autograd.Function):
         with owner.phase("forward", ctx.label):
             outputs = run_function(*args)
         _keep_inputs(ctx, owner, args)
-        leaves, spec = pytree.tree_flatten(outputs)
+        leaves, spec = ([outputs], None) if torch.is_tensor(outputs) else pytree.tree_flatten(outputs)
         all_outputs.append((leaves, spec))
         tensors = [t for t in leaves if torch.is_tensor(t)]
         ctx.mark_non_differentiable(*[t for t in tensors if not t.is_floating_point()])
@@ -89,7 +94,8 @@ class CheckpointFunction(torch.autograd.Function):
         with owner.phase("recompute", ctx.label), ctx.rng.replayed(owner.rng_tracker):
             with torch.enable_grad(), _autocast_as(ctx.autocast):
                 outputs = ctx.run_function(*inputs)
-        leaves = [t for t in pytree.tree_leaves(outputs) if torch.is_tensor(t)]
+        leaves = [outputs] if torch.is_tensor(outputs) else [t for t in pytree.tree_leaves(outputs)
+                                                             if torch.is_tensor(t)]
         pairs = [(t, g) for t, g in zip(leaves, grads) if t.requires_grad and g is not None]
         if not pairs:
             raise RuntimeError("deepspeed.checkpointing.checkpoint: no output of the checkpointed region requires "
@@ -135,6 +141,8 @@ def reentrant_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     all_outputs: list = []
     tensors = iter(CheckpointFunction.apply(function, all_outputs, *args))
     leaves, spec = all_outputs[0]
+    if spec is None:   # a single tensor
+        return next(tensors)
     return pytree.tree_unflatten([next(tensors) if torch.is_tensor(x) else x for x in leaves], spec)
 
 

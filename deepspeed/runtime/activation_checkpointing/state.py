@@ -102,6 +102,9 @@ def _section_from(deepspeed_config: Any) -> Any:
     return ActivationCheckpointingConfig(**raw)
 
 
+_KEEP_AS_IS = StashPlan()
+
+
 class ActivationCheckpointing:
     """Settings, mpu, contiguous buffer and counters of activation checkpointing; see
     [Note: one owner per engine]."""
@@ -126,6 +129,8 @@ class ActivationCheckpointing:
 
     def stash_plan(self) -> StashPlan:
         s, mpu = self.settings, self.mpu
+        if not (s.partition_activations or s.checkpoint_in_cpu):
+            return _KEEP_AS_IS
         mp_size = mpu.get_model_parallel_world_size() if (s.partition_activations and mpu is not None) else 1
         if mp_size <= 1:
             return StashPlan(to_cpu=s.checkpoint_in_cpu)
