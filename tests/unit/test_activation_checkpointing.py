@@ -1,5 +1,6 @@
 """deepspeed.checkpointing in one process: RNG replay, argument and output shapes, settings,
-errors, the tracker, per-owner isolation. Ranks and engines: tests/distributed/test_activation_checkpointing.py.
+errors, the tracker, per-owner isolation. Ranks and engines:
+tests/distributed/test_activation_checkpointing_ranks.py.
 
 Gradients are compared bit for bit (rtol=0, atol=0) between a checkpointed and a plain run:
 the recompute runs the same kernels on the same tensors in the same order as the plain forward
