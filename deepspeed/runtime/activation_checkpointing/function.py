@@ -64,9 +64,10 @@ def _bind_kwargs(function: Callable, args: tuple, kwargs: dict) -> tuple[Callabl
 
 
 class CheckpointFunction(torch.autograd.Function):
-    """Reentrant activation checkpointing (upstream's class, same `apply(run_function,
-    all_outputs, *args)` call: `all_outputs` receives the region's full output, non-tensors
-    included; `apply` returns only its tensors)."""
+    """Reentrant activation checkpointing, upstream's `apply(run_function, all_outputs, *args)`
+    call. `apply` returns the output's tensors; `all_outputs` receives `(leaves, treespec)` of the
+    whole output (torch.utils._pytree), from which `checkpoint()` rebuilds it with non-tensors in
+    place (upstream appends the top-level outputs instead)."""
 
     @staticmethod
     def forward(ctx: Any, run_function: Callable, all_outputs: list, *args: Any) -> Any:
