@@ -12,8 +12,9 @@ of a shared machine hit all alike:
 Saved bytes: distinct storages packed by `torch.autograd.graph.saved_tensors_hooks` during one
 forward, parameters excluded (they are not activations). A region's inputs are included: the
 reentrant Function saves them with save_for_backward, torch's non-reentrant checkpoint through a
-no-op Function that does the same. Step time: forward + backward + SGD step; the variants alternate step by step and the ratio to
-torch is the median of the paired steps' ratios.
+no-op Function that does the same. Step time: forward + backward + SGD step; the variants
+alternate step by step and the ratio to torch is the median of the paired steps' ratios.
+First, the machinery's own cost: CPU time per region on a tiny Linear (`--overhead-only`: just that).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def main() -> None:
     torch.manual_seed(0)
     base = GPT(cfg)
     data = torch.Generator().manual_seed(1)
-    batch = (torch.randint(0, 256, (a.batch, 128), generator=data), torch.randint(0, 256, (a.batch, 128), generator=data))
+    batch = tuple(torch.randint(0, 256, (a.batch, 128), generator=data) for _ in range(2))
     models = {}
     for n in names:
         torch.manual_seed(0)
@@ -147,14 +148,16 @@ def main() -> None:
     print(f"GPT {a.layers} layers, width {a.width}, 8 heads, block 128, batch {a.batch}, dropout 0.1, "
           f"{sum(p.numel() for p in base.parameters()):,} parameters; {a.threads} thread(s), "
           f"{a.repeats * a.steps} timed steps per variant, alternating step by step\n")
-    print("| variant | saved activation bytes | vs none | median step (s) | p25-p75 (s) | vs torch, same kind (paired) |")
+    print("| variant | saved activation bytes | vs none | median step (s) | p25-p75 (s) "
+          "| vs torch, same kind (paired) |")
     print("|---|---|---|---|---|---|")
     for n in names:
         q = statistics.quantiles(times[n], n=4)
         ref = {"ds": "torch", "ds_nonreentrant": "torch_nonreentrant"}.get(n)
         ratio = (f"{statistics.median(x / y for x, y in zip(times[n], times[ref])):.3f}x" if ref in times else "")
         vs_none = f"{nbytes[n] / nbytes['none']:.3f}" if "none" in nbytes else ""
-        print(f"| {n} | {nbytes[n]:,} | {vs_none} | {statistics.median(times[n]):.4f} | {q[0]:.3f}-{q[2]:.3f} | {ratio} |")
+        print(f"| {n} | {nbytes[n]:,} | {vs_none} | {statistics.median(times[n]):.4f} | {q[0]:.3f}-{q[2]:.3f} "
+              f"| {ratio} |")
 
 if __name__ == "__main__":
     main()
