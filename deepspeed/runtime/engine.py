@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import comm as ds_comm
 from ..utils.logging import log_dist, set_log_level_from_string
+from .activation_checkpointing import state as activation_checkpointing
 from ..utils.timer import SynchronizedWallClockTimer, ThroughputTimer
 from .base_optimizer import DeepSpeedOptimizer
 from .dataloader import DeepSpeedDataLoader
@@ -72,6 +73,8 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         # ZeRO-3: parameters become shards gathered by module hooks; gradients are reduce-scattered
         # by those hooks during backward, so there is no GradBucketReducer (self._reducer is None).
         self._stage3 = build_stage3_coordinator(self)
+        # its own deepspeed.checkpointing settings when the config has the section ([Note: one owner per engine])
+        self._activation_checkpointing = activation_checkpointing.for_engine(config_class, mpu)
         self._bstate = BackwardState()
         self._output_tokens = itertools.count()
 
@@ -125,7 +128,8 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         if self.training and self.tput_timer is not None:
             self.tput_timer.start()
         inputs, kwargs = self.precision.cast_input(inputs), self.precision.cast_input(kwargs)
-        with self.precision.forward_context(self.device.type):
+        with self.precision.forward_context(self.device.type), \
+                activation_checkpointing.activated(self._activation_checkpointing):
             output = self.module(*inputs, **kwargs)
         if self.optimizer is not None and torch.is_grad_enabled() and not under_function_transform():
             tensors = output_tensors(output)

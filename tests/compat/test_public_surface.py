@@ -57,6 +57,12 @@ SURFACE = [
     "deepspeed.utils.z3_leaf_module.set_z3_leaf_modules",
     "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3",
     "deepspeed.runtime.zero.partition_parameters.ZeroParamStatus",
+    "deepspeed.checkpointing.configure", "deepspeed.checkpointing.is_configured", "deepspeed.checkpointing.checkpoint",
+    "deepspeed.checkpointing.reset", "deepspeed.checkpointing.get_cuda_rng_tracker",
+    "deepspeed.checkpointing.model_parallel_cuda_manual_seed", "deepspeed.checkpointing.CudaRNGStatesTracker",
+    "deepspeed.checkpointing.CheckpointFunction", "deepspeed.checkpointing.non_reentrant_checkpoint",
+    "deepspeed.runtime.activation_checkpointing.checkpointing.checkpoint",
+    "deepspeed.runtime.activation_checkpointing.checkpointing.non_reentrant_checkpoint",
 ]
 
 

@@ -23,8 +23,7 @@ def test_checkpointing_configure_from_config_then_arguments():
     with pytest.raises(ValueError, match="requires partition_activations"):
         deepspeed.checkpointing.configure(None, partition_activations=False, contiguous_checkpointing=True,
                                           num_checkpoints=2)
-    with pytest.raises(NotImplementedError, match="torch.utils.checkpoint"):
-        deepspeed.checkpointing.checkpoint(lambda x: x, 1)
+    deepspeed.checkpointing.configure(None)   # back to the defaults for later tests in this process
 
 
 def test_aio_thread_count_accepted():
