@@ -37,6 +37,8 @@ _LAZY = {
     "checkpoint": ("deepspeed.checkpoint", None),
     "tp_model_init": ("deepspeed.runtime.builder", "tp_model_init"),
     "checkpointing": ("deepspeed.runtime.activation_checkpointing.checkpointing", None),
+    "DeepSpeedTransformerConfig": ("deepspeed.ops.transformer", "DeepSpeedTransformerConfig"),
+    "DeepSpeedTransformerLayer": ("deepspeed.ops.transformer", "DeepSpeedTransformerLayer"),
 }
 
 __all__ = ["__version__", "version", *_LAZY]
