@@ -35,10 +35,21 @@ def keep_mask(shape, keep_prob: float, seed: int, device: torch.device) -> torch
     return torch.empty(shape, dtype=torch.bool, device=device).bernoulli_(keep_prob, generator=gen)
 
 
-def dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    """Inverted dropout with a seeded mask; autograd keeps the mask as bools (1 byte/element)."""
-    mask = keep_mask(x.shape, 1.0 - p, seed, x.device)
-    return torch.where(mask, x, 0) * (1.0 / (1.0 - p))
+class DropoutAdd(torch.autograd.Function):
+    """``residual + dropout(x)`` with a seeded mask, keeping only the boolean mask (1 byte per
+    element) and allocating one tensor each way (autograd's where/mul/add chain makes three)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, p, seed):
+        keep = keep_mask(x.shape, 1.0 - p, seed, x.device)
+        ctx.save_for_backward(keep)
+        ctx.scale = 1.0 / (1.0 - p)
+        return torch.add(residual, x * keep, alpha=ctx.scale)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (keep,) = ctx.saved_tensors
+        return (grad_out * keep).mul_(ctx.scale), grad_out, None, None
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -98,7 +109,7 @@ class InvertibleLayerNorm(torch.autograd.Function):
 def _probs(q, k, mask, scale):
     scores = torch.matmul(q * scale, k.transpose(-2, -1))
     if mask is not None:
-        scores = scores + mask
+        scores.add_(mask)
     return torch.softmax(scores, dim=-1)
 
 
@@ -116,7 +127,7 @@ class DropoutAttention(torch.autograd.Function):
         scale = q.shape[-1] ** -0.5
         probs = _probs(q, k, mask, scale)
         keep = keep_mask(probs.shape, 1.0 - p, seed, probs.device)
-        out = torch.matmul(torch.where(keep, probs, 0), v) * (1.0 / (1.0 - p))
+        out = torch.matmul(probs * keep, v).mul_(1.0 / (1.0 - p))
         ctx.scale, ctx.p, ctx.seed, ctx.recompute = scale, p, seed, recompute
         if recompute:
             ctx.save_for_backward(q, k, v, mask)
@@ -133,9 +144,9 @@ class DropoutAttention(torch.autograd.Function):
         else:
             q, k, v, mask, probs, keep = ctx.saved_tensors
         grad_out = grad_out * (1.0 / (1.0 - ctx.p))
-        grad_v = torch.matmul(torch.where(keep, probs, 0).transpose(-2, -1), grad_out)
-        grad_probs = torch.where(keep, torch.matmul(grad_out, v.transpose(-2, -1)), 0)
+        grad_v = torch.matmul((probs * keep).transpose(-2, -1), grad_out)
+        grad_probs = torch.matmul(grad_out, v.transpose(-2, -1)).mul_(keep)
         grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
-        grad_q = torch.matmul(grad_scores, k) * ctx.scale
-        grad_k = torch.matmul(grad_scores.transpose(-2, -1), q * ctx.scale)
+        grad_q = torch.matmul(grad_scores, k).mul_(ctx.scale)
+        grad_k = torch.matmul(grad_scores.transpose(-2, -1), q).mul_(ctx.scale)
         return grad_q, grad_k, grad_v, None, None, None, None

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import DeepSpeedTransformerConfig, TransformerConfig
-from .functions import DropoutAttention, GeluLinear, InvertibleLayerNorm, draw_seed, dropout
+from .functions import DropoutAdd, DropoutAttention, GeluLinear, InvertibleLayerNorm, draw_seed
 
 __all__ = ["DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig", "TransformerConfig"]
 
@@ -176,7 +176,7 @@ class DeepSpeedTransformerLayer(nn.Module):
 
 
 def _dropout_add(x, residual, p, seed):
-    return (dropout(x, p, seed) if p > 0.0 else x) + residual
+    return DropoutAdd.apply(x, residual, p, seed) if p > 0.0 else x + residual
 
 
 def _prepare_mask(mask, dtype):
