@@ -2,14 +2,14 @@
 Hugging Face ``BertLayer`` (eager and SDPA attention) vs ``torch.nn.TransformerEncoderLayer``.
 
 Run: ``.venv/bin/python benchmarks/bench_transformer_layer.py [--dtypes fp32,bf16] [--batch 2]
-[--seq 128] [--layers 12] [--dropout 0.1] [--steps 5] [--repeats 3]``.
+[--seq 128] [--layers 12] [--dropout 0.1] [--rounds 10]``.
 
 All stacks get the same weights (copied from the HF layers), the same input and the same
 additive padding mask (HF's [B,1,1,S] convention; a boolean key-padding mask for torch's layer),
 and run Post-LN (BERT) with exact GELU. Pure-dtype runs: the stack is cast to bf16, no autocast.
-Variants are interleaved within each repeat, so a load drift of the shared machine hits all of
-them alike; the table gives the median over repeats of each repeat's median step, and each
-variant's time relative to the fastest baseline (< 1 means ours is faster).
+Variants run round-robin (one step each per round, rotating order), so a load drift of the shared
+machine hits all of them alike; the table gives each variant's median step, its ratio to the
+fastest baseline's median, and the median of the per-round ratios (< 1: ours is faster).
 """
 
 from __future__ import annotations
@@ -80,21 +80,22 @@ def make_step(kind: str, stack: nn.ModuleList, x: torch.Tensor, add_mask: torch.
     return step
 
 
-def median_step(step, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timed(step, stack: nn.ModuleList, x: torch.Tensor) -> float:
+    stack.zero_grad(set_to_none=True)
+    x.grad = None
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
 
 
-def run_dtype(args, dtype: torch.dtype) -> dict[str, float]:
+def run_dtype(args, dtype: torch.dtype) -> dict[str, list[float]]:
+    """Per-variant step times over ``args.rounds`` rounds; each round runs every variant once, in
+    a rotating order, so a drift in machine load hits all variants alike (paired samples)."""
     ref_eager = hf_stack(args, "eager")
     variants = {"ours": ds_stack(args, ref_eager), "hf-eager": ref_eager,
                 "hf-sdpa": hf_stack(args, "sdpa"), "torch": torch_stack(args, ref_eager)}
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch, args.seq, args.hidden, generator=gen, dtype=dtype, requires_grad=True)
+    x = torch.randn(args.batch, args.seq, args.hidden, generator=gen).to(dtype).requires_grad_(True)
     pad = torch.zeros(args.batch, args.seq, dtype=torch.bool)
     pad[0, args.seq * 3 // 4:] = True                                  # first sequence padded to 3/4
     add_mask = torch.zeros(args.batch, 1, 1, args.seq, dtype=dtype).masked_fill(pad[:, None, None, :],
@@ -104,14 +105,13 @@ def run_dtype(args, dtype: torch.dtype) -> dict[str, float]:
         stack.to(dtype).train()
         steps[name] = make_step("torch" if name == "torch" else "layer", stack, x, add_mask, pad)
         for _ in range(args.warmup):
-            steps[name]()
-    per_repeat: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.repeats):
-        for name, step in steps.items():
-            stack = variants[name]
-            stack.zero_grad(set_to_none=True)
-            per_repeat[name].append(median_step(step, args.steps))
-    return {name: statistics.median(v) for name, v in per_repeat.items()}, per_repeat
+            timed(steps[name], stack, x)
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(timed(steps[name], variants[name], x))
+    return times
 
 
 def main() -> None:
@@ -124,22 +124,26 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.layers} layers, hidden {args.hidden}, "
           f"{args.heads} heads, batch {args.batch}, seq {args.seq}, dropout {args.dropout}; forward+backward\n")
-    print("| dtype | variant | median step (s) | repeat medians (s) | vs fastest baseline |")
-    print("|---|---|---|---|---|")
+    print("| dtype | variant | median step (s) | min-max (s) | median / fastest baseline's | paired: median of per-round ratios |")
+    print("|---|---|---|---|---|---|")
     for dname in args.dtypes.split(","):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dname]
-        medians, per_repeat = run_dtype(args, dtype)
-        fastest = min(v for k, v in medians.items() if k != "ours")
-        for name, sec in medians.items():
-            spread = "-".join(f"{t:.3f}" for t in (min(per_repeat[name]), max(per_repeat[name])))
-            mark = f"**{sec / fastest:.3f}x**" if name == "ours" else f"{sec / fastest:.3f}x"
-            print(f"| {dname} | {name} | {sec:.3f} | {spread} | {mark} |", flush=True)
-
+        times = run_dtype(args, dtype)
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        fastest = min((k for k in medians if k != "ours"), key=medians.get)
+        for name, t in times.items():
+            paired = statistics.median(a / b for a, b in zip(t, times[fastest]))
+            ratio = f"{medians[name] / medians[fastest]:.3f}x"
+            if name == "ours":
+                ratio, paired_s = f"**{ratio}**", f"**{paired:.3f}x** (vs {fastest})"
+            else:
+                paired_s = f"{paired:.3f}x"
+            print(f"| {dname} | {name} | {medians[name]:.3f} | {min(t):.3f}-{max(t):.3f} | {ratio} | {paired_s} |",
+                  flush=True)
 
 if __name__ == "__main__":
     main()

@@ -96,6 +96,9 @@ def test_public_names_and_paths():
 
     assert deepspeed.DeepSpeedTransformerLayer is DeepSpeedTransformerLayer is mod.DeepSpeedTransformerLayer
     assert deepspeed.DeepSpeedTransformerConfig is DeepSpeedTransformerConfig is mod.DeepSpeedTransformerConfig
+    from deepspeed.ops.op_builder import TransformerBuilder
+
+    assert deepspeed.ops.__compatible_ops__[TransformerBuilder.NAME]      # upstream's tests gate on this
 
 
 def test_config_defaults_aliases_and_files(tmp_path):
