@@ -379,3 +379,25 @@ def seeded_run_device(layer, seed, dtype):
     torch.manual_seed(seed)
     out, _ = run(layer, x.to("cuda", dtype), padding_mask(dtype).cuda(), grad.to("cuda", dtype))
     return out
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_replaces_layers_inside_hf_bert_model(attn):
+    """Swapped into transformers' BertModel, whose encoder passes its own mask (additive for eager,
+    boolean or None for SDPA) and keyword arguments: the same hidden states as HF's layers."""
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(vocab_size=50, hidden_size=H, intermediate_size=I, num_attention_heads=HEADS, num_hidden_layers=2,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation=attn)
+    torch.manual_seed(0)
+    model = BertModel(cfg, add_pooling_layer=False).eval()
+    ids = torch.randint(0, 50, (B, S))
+    attention_mask = torch.ones(B, S, dtype=torch.long)
+    attention_mask[1, S - 5:] = 0
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+        model.encoder.layer = torch.nn.ModuleList(
+            DeepSpeedTransformerLayer(make_config(layer_norm_eps=cfg.layer_norm_eps), *hf_tensors(layer)).eval()
+            for layer in model.encoder.layer)
+        actual = model(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+    assert_rel(actual, expected, 1e-5, "last_hidden_state")
