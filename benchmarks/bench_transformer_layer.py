@@ -80,15 +80,16 @@ def make_step(kind: str, stack: nn.ModuleList, x: torch.Tensor, add_mask: torch.
     return step
 
 
-def timed(step, stack: nn.ModuleList, x: torch.Tensor) -> float:
+def timed(step, stack: nn.ModuleList, x: torch.Tensor) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one step; CPU time is less disturbed by other load."""
     stack.zero_grad(set_to_none=True)
     x.grad = None
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     step()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
-def run_dtype(args, dtype: torch.dtype) -> dict[str, list[float]]:
+def run_dtype(args, dtype: torch.dtype) -> dict[str, list[tuple[float, float]]]:
     """Per-variant step times over ``args.rounds`` rounds; each round runs every variant once, in
     a rotating order, so a drift in machine load hits all variants alike (paired samples)."""
     ref_eager = hf_stack(args, "eager")
@@ -107,7 +108,7 @@ def run_dtype(args, dtype: torch.dtype) -> dict[str, list[float]]:
         for _ in range(args.warmup):
             timed(steps[name], stack, x)
     names = list(variants)
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(timed(steps[name], variants[name], x))
@@ -128,22 +129,25 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.layers} layers, hidden {args.hidden}, "
           f"{args.heads} heads, batch {args.batch}, seq {args.seq}, dropout {args.dropout}; forward+backward\n")
-    print("| dtype | variant | median step (s) | min-max (s) | median / fastest baseline's | paired: median of per-round ratios |")
-    print("|---|---|---|---|---|---|")
+    print("| dtype | variant | median step (s) | min-max (s) | vs fastest baseline | paired (median of per-round "
+          "ratios) | CPU s / step | CPU vs fastest |")
+    print("|---|---|---|---|---|---|---|---|")
     for dname in args.dtypes.split(","):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dname]
         times = run_dtype(args, dtype)
-        medians = {name: statistics.median(t) for name, t in times.items()}
+        wall = {name: [w for w, _ in t] for name, t in times.items()}
+        cpu = {name: statistics.median(c for _, c in t) for name, t in times.items()}
+        medians = {name: statistics.median(t) for name, t in wall.items()}
         fastest = min((k for k in medians if k != "ours"), key=medians.get)
-        for name, t in times.items():
-            paired = statistics.median(a / b for a, b in zip(t, times[fastest]))
-            ratio = f"{medians[name] / medians[fastest]:.3f}x"
+        fastest_cpu = min(v for k, v in cpu.items() if k != "ours")
+        for name, t in wall.items():
+            paired = statistics.median(a / b for a, b in zip(t, wall[fastest]))
+            cells = [f"{medians[name] / medians[fastest]:.3f}x", f"{paired:.3f}x", f"{cpu[name] / fastest_cpu:.3f}x"]
             if name == "ours":
-                ratio, paired_s = f"**{ratio}**", f"**{paired:.3f}x** (vs {fastest})"
-            else:
-                paired_s = f"{paired:.3f}x"
-            print(f"| {dname} | {name} | {medians[name]:.3f} | {min(t):.3f}-{max(t):.3f} | {ratio} | {paired_s} |",
-                  flush=True)
+                cells = [f"**{c}**" for c in cells]
+                cells[1] += f" (vs {fastest})"
+            print(f"| {dname} | {name} | {medians[name]:.3f} | {min(t):.3f}-{max(t):.3f} | {cells[0]} | {cells[1]} | "
+                  f"{cpu[name]:.3f} | {cells[2]} |", flush=True)
 
 if __name__ == "__main__":
     main()
