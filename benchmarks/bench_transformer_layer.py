@@ -44,7 +44,7 @@ def hf_tensors(layer):
 
 
 def ds_stack(args, ref: nn.ModuleList) -> nn.ModuleList:
-    cfg = lambda: deepspeed.DeepSpeedTransformerConfig(  # noqa: E731 (one config object per layer, as upstream)
+    cfg = lambda: deepspeed.DeepSpeedTransformerConfig(
         batch_size=args.batch, hidden_size=args.hidden, heads=args.heads, attn_dropout_ratio=args.dropout,
         hidden_dropout_ratio=args.dropout, num_hidden_layers=args.layers, initializer_range=0.02,
         pre_layer_norm=False, max_seq_length=args.seq)

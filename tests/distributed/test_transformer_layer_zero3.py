@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from harness import run_distributed
+from torch import nn
 
 HIDDEN, HEADS, SEQ, MICRO, STEPS, WORLD = 32, 4, 8, 2, 3, 2
 

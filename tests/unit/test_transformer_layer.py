@@ -22,9 +22,9 @@ UPSTREAM_NAMES = ["attn_qkvw", "attn_qkvb", "attn_ow", "attn_ob", "attn_nw", "at
 
 
 def make_config(**kw) -> DeepSpeedTransformerConfig:
-    base = dict(batch_size=B, hidden_size=H, intermediate_size=I, heads=HEADS, attn_dropout_ratio=0.0,
-                hidden_dropout_ratio=0.0, num_hidden_layers=4, initializer_range=0.02, layer_norm_eps=EPS,
-                pre_layer_norm=False)
+    base = {"batch_size": B, "hidden_size": H, "intermediate_size": I, "heads": HEADS, "attn_dropout_ratio": 0.0,
+            "hidden_dropout_ratio": 0.0, "num_hidden_layers": 4, "initializer_range": 0.02, "layer_norm_eps": EPS,
+            "pre_layer_norm": False}
     base.update(kw)
     return DeepSpeedTransformerConfig(**base)
 
@@ -128,7 +128,7 @@ def test_layer_id_counter_names_and_shapes():
 
 def test_init_and_adjust_init_range():
     torch.manual_seed(0)
-    big = dict(hidden_size=512, intermediate_size=1024, heads=8, num_hidden_layers=8, initializer_range=0.02)
+    big = {"hidden_size": 512, "intermediate_size": 1024, "heads": 8, "num_hidden_layers": 8, "initializer_range": 0.02}
     adjusted = DeepSpeedTransformerLayer(make_config(**big))
     plain = DeepSpeedTransformerLayer(make_config(adjust_init_range=False, **big))
     assert abs(adjusted.attn_qkvw.std().item() - 0.02) < 1e-3
@@ -275,7 +275,7 @@ def test_under_torch_activation_checkpointing(reentrant):
     """Recomputation redraws the same dropout masks: gradients equal the uncheckpointed run."""
     layer = dropout_layer()
     plain = seeded_run(layer, 3)
-    wrapped = lambda x, m: torch_checkpoint(layer, x, m, use_reentrant=reentrant)  # noqa: E731
+    wrapped = lambda x, m: torch_checkpoint(layer, x, m, use_reentrant=reentrant)
     x, grad = inputs()
     layer.zero_grad(set_to_none=True)
     torch.manual_seed(3)
@@ -297,7 +297,7 @@ def test_under_deepspeed_checkpointing():
     x, grad = inputs()
     layer.zero_grad(set_to_none=True)
     torch.manual_seed(3)
-    out, dx = run(lambda x_, m: checkpointing.checkpoint(layer, x_, m), x, padding_mask(), grad)
+    out, _ = run(lambda x_, m: checkpointing.checkpoint(layer, x_, m), x, padding_mask(), grad)
     assert_rel(out, plain[0], 1e-6, "output")
     for p, g in zip(layer.parameters(), plain[2]):
         assert_rel(p.grad, g, 1e-6, "grad")

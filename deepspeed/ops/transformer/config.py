@@ -111,7 +111,7 @@ class DeepSpeedTransformerConfig(TransformerConfig):
         self.return_tuple = value
 
     @classmethod
-    def from_dict(cls, json_object: dict[str, Any]) -> "DeepSpeedTransformerConfig":
+    def from_dict(cls, json_object: dict[str, Any]) -> DeepSpeedTransformerConfig:
         config = cls()
         for key, value in json_object.items():
             setattr(config, key, value)
@@ -120,7 +120,7 @@ class DeepSpeedTransformerConfig(TransformerConfig):
         return config
 
     @classmethod
-    def from_json_file(cls, json_file: str) -> "DeepSpeedTransformerConfig":
+    def from_json_file(cls, json_file: str) -> DeepSpeedTransformerConfig:
         # Upstream reads UTF-16; accept that (BOM) and plain UTF-8.
         with open(json_file, "rb") as reader:
             raw = reader.read()

@@ -14,7 +14,6 @@ state dicts move between the two layers unchanged.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,7 @@ from torch import nn
 from .config import DeepSpeedTransformerConfig, TransformerConfig
 from .functions import DropoutAdd, DropoutAttention, GeluLinear, InvertibleLayerNorm, draw_seed
 
-__all__ = ["DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig", "TransformerConfig"]
+__all__ = ["DeepSpeedTransformerConfig", "DeepSpeedTransformerLayer", "TransformerConfig"]
 
 # name -> shape, in upstream's registration order; "H" hidden, "I" intermediate.
 _PARAM_SHAPES = (
@@ -72,9 +71,9 @@ class DeepSpeedTransformerLayer(nn.Module):
         self.init_transformer_weights(config.adjust_init_range)
         with torch.no_grad():
             if initial_weights is not None:
-                self._load_initial(initial_weights, "w", sizes)
+                self._load_initial(initial_weights, "w")
             if initial_biases is not None:
-                self._load_initial(initial_biases, "b", sizes)
+                self._load_initial(initial_biases, "b")
         self.train(config.training)
 
     def init_transformer_weights(self, adjust_init_range: bool = False) -> None:
@@ -94,7 +93,7 @@ class DeepSpeedTransformerLayer(nn.Module):
                 else:
                     param.normal_(0.0, output_std if name in ("attn_ow", "output_w") else std)
 
-    def _load_initial(self, tensors, kind: str, sizes: dict) -> None:
+    def _load_initial(self, tensors, kind: str) -> None:
         if len(tensors) != 8:
             raise ValueError(f"initial_{'weights' if kind == 'w' else 'biases'} needs the 8 tensors of a "
                              f"BertLayer (q, k, v, attn out, attn norm, inter, output, norm); got {len(tensors)}")
@@ -111,7 +110,7 @@ class DeepSpeedTransformerLayer(nn.Module):
         return (f"layer_id={c.layer_id}, hidden_size={c.hidden_size}, heads={c.heads}, "
                 f"intermediate_size={c.intermediate_size}, pre_layer_norm={c.pre_layer_norm}")
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 head_mask=None, layer_head_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 past_key_value=None, output_attentions=False, grads=None, **unused):
         # Upstream ignores these arguments; silently wrong results are worse than an error.
