@@ -40,6 +40,8 @@ _LAZY = {
     "tp_model_init": ("deepspeed.runtime.builder", "tp_model_init"),
     "OnDevice": ("deepspeed.utils.init_on_device", "OnDevice"),
     "checkpointing": ("deepspeed.runtime.activation_checkpointing.checkpointing", None),
+    "DeepSpeedTransformerConfig": ("deepspeed.ops.transformer", "DeepSpeedTransformerConfig"),
+    "DeepSpeedTransformerLayer": ("deepspeed.ops.transformer", "DeepSpeedTransformerLayer"),
 }
 
 __all__ = ["__version__", "version", *_LAZY]
