@@ -18,7 +18,12 @@ def outcomes(path: str) -> dict[str, str]:
     result = {}
     for case in ET.parse(path).getroot().iter("testcase"):
         classname = case.get("classname", "")
-        file = case.get("file") or (classname.replace(".", "/") + ".py" if classname else case.get("name", "?"))
+        parts = classname.split(".") if classname else []
+        while parts and parts[-1][:1].isupper():   # test classes (TestX, TestX.TestY): keep the module
+            parts.pop()
+        if not parts and "." in case.get("name", ""):   # a collection error: name is the dotted module
+            parts = case.get("name", "").split(".")
+        file = case.get("file") or ("/".join(parts) + ".py" if parts else case.get("name", "?"))
         status = "passed"
         for child in case:
             if child.tag in ("failure", "error", "skipped"):

@@ -30,7 +30,9 @@ mkdir -p "$out"
 # The harness imports tests/unit/util.py etc. relative to tests/; run from there, as upstream's CI.
 cd "$upstream/tests"
 set +e
-DS_ACCELERATOR=cpu HF_HOME="$out/hf_home" TORCH_EXTENSIONS_DIR="$out/torch_extensions" \
+# LOCAL_SIZE: how many CPU "devices" the accelerator reports (upstream's harness skips world sizes above
+# it; without it, the NUMA node count, usually 1): a 4-device node, as upstream's tests expect.
+LOCAL_SIZE="${UPSTREAM_LOCAL_SIZE:-4}" DS_ACCELERATOR=cpu HF_HOME="$out/hf_home" TORCH_EXTENSIONS_DIR="$out/torch_extensions" \
     "$venv/bin/python" -m pytest --forked -n "$jobs" -p no:cacheprovider -q -o addopts="" --continue-on-collection-errors \
     --timeout="$timeout_s" --junitxml="$out/junit.xml" $select 2>&1 | tail -n 40 | tee "$out/tail.txt"
 set -e
