@@ -631,3 +631,12 @@ def test_cast_module_keeps_buffers_unless_buffer_dtype():
     m._keep_in_fp32_modules = ["1"]   # "auto": the model's own list (Hugging Face attribute)
     cast_module(m, torch.bfloat16, torch.bfloat16)
     assert m[1][0].table.dtype == torch.float32
+
+
+def test_data_types_read_through_upstream_attribute_names():
+    cfg = DeepSpeedConfig({**BASE, "bf16": {"enabled": True},
+                           "data_types": {"param_dtype": "bf16", "buffer_dtype": "fp32", "grad_accum_dtype": "fp32"}},
+                          world_size=1)
+    assert (cfg.param_dtype, cfg.buffer_dtype, cfg.grad_accum_dtype) == ("bf16", "fp32", "fp32")
+    plain = DeepSpeedConfig(BASE, world_size=1)
+    assert (plain.param_dtype, plain.buffer_dtype) == (None, None)

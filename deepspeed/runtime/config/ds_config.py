@@ -70,6 +70,8 @@ _COMPAT: dict[str, Callable[["DeepSpeedConfig"], Any]] = {
     "load_universal_checkpoint": lambda c: c.model.checkpoint.load_universal,
     "use_node_local_storage": lambda c: c.model.checkpoint.use_node_local_storage,
     "grad_accum_dtype": lambda c: c.model.data_types.grad_accum_dtype,
+    "param_dtype": lambda c: c.model.data_types.param_dtype,
+    "buffer_dtype": lambda c: c.model.data_types.buffer_dtype,
     "torch_autocast_enabled": lambda c: c.model.torch_autocast.enabled,
     "torch_autocast_dtype": lambda c: c.model.torch_autocast.dtype,
     "torch_autocast_lower_precision_safe_modules": lambda c: c.model.torch_autocast.lower_precision_safe_modules,
