@@ -383,6 +383,11 @@ def bad_save_job(cfg: dict, save_dir: str) -> dict:
             out[name] = None
         except Exception as error:  # noqa: BLE001
             out[name] = str(error)
+    for empty in (None, ""):   # the same bad argument on every rank: its own type, as upstream (ValueError)
+        try:
+            engine.save_checkpoint(empty)
+        except Exception as error:  # noqa: BLE001
+            out[f"empty {empty!r}"] = type(error).__name__
     _dist().barrier()
     out["left"] = sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []
     return out

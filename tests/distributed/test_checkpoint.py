@@ -319,6 +319,7 @@ def test_bad_save_arguments_fail_on_every_rank(tmp_path):
     for r in results:
         assert "a/b" in r["slash"] and ".hidden" in r["dot"], r
         assert r["left"] == [], r  # the failed save's staging directory is gone
+        assert r["empty None"] == r["empty ''"] == "ValueError", r
 
 
 def test_bf16_checkpoint_into_fp16_engine_keeps_the_fp16_scale(tmp_path):

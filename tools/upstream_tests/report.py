@@ -29,7 +29,7 @@ def outcomes(path: str) -> dict[str, str]:
             if child.tag in ("failure", "error", "skipped"):
                 status = {"failure": "failed"}.get(child.tag, child.tag)
                 break
-        result[f"{file}::{case.get('name')}"] = status
+        result[f"{file}::{classname}::{case.get('name')}"] = status   # classes may share test names
     return result
 
 

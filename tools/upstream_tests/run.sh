@@ -34,7 +34,9 @@ set +e
 # it; without it, the NUMA node count, usually 1): a 4-device node, as upstream's tests expect.
 LOCAL_SIZE="${UPSTREAM_LOCAL_SIZE:-4}" DS_ACCELERATOR=cpu HF_HOME="$out/hf_home" TORCH_EXTENSIONS_DIR="$out/torch_extensions" \
     "$venv/bin/python" -m pytest --forked -n "$jobs" -p no:cacheprovider -q -o addopts="" --continue-on-collection-errors \
-    --timeout="$timeout_s" --junitxml="$out/junit.xml" $select 2>&1 | tail -n 40 | tee "$out/tail.txt"
+    --timeout="$timeout_s" --junitxml="$out/junit.xml" $select > "$out/pytest.log" 2>&1
+# (to a file, not a pipe: a test's leftover worker processes would hold a pipe open after pytest exits)
 set -e
+tail -n 40 "$out/pytest.log" | tee "$out/tail.txt"
 "$venv/bin/python" "$here/tools/upstream_tests/report.py" "$out/junit.xml" ${UPSTREAM_BASELINE:+--baseline "$UPSTREAM_BASELINE"} \
     | tee "$out/per_file.md"

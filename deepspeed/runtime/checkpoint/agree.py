@@ -86,8 +86,11 @@ def _raise(what: str, mine: str | None, error: BaseException | None, cleanup: Ca
             pass
     failures = {r: t for r, t in enumerate(texts) if t is not None}
     if len(failures) == len(texts) and len(set(failures.values())) == 1:
-        if isinstance(error, CheckpointError):  # every rank saw the same: raise it as it is
-            error.failures = failures
+        if error is not None:  # every rank saw the same: raise it as it is (its type: ValueError for a bad argument)
+            try:
+                error.failures = failures
+            except AttributeError:   # an exception type without instance attributes
+                pass
             raise error
         detail = failures[0] + (" (on every rank)" if len(texts) > 1 else "")
     else:
