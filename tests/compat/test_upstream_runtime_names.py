@@ -305,3 +305,26 @@ def test_offload_with_a_client_optimizer_needs_a_deepspeed_cpu_optimizer():
         init(torch.optim.Adam, True)
     assert init(torch.optim.Adam, False).zero_optimization_stage() == 1
     assert init(DeepSpeedCPUAdam, True).zero_optimization_stage() == 1
+
+
+def test_partition_balanced_is_optimal_by_brute_force():
+    # minimise the heaviest part, then maximise the lightest, over every split into non-empty parts
+    import itertools
+    import random
+
+    from deepspeed.runtime.utils import partition_balanced
+
+    def weights_of(w, bounds):
+        return [sum(w[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n, k = rng.randint(1, 8), rng.randint(1, 4)
+        w = [rng.randint(0, 5) for _ in range(n)]
+        got = weights_of(w, partition_balanced(w, k))
+        if n < k:
+            continue
+        best = min((max(s), -min(s)) for s in (weights_of(w, [0, *cuts, n])
+                                               for cuts in itertools.combinations(range(1, n), k - 1)))
+        assert (max(got), -min(got)) == best, (w, k, got)
+    assert weights_of([1, 1, 1, 1, 0, 1], partition_balanced([1, 1, 1, 1, 0, 1], 4)) == [2, 1, 1, 1]
