@@ -68,6 +68,14 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if mesh_param is not None:
         raise NotImplementedError("deepspeed.initialize: mesh_param (sequence/data-parallel meshes) is not "
                                   "supported by this implementation")
+    engine_class = DeepSpeedEngine
+    if _is_pipeline_module(model):
+        from .pipe.engine import PipelineEngine
+
+        if mpu is not None:
+            raise ValueError("deepspeed.initialize: do not pass `mpu` with a PipelineModule (its topology "
+                             "defines the groups)")
+        mpu, engine_class = model.mpu(), PipelineEngine
     raw = load_config_dict(_config_from_args(args, config, config_params))
     # Validate before the process group exists: a bad config fails alike on every rank, no hang.
     world_size = mpu.get_data_parallel_world_size() if mpu is not None else ds_comm.get_world_size()
@@ -75,11 +83,19 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     ds_comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
                           verbose=False)
     log_dist(f"DeepSpeed info: version={__version__} (pure-Python)", ranks=[0])
-    engine = DeepSpeedEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                             training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
-                             dist_init_required=dist_init_required, collate_fn=collate_fn, config=raw,
-                             config_class=config_class)
+    engine = engine_class(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                          training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                          dist_init_required=dist_init_required, collate_fn=collate_fn, config=raw,
+                          config_class=config_class)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _is_pipeline_module(model: Any) -> bool:
+    """Without importing the pipeline package for models that cannot be one."""
+    import sys
+
+    pipe = sys.modules.get("deepspeed.runtime.pipe.module")
+    return pipe is not None and isinstance(model, pipe.PipelineModule)
 
 
 def tp_model_init(model: torch.nn.Module, tp_size: int, dtype: torch.dtype | None = None, config: Any = None,

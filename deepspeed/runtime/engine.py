@@ -30,6 +30,7 @@ from .engine_setup import (broadcast_module_states, build_lr_scheduler, build_op
                            NotSupportedYet, prepare_module, resolve_device, wrap_optimizer)
 from .errors import UsageError
 from .grad_accum import is_boundary
+from .optimizer_wrapper import clip_sharded_grads, counted_in_norm
 from .precision.policy import PrecisionPolicy
 from .zero.stages import STAGES
 
@@ -104,6 +105,10 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         ds_comm.configure(config_class)
         if self.dump_state():
             config_class.print_config()
+
+    def _solo_bucket_params(self) -> list[nn.Parameter]:
+        """Parameters that get a gradient bucket of their own (the PipelineEngine's tied weights)."""
+        return []
 
     # --- attribute pass-through -------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -339,7 +344,12 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
             self._global_grad_norm = self.optimizer._global_grad_norm
         else:
             clip = self.gradient_clipping()
-            if clip > 0.0:
+            split = getattr(self, "_split", None)
+            if clip > 0.0 and split is not None:   # pipeline stages: the norm of the whole model
+                params = [p for p in self.module.parameters() if p.grad is not None]
+                self._global_grad_norm = clip_sharded_grads([p.grad for p in params], clip, self.device, None, 1,
+                                                            split, [counted_in_norm(p) for p in params])
+            elif clip > 0.0:
                 params = [p for p in self.module.parameters() if p.grad is not None]
                 norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip, foreach=True) if params else None
                 self._global_grad_norm = float(norm) if norm is not None else None

@@ -158,7 +158,8 @@ def build_reducer(engine: Any) -> GradBucketReducer | None:
     reducer = GradBucketReducer(params, reduce, bucket_numel, policy.comm_dtype_fn(),
                                 group=engine.data_parallel_group, first_bucket_numel=first,
                                 accum_dtype=policy.grad_accum_dtype, shard=sharded,
-                                overlap=bool(config.model.zero_optimization.overlap_comm))
+                                overlap=bool(config.model.zero_optimization.overlap_comm),
+                                solo=frozenset(id(p) for p in engine._solo_bucket_params()))
     reducer.names = {id(p): name for name, p in engine.module.named_parameters()}
     return reducer
 

@@ -105,7 +105,7 @@ class GradBucketReducer:
     def __init__(self, params: list[torch.nn.Parameter], policy: ReducePolicy, bucket_numel: int,
                  comm_dtype_of: Callable[[torch.nn.Parameter], torch.dtype], group: Any = None,
                  first_bucket_numel: int | None = None, accum_dtype: torch.dtype | None = None,
-                 shard: bool = False, overlap: bool = True) -> None:
+                 shard: bool = False, overlap: bool = True, solo: frozenset[int] = frozenset()) -> None:
         # Reverse registration order approximates the order gradients become ready.
         ordered = [p for p in reversed(params) if p.requires_grad]
         self.policy = policy
@@ -128,6 +128,10 @@ class GradBucketReducer:
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket index, position)
         groups = plan_buckets([p.numel() for p in ordered], bucket_numel, first_bucket_numel)
+        if solo:   # parameters that need a bucket of their own (pipeline: tied weights, see reduced_grad)
+            groups = [part for g in groups for part in
+                      [[i] for i in g if id(ordered[i]) in solo] + [[i for i in g if id(ordered[i]) not in solo]]
+                      if part]
         for indices in groups:
             self._add_buckets([ordered[i] for i in indices], comm_dtype_of)
         self._next_launch = 0
@@ -321,6 +325,18 @@ class GradBucketReducer:
         """The buffer slice holding `param`'s accumulated (and, after finish(), averaged) gradient."""
         bucket_index, position = self._where[id(param)]
         return self.buckets[bucket_index].views[position]
+
+    def reduced_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """Where `param`'s reduced gradient lives after finish(): its bucket view, or (sharded) its
+        bucket's shard, which is exactly this rank's slice of `param` when `param` was given a
+        bucket of its own (`solo`), laid out alike on every model holding it."""
+        bucket_index, position = self._where[id(param)]
+        bucket = self.buckets[bucket_index]
+        if not self.shard:
+            return bucket.views[position]
+        if len(bucket.params) != 1:
+            raise RuntimeError("reduced_grad of a sharded parameter needs a bucket of its own (solo)")
+        return self.shard_grad_of(bucket)
 
     def flat_buffers(self) -> list[torch.Tensor]:
         return [bucket.flat for bucket in self.buckets]

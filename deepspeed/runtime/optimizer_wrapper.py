@@ -8,13 +8,53 @@ LR schedulers, users and frameworks read `param_groups`, `state`, `loss_scale` a
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
+
+import math
 
 import torch
 
 from .. import comm as ds_comm
 from ..utils.logging import log_dist
 from .base_optimizer import DeepSpeedOptimizer
+
+
+@dataclass(frozen=True)
+class SplitModel:
+    """The model is split across ranks beyond data parallelism (pipeline stages): overflow flags
+    and gradient norms are combined over `model_group` (the ranks holding the other parts of
+    this replica) as well, and parameters marked `ds_pipe_replicated` (a tied weight's copies
+    on its later stages) are left out of the norm, so each counts once."""
+
+    model_group: Any
+
+
+def counted_in_norm(param: torch.Tensor) -> bool:
+    return not getattr(param, "ds_pipe_replicated", False)
+
+
+def clip_sharded_grads(grads: list[torch.Tensor], max_norm: float, comm_device: torch.device, group: Any,
+                       world: int, split: Any = None, counted: list[bool] | None = None) -> float:
+    """Clip gradient shards by the global norm over all ranks' shards, with one all-reduce;
+    torch's clip_grad_norm_ formula. Returns the global norm. `comm_device` is where the
+    all-reduce runs (the parameters' device, also when the shards are offloaded to CPU).
+    With `split` (a SplitModel) the sum also runs over the other parts of the model, and only
+    the grads whose `counted` entry is true enter the norm (all are clipped)."""
+    summed = grads if counted is None else \
+        [g for g, keep in zip(grads, counted) if keep]
+    local = torch.stack([g.float().pow(2).sum() for g in summed]).sum() if summed else torch.zeros(())
+    total = local.reshape(1).to(comm_device)
+    if world > 1:
+        ds_comm.all_reduce(total, group=group)
+    if split is not None:
+        ds_comm.all_reduce(total, group=split.model_group)
+    norm = math.sqrt(float(total))
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        torch._foreach_mul_(grads, coef)
+    return norm
+
 
 
 class OptimizerWrapper(DeepSpeedOptimizer):
@@ -27,6 +67,7 @@ class OptimizerWrapper(DeepSpeedOptimizer):
     overflow: bool
     _global_grad_norm: float | None
     bf16_optimizer_route: bool = False   # upstream would have built BF16_Optimizer (bf16_optimizer.py)
+    split: SplitModel | None = None      # set by the PipelineEngine
 
     @property
     def param_groups(self) -> list[dict]:
@@ -60,9 +101,15 @@ class OptimizerWrapper(DeepSpeedOptimizer):
         """Unscale `grads` in place and decide, identically on every rank, whether any is inf/nan."""
         if not self.check_overflow:
             return False
-        reduce = (lambda flag: ds_comm.all_reduce(flag, op=ds_comm.ReduceOp.MAX, group=self.group)) \
-            if ds_comm.get_world_size(self.group) > 1 else None
-        return self.loss_scaler.unscale_and_check(grads, all_reduce=reduce)
+        groups = [self.group] if ds_comm.get_world_size(self.group) > 1 else []
+        if self.split is not None:
+            groups.append(self.split.model_group)
+
+        def reduce(flag: torch.Tensor) -> None:
+            for group in groups:
+                ds_comm.all_reduce(flag, op=ds_comm.ReduceOp.MAX, group=group)
+
+        return self.loss_scaler.unscale_and_check(grads, all_reduce=reduce if groups else None)
 
     def _skip_step(self, culprit: str) -> bool:
         """Overflow: lower the loss scale and skip this update (on every rank). Returns False."""

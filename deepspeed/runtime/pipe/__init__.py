@@ -1,5 +1,9 @@
-"""Pipeline parallelism (upstream deepspeed.runtime.pipe). Layer specs are here; the pipeline
-module and engine are not built yet (constructing a PipelineModule says so)."""
+"""Pipeline parallelism (upstream deepspeed.runtime.pipe): layer specs and PipelineModule
+(module.py), topologies and process grids (topology.py), schedules (schedule.py), stage-to-stage
+transfers (p2p.py) and the PipelineEngine (engine.py). docs/pipeline.md is the user's guide."""
+
+from .module import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: F401  (upstream re-exports these)
+from .topology import ProcessTopology  # noqa: F401
 
 # compat: `deepspeed.<pkg>.<submodule>` chains resolve after `import deepspeed` (upstream imports eagerly).
 from ..._lazy import submodule_getattr  # noqa: E402

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..optimizer_wrapper import OptimizerWrapper
+from ..optimizer_wrapper import OptimizerWrapper, clip_sharded_grads, counted_in_norm
 from .policy import PrecisionPolicy
 
 
@@ -57,6 +57,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                 self._names.setdefault(id(master), names.get(id(p), "?"))
             group_["params"] = masters
         optimizer.state.clear()  # state was keyed by the model params it no longer sees
+        self._model_param_of = {id(m): p for p, m in self._pairs}
 
     def master_params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -82,7 +83,12 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         if self.overflow:
             return self._skip_step(self._first_bad_parameter())
         masters = [p for p in self.master_params() if p.grad is not None]
-        if self.clip > 0.0 and masters:
+        if self.clip > 0.0 and self.split is not None:   # pipeline: the norm of the whole model
+            counted = [counted_in_norm(self._model_param_of.get(id(m), m)) for m in masters]
+            self._global_grad_norm = clip_sharded_grads([m.grad for m in masters], self.clip, masters[0].device
+                                                        if masters else torch.device("cpu"), None, 1, self.split,
+                                                        counted)
+        elif self.clip > 0.0 and masters:
             norm = torch.nn.utils.clip_grad_norm_(masters, max_norm=self.clip, foreach=True)
             self._global_grad_norm = float(norm)
         self.optimizer.step()

@@ -10,32 +10,15 @@ which the step refreshes with one all-gather per bucket.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from ... import comm as ds_comm
 from ..base_optimizer import ZeROOptimizer
-from ..optimizer_wrapper import OptimizerWrapper
+from ..optimizer_wrapper import OptimizerWrapper, clip_sharded_grads, counted_in_norm  # noqa: F401
 from ..precision.policy import PrecisionPolicy
 from .partition import BucketPartition
-
-
-def clip_sharded_grads(grads: list[torch.Tensor], max_norm: float, comm_device: torch.device, group: Any,
-                       world: int) -> float:
-    """Clip gradient shards by the global norm over all ranks' shards, with one all-reduce;
-    torch's clip_grad_norm_ formula. Returns the global norm. `comm_device` is where the
-    all-reduce runs (the parameters' device, also when the shards are offloaded to CPU)."""
-    local = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-    total = local.reshape(1).to(comm_device)
-    if world > 1:
-        ds_comm.all_reduce(total, group=group)
-    norm = math.sqrt(float(total))
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        torch._foreach_mul_(grads, coef)
-    return norm
 
 
 def attach_fragment_masters(optimizer: torch.optim.Optimizer, shards: list[Any],
@@ -106,8 +89,10 @@ def step_on_shards(wrapper: Any, shards: list[Any], culprit: str, comm_device: t
             applied = wrapper._skip_step(culprit)
         else:
             if wrapper.clip > 0.0:
+                counted = [all(counted_in_norm(p) for p in shard.params) for shard in shards] \
+                    if wrapper.split is not None else None
                 wrapper._global_grad_norm = clip_sharded_grads(grads, wrapper.clip, comm_device, wrapper.group,
-                                                               wrapper.dp_world)
+                                                               wrapper.dp_world, wrapper.split, counted)
             wrapper.optimizer.step()
             applied = True
     finally:
