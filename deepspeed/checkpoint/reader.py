@@ -30,13 +30,13 @@ ALIGNMENT = 2  # DeepSpeed pads each ZeRO-1/2 param group to a multiple of 2 * w
 class CheckpointReader:
     """One tag of a checkpoint directory; see [Note: resume anywhere]."""
 
-    def __init__(self, load_dir: str, tag: str) -> None:
+    def __init__(self, load_dir: str, tag: str, mp_rank: int = 0, module_state: dict | None = None) -> None:
         path = tag_dir(load_dir, tag)
         if path is None:
             raise CheckpointError(f"checkpoint tag {tag!r} not found in {load_dir} (no directory {tag})")
-        self.path, self.tag = path, tag
+        self.path, self.tag, self.mp_rank = path, tag, mp_rank   # mp_rank: a pipeline stage's files
         self.universal = os.path.isdir(os.path.join(path, "zero")) and not self._optim_files()
-        model_path = os.path.join(path, model_file())
+        model_path = os.path.join(path, model_file(mp_rank))
         zero3_model = os.path.join(path, model_file(zero3_dp_rank=0))
         if os.path.isfile(model_path):
             self.model_states = load_file(model_path)
@@ -45,6 +45,8 @@ class CheckpointReader:
         else:
             raise CheckpointError(f"{path}: no {model_file()} (nor {model_file(zero3_dp_rank=0)}); not a "
                                   "DeepSpeed checkpoint tag directory")
+        if module_state is not None:   # pipelines keep the module in per-layer files (runtime/pipe/checkpoint.py)
+            self.model_states["module"] = module_state
         self.rank_files = self._optim_files()
         if self.rank_files:
             self._check_rank_count(load_file(self.rank_files[0]))
@@ -68,10 +70,11 @@ class CheckpointReader:
 
     # --- what is there ----------------------------------------------------------------------
     def _optim_files(self) -> list[str]:
-        found = glob.glob(os.path.join(self.path, "*zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+        mp = f"{self.mp_rank:02d}"
+        found = glob.glob(os.path.join(self.path, f"*zero_pp_rank_*_mp_rank_{mp}_optim_states.pt"))
         by_rank = {}
         for name in found:
-            match = re.search(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$", name)
+            match = re.search(rf"zero_pp_rank_(\d+)_mp_rank_{mp}_optim_states\.pt$", name)
             by_rank[int(match.group(1))] = name
         ranks = sorted(by_rank)
         if ranks and ranks != list(range(len(ranks))):
@@ -87,7 +90,7 @@ class CheckpointReader:
         expected = int(count[0] if isinstance(count, (list, tuple)) else count)
         if expected != len(self.rank_files):
             prefix = os.path.basename(self.rank_files[0]).split("zero_pp_rank_")[0]
-            missing = [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+            missing = [f"{prefix}zero_pp_rank_{r}_mp_rank_{self.mp_rank:02d}_optim_states.pt"
                        for r in range(expected) if r >= len(self.rank_files)]
             raise CheckpointError(f"{self.path}: written by {expected} ranks but {len(self.rank_files)} "
                                   f"optimizer-state files are present; missing ranks "
@@ -327,7 +330,7 @@ class CheckpointReader:
 
     def module_tensor(self, name: str) -> torch.Tensor | None:
         """A module state-dict entry (buffer or frozen parameter), full size, or None."""
-        value = self.model_states.get("module", {}).get(name)
+        value = (self.model_states.get("module") or {}).get(name)
         if value is not None and value.numel() > 0:
             return value
         if self.stage == 3:

@@ -187,3 +187,37 @@ def failing_stage(stages: int, fail_stage: int):
         raise RuntimeError(f"OUTCOME stage={engine.stage_id} after={time.monotonic() - start:.2f}s "
                            f"{type(error).__name__}: {error}") from None
     return "no error"
+
+
+def save_and_resume(save_stages: int, save_gas: int, load_stages: int, load_gas: int, zero: int, path: str,
+                    phase: str, dtype: str = "fp32"):
+    """phase "save": train 3 steps, save, train 2 more (the uninterrupted losses); phase "load":
+    a fresh engine (maybe another stage count) loads and trains the same 2 steps."""
+    import deepspeed
+    from deepspeed import comm as ds_comm
+    from deepspeed.pipe import PipelineModule
+
+    stages, gas = (save_stages, save_gas) if phase == "save" else (load_stages, load_gas)
+    micro = 2
+    dp = ds_comm.get_world_size() // stages
+    model = PipelineModule(specs(), num_stages=stages, loss_fn=loss_fn, seed_layers=True,
+                           base_seed=BASE_SEED + (0 if phase == "save" else 99))
+    cfg = config(micro, gas, dp, zero, dtype)
+    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2,
+                                                       "warmup_num_steps": 4}}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=list(model.parameters()))
+    replica = engine.grid.get_data_parallel_id()
+    losses = []
+    if phase == "save":
+        for step in range(3):
+            engine.train_batch(iter(batches(step, replica, micro, gas, dp)[0]))
+        engine.save_checkpoint(path, tag="ckpt")
+    else:
+        load_path, _ = engine.load_checkpoint(path, tag="ckpt")
+        assert load_path is not None
+        assert engine.global_steps == 3, engine.global_steps
+    for step in range(3, 5):
+        losses.append(float(engine.train_batch(iter(batches(step, replica, micro, gas, dp)[0]))))
+    files = sorted(os.listdir(os.path.join(path, "ckpt")))
+    engine.destroy()
+    return losses, files

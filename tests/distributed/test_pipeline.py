@@ -135,3 +135,23 @@ def test_failing_stage_stops_every_rank(stages, fail_stage):
         assert float(after) < 10.0, message
         assert f"pipeline stage {fail_stage}" in message and "ForwardPass" in message, message
         assert "boom in a layer" in message, message
+
+
+@pytest.mark.parametrize("save,load,zero", [((2, 4), (2, 4), 1), ((2, 4), (4, 8), 1), ((4, 8), (1, 2), 2),
+                                            ((2, 4), (4, 8), 0)])
+def test_checkpoint_resumes_on_any_stage_count(tmp_path, save, load, zero):
+    """Saved with S stages, loaded into S' stages (same global batch): training continues exactly
+    as without the interruption. Upstream's file layout: per-layer files, one model-states file per
+    stage, optimizer partitions per stage and data-parallel rank."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(4, jobs.save_and_resume, *save, *load, zero, path, "save")
+    files = saved[0][1]
+    assert {f"layer_{i:02d}-model_states.pt" for i in range(8)} <= set(files), files
+    assert {f"mp_rank_{s:02d}_model_states.pt" for s in range(save[0])} <= set(files), files
+    if zero:
+        dp = 4 // save[0]
+        assert {f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(dp) for s in range(save[0])} \
+            <= set(files), files
+    resumed = run_distributed(4, jobs.save_and_resume, *save, *load, zero, path, "load")
+    for (want, _), (got, _) in zip(saved, resumed):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)

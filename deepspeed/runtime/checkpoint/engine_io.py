@@ -24,7 +24,7 @@ from .agree import agreed, describe, raise_if_any
 from .hp_state import HpState
 from .loader import DEEPSPEED_KEYS, apply_plan, read_plan
 from .save_job import PeerFailed, PendingSave, SaveJob
-from .writer import dp_rank, model_states, partitioned_optimizer_state, rng_state
+from .writer import dp_rank, model_states, mp_rank, partitioned_optimizer_state, rng_state
 
 _ALL_RANKS = ("all ranks must call save_checkpoint/load_checkpoint (not only rank 0): every rank saves its "
               "own optimizer partition.")
@@ -88,13 +88,16 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     def snapshot() -> SaveJob:
         """This rank's files as objects; with a background write, nothing in them aliases live state."""
         entries = []
-        if rank == 0 or zero3:  # ZeRO-3: every rank writes its own model-states file
+        mp = mp_rank(engine)
+        if dp_rank(engine) == 0 or zero3:  # ZeRO-3: every rank writes its own model-states file
             client = copy.deepcopy(client_state or {}) if background else dict(client_state or {})
             state = model_states(engine, hp, client, exclude_frozen_parameters, partitioned,
                                  zero3_frozen=frozen if zero3 else None, snapshot=background)
-            entries.append((files.model_file(zero3_dp_rank=dp_rank(engine)) if zero3 else files.model_file(), state))
+            entries.append((files.model_file(zero3_dp_rank=dp_rank(engine)) if zero3 else files.model_file(mp), state))
+            entries += engine._extra_checkpoint_files(exclude_frozen_parameters) \
+                if hasattr(engine, "_extra_checkpoint_files") else []
         if optimizer_state is not None:
-            entries.append((files.optim_file(dp_rank(engine), bf16=engine.bfloat16_enabled()),
+            entries.append((files.optim_file(dp_rank(engine), bf16=engine.bfloat16_enabled(), mp_rank=mp),
                             {"optimizer_state_dict": optimizer_state, "ds_config": engine.config,
                              "ds_version": state_version()}))
         entries.append((f"rng_state_{rank}.pt", rng_state()))
@@ -188,7 +191,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     state = reader.model_states
     client_state = {k: v for k, v in state.items() if k not in DEEPSPEED_KEYS}
     # DeepSpeed returns the model-states file this engine's layout reads (one per rank at ZeRO-3)
-    name = files.model_file(zero3_dp_rank=dp_rank(engine)) if engine._stage3 is not None else files.model_file()
+    name = files.model_file(zero3_dp_rank=dp_rank(engine)) if engine._stage3 is not None else \
+        files.model_file(mp_rank(engine))
     path = os.path.join(load_dir, reader.tag, name)
     log_dist(f"Loaded checkpoint {reader.path} (saved by {reader.world_size} rank(s), stage {reader.stage})",
              ranks=[0])

@@ -60,7 +60,8 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
         tag = files.read_latest(load_dir, latest)
         if tag is None:
             return None
-    reader = CheckpointReader(load_dir, str(tag))
+    reader = engine._checkpoint_reader(load_dir, str(tag)) if hasattr(engine, "_checkpoint_reader") \
+        else CheckpointReader(load_dir, str(tag))
     hp = HpState(engine) if engine.optimizer is not None else None
     if hp is not None:
         trainable = {n for g in hp.groups for n, _ in g}
@@ -115,7 +116,7 @@ def _plan_module(engine: Any, plan: LoadPlan, strict: bool) -> None:
     reader, hp = plan.reader, plan.hp
     module = engine.module
     expected = set(module.state_dict().keys())
-    saved = set(reader.model_states.get("module", {}).keys()) | set(reader.param_names())
+    saved = set((reader.model_states.get("module") or {}).keys()) | set(reader.param_names())
     saved |= set((reader.model_states.get("frozen_param_fragments") or {}).keys())
     shared = reader.model_states.get("shared_params") or {}
     saved |= set(shared)

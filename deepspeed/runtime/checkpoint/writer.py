@@ -55,7 +55,7 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
         frozen_shapes = OrderedDict((n, named[n].shape) for n in ordered) if zero_frozen else None
         frozen_fragments = OrderedDict((n, own_storage(named[n])) for n in ordered) if zero_frozen else None
     out = dict(
-        module=state,
+        module=None if getattr(engine, "pipeline_parallelism", False) else state,   # pipelines: layer files
         buffer_names=buffers,
         optimizer=_optimizer_state_dict(hp.base, snapshot) if hp is not None and not partitioned else None,
         param_shapes=[OrderedDict((n, s) for n, s in g) for g in hp.groups] if hp is not None else None,
@@ -71,7 +71,8 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
         global_steps=engine.global_steps,
         global_samples=engine.global_samples,
         dp_world_size=engine.dp_world_size,
-        mp_world_size=1,
+        mp_world_size=int(engine.mpu.get_model_parallel_world_size()) if getattr(engine, "mpu", None) is not None
+        and hasattr(engine.mpu, "get_model_parallel_world_size") else 1,
         ds_config=engine.config,
         ds_version=__version__,
     )
@@ -198,3 +199,10 @@ def set_rng_state(state: dict) -> None:
 
 def dp_rank(engine: Any) -> int:
     return ds_comm.get_rank(engine.data_parallel_group)
+
+
+def mp_rank(engine: Any) -> int:
+    """The `mp_rank_XX` of this rank's files: its position among the ranks holding the other parts
+    of its model replica (a pipeline stage's index), 0 without model parallelism (upstream's rule)."""
+    mpu = getattr(engine, "mpu", None)
+    return int(mpu.get_model_parallel_rank()) if mpu is not None and hasattr(mpu, "get_model_parallel_rank") else 0

@@ -437,7 +437,17 @@ class PipelineEngine(DeepSpeedEngine):
             ds_comm.broadcast(result, src=src, group=self.grid.get_pipe_parallel_group())
         return result
 
-    # --- state ----------------------------------------------------------------------------------
+    # --- state ([Note: repartitioning at load] in checkpoint.py) -----------------------------------
+    def _extra_checkpoint_files(self, exclude_frozen_parameters: bool = False) -> list[tuple[str, dict]]:
+        from .checkpoint import layer_files
+
+        return layer_files(self.module)
+
+    def _checkpoint_reader(self, load_dir: str, tag: str) -> Any:
+        from .checkpoint import checkpoint_reader
+
+        return checkpoint_reader(self, load_dir, tag)
+
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> None:
         """Pipeline models are saved per layer (`save_checkpoint` writes the layer files);
