@@ -221,3 +221,35 @@ def save_and_resume(save_stages: int, save_gas: int, load_stages: int, load_gas:
     files = sorted(os.listdir(os.path.join(path, "ckpt")))
     engine.destroy()
     return losses, files
+
+
+def resume_upstream(stages: int, fixture: str, copy_to: str, resave: str | None = None):
+    """Load DeepSpeed 0.19.8's own pipeline checkpoint (2 stages x 2, ZeRO-1) into `stages` stages
+    and train the 2 steps upstream trained after saving; optionally save ours for the reverse check."""
+    import json
+    import shutil
+
+    import deepspeed
+    from deepspeed import comm as ds_comm
+    from deepspeed.pipe import PipelineModule
+
+    with open(os.path.join(fixture, "expected.json")) as f:
+        expected = json.load(f)
+    if ds_comm.get_rank() == 0 and not os.path.exists(copy_to):
+        shutil.copytree(fixture, copy_to)   # a load must not need write access, but keep the fixture pristine
+    ds_comm.barrier()
+    micro = expected["micro"]
+    global_batch = micro * expected["gas"] * (expected["world"] // expected["stages"])
+    dp = ds_comm.get_world_size() // stages
+    gas = global_batch // (micro * dp)
+    model = PipelineModule(specs(), num_stages=stages, loss_fn=loss_fn, partition_method="parameters")
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config(micro, gas, dp, expected["zero"]),
+                                           model_parameters=model.parameters())
+    engine.load_checkpoint(copy_to, tag="ckpt")
+    replica = engine.grid.get_data_parallel_id()
+    losses = [float(engine.train_batch(iter(batches(step, replica, micro, gas, dp)[0]))) for step in range(3, 5)]
+    if resave:   # the reverse direction (by hand): upstream loads this and trains steps 5-6
+        engine.save_checkpoint(resave, tag="ckpt")
+        losses += [float(engine.train_batch(iter(batches(step, replica, micro, gas, dp)[0]))) for step in range(5, 7)]
+    engine.destroy()
+    return losses, expected["losses"]

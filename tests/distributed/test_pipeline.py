@@ -155,3 +155,16 @@ def test_checkpoint_resumes_on_any_stage_count(tmp_path, save, load, zero):
     resumed = run_distributed(4, jobs.save_and_resume, *save, *load, zero, path, "load")
     for (want, _), (got, _) in zip(saved, resumed):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("stages", [2, 4, 1])
+def test_loads_upstream_pipeline_checkpoint(tmp_path, stages):
+    """A checkpoint written by DeepSpeed 0.19.8's PipelineEngine (tests/fixtures/ds_0_19_8_pipe,
+    made by tools/fixtures/gen_pipe_checkpoint.py) resumes in ours, into its own and other
+    stage counts, to the losses upstream itself reached after resuming."""
+    import os
+
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "ds_0_19_8_pipe")
+    results = run_distributed(4, jobs.resume_upstream, stages, fixture, str(tmp_path / "ckpt"))
+    for got, want in results:
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
