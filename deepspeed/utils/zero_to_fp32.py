@@ -440,8 +440,9 @@ def _optim_file_name(prefix, rank, mp):
 class _Checkpoint:
     """The parsed metadata of one tag directory; tensors stay memory-mapped."""
 
-    def __init__(self, ds_dir):
+    def __init__(self, ds_dir, mp_rank=0):
         self.ds_dir = ds_dir
+        self.mp_rank = mp_rank   # a pipeline checkpoint has one set of files per stage
         names = sorted(os.listdir(ds_dir))
         optim = {}
         prefixes, mps = set(), set()
@@ -449,8 +450,10 @@ class _Checkpoint:
             m = _OPTIM_FILE_RE.match(n)
             if m:
                 prefix, rank, mp = m.group(1) or "", int(m.group(2)), int(m.group(3))
-                prefixes.add(prefix)
                 mps.add(mp)
+                if mp != mp_rank:
+                    continue
+                prefixes.add(prefix)
                 optim[rank] = os.path.join(ds_dir, n)
         if not optim:
             model_files = [n for n in names if _MODEL_FILE_RE.match(n) or _ZERO3_MODEL_FILE_RE.match(n)]
@@ -470,9 +473,10 @@ class _Checkpoint:
         if len(prefixes) > 1:
             raise ZeroCheckpointError(f"'{ds_dir}' mixes optimizer files with different prefixes "
                                       f"{sorted(p or '(none)' for p in prefixes)}; remove the stale ones")
-        if mps != {0}:
-            raise ZeroCheckpointError(f"'{ds_dir}' has model-parallel ranks {sorted(mps)}; consolidating tensor- or "
-                                      "pipeline-parallel checkpoints is not supported (only mp_rank_00)")
+        if mps != set(range(len(mps))):
+            raise ZeroCheckpointError(f"'{ds_dir}' has optimizer files of model-parallel ranks {sorted(mps)}; "
+                                      f"expected ranks 0-{len(mps) - 1}")
+        self.mp_world_size = len(mps)
         self.prefix = prefixes.pop()
         first_rank = min(optim)
         first = _load_file(optim[first_rank])
@@ -497,7 +501,7 @@ class _Checkpoint:
         self.world_size = max(counts)
         expected = set(range(self.world_size))
         if set(optim) != expected:
-            missing = [_optim_file_name(self.prefix, r, 0) for r in sorted(expected - set(optim))]
+            missing = [_optim_file_name(self.prefix, r, mp_rank) for r in sorted(expected - set(optim))]
             extra = [os.path.basename(optim[r]) for r in sorted(set(optim) - expected)]
             what = []
             if missing:
@@ -515,7 +519,7 @@ class _Checkpoint:
         self.ds_version = first.get(DS_VERSION) if isinstance(first, dict) else None
 
         if self.stage <= 2:
-            self.model_files = [os.path.join(ds_dir, "mp_rank_00_model_states.pt")]
+            self.model_files = [os.path.join(ds_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")]
         else:
             self.model_files = [os.path.join(ds_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
                                 for r in range(self.world_size)]
@@ -573,6 +577,24 @@ def _buffers(ckpt):
     for k, v in sd.items():
         if k in names and torch.is_tensor(v):
             out[k] = _whole(k, v, torch.float32 if v.is_floating_point() else v.dtype)
+    return out
+
+
+def _layer_buffers(ckpt):
+    """A pipeline stage's persistent buffers, from its `layer_XX-*model_states.pt` files (the
+    model-states file holds no module); names are `<layer index>.<name>`."""
+    out = OrderedDict()
+    wanted = set(ckpt.model0.get(BUFFER_NAMES) or [])
+    if not wanted:
+        return out
+    for name in sorted(os.listdir(ckpt.ds_dir)):
+        m = re.match(r"^layer_(\d+)-.*model_states\.pt$", name)
+        if not m:
+            continue
+        for k, v in _load_file(os.path.join(ckpt.ds_dir, name)).items():
+            full = f"{int(m.group(1))}.{k}"
+            if full in wanted and torch.is_tensor(v):
+                out[full] = _whole(full, v, torch.float32 if v.is_floating_point() else v.dtype)
     return out
 
 
@@ -683,14 +705,27 @@ def _lazy_state_dict(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
     ckpt = _Checkpoint(ds_dir)
     _info(f"Detected checkpoint of type zero stage {ckpt.stage}, world_size: {ckpt.world_size}"
           + (f" (written by deepspeed=={ckpt.ds_version})" if ckpt.ds_version else ""))
+    parts = [ckpt]
+    if ckpt.mp_world_size > 1:
+        if ckpt.model0.get("module") is not None or ckpt.stage > 2:
+            raise ZeroCheckpointError(f"'{ds_dir}' has {ckpt.mp_world_size} model-parallel ranks: consolidating "
+                                      "tensor-parallel checkpoints is not supported (pipeline stages at ZeRO 0-2 are)")
+        # pipeline stages: parameter names carry the global layer index, so the stages' state
+        # dicts are disjoint except for tied weights (equal on every stage that holds them)
+        parts += [_Checkpoint(ds_dir, mp_rank=m) for m in range(1, ckpt.mp_world_size)]
+        _info(f"Pipeline checkpoint: {ckpt.mp_world_size} stages")
     state = OrderedDict()
-    state.update(_buffers(ckpt))
-    if not exclude_frozen_parameters:
-        state.update(_frozen(ckpt))
-    state.update(_trainable_stage12(ckpt) if ckpt.stage <= 2 else _trainable_stage3(ckpt))
-    for alias, target in (ckpt.model0.get(SHARED_PARAMS) or {}).items():
-        if target in state:
-            state[alias] = state[target]  # the same object: tied
+    for part in parts:
+        state.update(_buffers(part) if part.model0.get("module") is not None else _layer_buffers(part))
+        if not exclude_frozen_parameters:
+            state.update(_frozen(part))
+    for part in parts:
+        for name, value in (_trainable_stage12(part) if part.stage <= 2 else _trainable_stage3(part)).items():
+            state.setdefault(name, value)
+    for part in parts:
+        for alias, target in (part.model0.get(SHARED_PARAMS) or {}).items():
+            if target in state:
+                state[alias] = state[target]  # the same object: tied
     n_params = len({id(v) for v in state.values()})
     total = sum(v.numel() for v in {id(v): v for v in state.values()}.values())
     _info(f"Reconstructed state dict: {len(state)} entries ({n_params} distinct tensors), {total} elements")

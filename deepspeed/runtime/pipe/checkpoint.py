@@ -109,3 +109,48 @@ def checkpoint_reader(engine: Any, load_dir: str, tag: str) -> Any:
     for m in range(saved):   # each saved stage's file names only its own parameters: give it its part
         readers.append(CheckpointReader(load_dir, tag, mp_rank=m, module_state=module_state))
     return MergedReader(readers, set(engine.module.state_dict().keys()))
+
+
+def load_pipeline_checkpoint_into_sequential(layers: list[Any], load_dir: str, tag: str | None = None) -> torch.nn.Sequential:
+    """Build the layers of a PipelineModule (its spec list) as one `nn.Sequential` and load the
+    weights of a pipeline checkpoint into it, e.g. for inference without pipeline parallelism.
+    Tied layers share one module, as in the pipeline; a TiedLayerSpec with `forward_fn` becomes a
+    small module calling `forward_fn(shared, x)`; plain callables are wrapped likewise."""
+    from functools import partial
+
+    from ...checkpoint.files import read_latest
+    from .module import LayerSpec, TiedLayerSpec
+
+    tag = tag if tag is not None else read_latest(load_dir)
+    path = tag_dir(load_dir, str(tag)) if tag is not None else None
+    if path is None:
+        raise CheckpointError(f"no checkpoint tag {tag!r} in {load_dir}")
+    tied: dict[str, torch.nn.Module] = {}
+    modules: list[torch.nn.Module] = []
+    for index, spec in enumerate(layers):
+        if isinstance(spec, TiedLayerSpec):
+            shared = tied.setdefault(spec.key, spec.build())
+            module = shared if spec.forward_fn is None else _Call(partial(spec.forward_fn, shared), shared)
+            target = shared
+        elif isinstance(spec, LayerSpec):
+            module = target = spec.build()
+        elif isinstance(spec, torch.nn.Module):
+            module = target = spec
+        else:
+            module, target = _Call(spec), None
+        files = sorted(glob.glob(os.path.join(path, f"layer_{index:02d}-*model_states.pt")))
+        if target is not None and files:
+            target.load_state_dict(load_file(files[0]))
+        modules.append(module)
+    return torch.nn.Sequential(*modules)
+
+
+class _Call(torch.nn.Module):
+    def __init__(self, fn: Any, shared: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.fn = fn
+        if shared is not None:
+            self.shared = shared   # registered, so its parameters are the Sequential's too
+
+    def forward(self, x: Any) -> Any:
+        return self.fn(x)
