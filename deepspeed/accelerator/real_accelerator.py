@@ -28,6 +28,10 @@ class _Accelerator:
     def communication_backend_name(self) -> str:
         return self._communication_backend
 
+    def random(self) -> Any:
+        """torch's RNG module (`fork_rng`, `manual_seed`, ...), as upstream's accelerators return."""
+        return torch.random
+
     def is_available(self) -> bool:
         return True
 

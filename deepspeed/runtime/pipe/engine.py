@@ -96,8 +96,22 @@ class PipelineEngine(DeepSpeedEngine):
             from ..dataloader import RepeatingLoader
 
             self.set_dataiterator(iter(RepeatingLoader(self.training_dataloader)))
+        self._compute_loss = True
+        self._apply_pipeline_config()
         self._buffers: dict[str, list[Any]] = {}
         self._tied_weight_ids = {id(w) for _, w, _ in self.module.tied_weights()}
+
+    def _apply_pipeline_config(self) -> None:
+        """The `pipeline` section: `use_reentrant: false` selects non-reentrant checkpointing for the
+        module (whatever the interval, so a later set_checkpoint_interval() honours it), and a
+        positive `activation_checkpoint_interval` overrides the module's."""
+        from ..activation_checkpointing import checkpointing
+
+        section = self._config.model.pipeline
+        if section.use_reentrant is False:
+            self.module.activation_checkpoint_func = checkpointing.non_reentrant_checkpoint
+        if section.activation_checkpoint_interval > 0:
+            self.module.set_checkpoint_interval(section.activation_checkpoint_interval)
 
     def _solo_bucket_params(self) -> list[torch.nn.Parameter]:
         """Tied weights get gradient buckets of their own (see the module docstring)."""
@@ -268,7 +282,7 @@ class PipelineEngine(DeepSpeedEngine):
     def _exec_load_micro_batch(self, buffer_id: int) -> None:
         inputs, labels = self._next_batch()
         if self.is_first_stage():
-            grad_inputs = self._mode == "train" and self._reentrant_checkpointing()
+            grad_inputs = self._mode == "train" and self._reentrant_activation_checkpointing()
 
             def load(x: Any) -> torch.Tensor:
                 if not torch.is_tensor(x):
@@ -284,11 +298,13 @@ class PipelineEngine(DeepSpeedEngine):
                 if isinstance(labels, (tuple, list)) else (labels.to(self.device) if torch.is_tensor(labels) else labels)
             self._buffers["labels"][buffer_id] = moved
 
-    def _reentrant_checkpointing(self) -> bool:
+    def _reentrant_activation_checkpointing(self) -> bool:
+        """Whether the module checkpoints with a reentrant function, which needs the first stage's
+        inputs to require grad (else the first checkpointed block is cut off from autograd)."""
         from ..activation_checkpointing import checkpointing
 
         return self.module.activation_checkpoint_interval > 0 and \
-            self.module.activation_checkpoint_func is checkpointing.checkpoint
+            self.module.activation_checkpoint_func is not checkpointing.non_reentrant_checkpoint
 
     def _exec_forward_pass(self, buffer_id: int) -> None:
         inputs = self._buffers["inputs"][buffer_id]
@@ -299,8 +315,10 @@ class PipelineEngine(DeepSpeedEngine):
             labels = self._buffers["labels"][buffer_id]
             if self._mode == "eval" and self.outputs is not None:
                 self.outputs.append(outputs)
-            if self._mode == "train" or self._compute_loss:
-                loss_fn = self.module.loss_fn
+            loss_fn = self.module.loss_fn
+            if self._mode == "eval" and (not self._compute_loss or loss_fn is None):
+                self.fwd_outputs.append(outputs)   # no loss: the outputs themselves (upstream)
+            else:
                 loss = loss_fn(outputs, labels) if loss_fn is not None else outputs
                 if not torch.is_tensor(loss) or loss.numel() != 1:
                     raise ValueError("the last pipeline stage must produce a scalar loss (give PipelineModule a "
@@ -311,8 +329,6 @@ class PipelineEngine(DeepSpeedEngine):
                 self.total_loss = detached.clone() if self.total_loss is None else self.total_loss + detached
                 if self._mode == "eval":
                     self.fwd_outputs.append(detached)
-            elif self._mode == "eval":
-                self.fwd_outputs.append(outputs)
         else:
             self._buffers["outputs"][buffer_id] = outputs
 

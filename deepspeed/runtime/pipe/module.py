@@ -183,7 +183,10 @@ class PipelineModule(nn.Module):
         self._stateful: dict[int, nn.Module] = {}   # local layer index -> module saved as its layer file
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.activation_checkpoint_func = activation_checkpoint_func
+        self.is_checkpointable_results: list[bool] = []
+        self.is_checkpointable_results_interval: int | None = None
         self._build()
+        self._precompute_checkpointable_values()
         self.tied_comms = self._index_tied_modules()
         self._synchronize_tied_weights()
 
@@ -288,11 +291,13 @@ class PipelineModule(nn.Module):
         interval = self.activation_checkpoint_interval
         if interval == 0:
             return run(0, count)(forward_input)
+        if self.is_checkpointable_results_interval != interval:   # the attribute was assigned directly
+            self._precompute_checkpointable_values()
         x = forward_input
-        for start in range(0, count, interval):
+        for block, start in enumerate(range(0, count, interval)):
             end = min(start + interval, count)
             args = x if isinstance(x, tuple) else (x,)
-            if self._is_checkpointable(self.forward_funcs[start:end]):
+            if self.is_checkpointable_results[block]:
                 x = self.activation_checkpoint_func(run(start, end), *args)
             else:
                 x = run(start, end)(*args)
@@ -303,10 +308,20 @@ class PipelineModule(nn.Module):
             return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
         return any(any(True for _ in f.parameters()) for f in funcs if isinstance(f, nn.Module))
 
+    def _precompute_checkpointable_values(self) -> None:
+        """Which blocks of `activation_checkpoint_interval` layers forward() checkpoints (upstream's
+        cached list; recomputed whenever the interval changes)."""
+        interval = self.activation_checkpoint_interval
+        count = len(self.forward_funcs)
+        self.is_checkpointable_results = [self._is_checkpointable(self.forward_funcs[start:start + interval])
+                                          for start in range(0, count, interval)] if interval > 0 else []
+        self.is_checkpointable_results_interval = interval
+
     def set_checkpoint_interval(self, interval: int) -> None:
         if interval < 0:
             raise ValueError(f"activation_checkpoint_interval must be >= 0, got {interval}")
         self.activation_checkpoint_interval = interval
+        self._precompute_checkpointable_values()
 
     # --- layout -----------------------------------------------------------------------------
     def partitions(self) -> list[int]:

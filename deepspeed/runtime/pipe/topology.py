@@ -107,17 +107,24 @@ class PipeModelDataParallelTopology(ProcessTopology):
         super().__init__(axes=["pipe", "data", "model"], dims=[num_pp, num_dp, num_mp])
 
 
-def default_topology(world_size: int) -> PipeDataParallelTopology:
-    """Upstream's choice when no topology is given: the prime factors of the world size are dealt
-    alternately to the pipe and data axes (pipe first), e.g. 12 = 2·2·3 -> pipe 6, data 2."""
-    pipe, data, n, p = 1, 1, world_size, 2
-    factors = []
+def _prime_factors(n: int) -> list[int]:
+    """The prime factors of n in ascending order, with multiplicity (upstream's helper name)."""
+    if n < 1:
+        raise ValueError(f"_prime_factors needs a positive integer, got {n}")
+    factors, p = [], 2
     while n > 1:
         while n % p == 0:
             factors.append(p)
             n //= p
         p += 1
-    for index, prime in enumerate(factors):
+    return factors
+
+
+def default_topology(world_size: int) -> PipeDataParallelTopology:
+    """Upstream's choice when no topology is given: the prime factors of the world size are dealt
+    alternately to the pipe and data axes (pipe first), e.g. 12 = 2·2·3 -> pipe 6, data 2."""
+    pipe, data = 1, 1
+    for index, prime in enumerate(_prime_factors(world_size)):
         if index % 2 == 0:
             pipe *= prime
         else:
@@ -172,6 +179,10 @@ class PipelineParallelGrid:
         self.slice_group, self.slice_proc_group = groups_of(slice_lists)
         self.p2p_groups = [[rank, ring[(ring.index(rank) + 1) % len(ring)]]
                            for rank in range(self.world_size) for ring in self.pipe_groups if rank in ring]
+
+    def _is_grid_valid(self) -> bool:
+        """Whether the topology covers exactly the world (checked at construction; upstream's name)."""
+        return self._topo.world_size() == ds_comm.get_world_size()
 
     # --- coordinates -----------------------------------------------------------------------
     def get_stage_id(self) -> int:
