@@ -8,26 +8,20 @@ Our engine builds the same numerics from its general wrappers (MixedPrecisionOpt
 ZeRO, ZeroOptimizer at stage 1, both with fp32 masters and fp32 gradient buckets), so this is not
 a separate class: `isinstance(engine.optimizer, BF16_Optimizer)` is true exactly for the
 optimizers our engine built where upstream's would have built a BF16_Optimizer (the engine marks
-them, engine_setup._bf16_optimizer_route). It cannot be constructed directly; build it through
+them, engine_setup._optimizer_route; runtime/optimizer_routes.py). It cannot be constructed directly; build it through
 `deepspeed.initialize`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from .optimizer_routes import RouteClass
 
 
-class _RouteCheck(type):
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return getattr(obj, "bf16_optimizer_route", False) is True or type.__instancecheck__(cls, obj)
-
-
-class BF16_Optimizer(metaclass=_RouteCheck):  # noqa: N801 - upstream name
+class BF16_Optimizer(RouteClass):  # noqa: N801 - upstream name
     """See the module docstring."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError("BF16_Optimizer is built by deepspeed.initialize (bf16 with fp32 gradient accumulation, "
-                        "ZeRO stage 0, or stage 1 with data_types.grad_accum_dtype=fp32); it has no public constructor")
+    built_when = ("by deepspeed.initialize (bf16 with fp32 gradient accumulation, ZeRO stage 0, or stage 1 with "
+                  "data_types.grad_accum_dtype=fp32)")
 
 
 __all__ = ["BF16_Optimizer"]

@@ -186,26 +186,33 @@ def wrap_optimizer(engine: Any) -> Any:
             wrapper = ZeroOptimizer(engine.basic_optimizer, engine._reducer, policy, engine.gradient_clipping(),
                                     names, group=engine.data_parallel_group, master_device=master_device)
         wrapper._engine_ref = weakref.ref(engine)   # state_dict() is built like the checkpoint's
-        wrapper.bf16_optimizer_route = _bf16_optimizer_route(engine)
+        wrapper.optimizer_route = _optimizer_route(engine)
         return register_optimizer(wrapper)
     if engine.basic_optimizer is None or not policy.is_mixed:
         return register_optimizer(engine.basic_optimizer)
     wrapper = MixedPrecisionOptimizer(engine.basic_optimizer, engine._reducer, policy, engine.gradient_clipping(),
                                       names, group=engine.data_parallel_group)
-    wrapper.bf16_optimizer_route = _bf16_optimizer_route(engine)
+    wrapper.optimizer_route = _optimizer_route(engine)
     return register_optimizer(wrapper)
 
 
-def _bf16_optimizer_route(engine: Any) -> bool:
-    """Whether upstream would have built its BF16_Optimizer here (runtime/bf16_optimizer.py): bf16
-    parameters with fp32 gradient accumulation and fp32 master weights, without ZeRO, or at stage 1
-    with `data_types.grad_accum_dtype: "fp32"` given and no optimizer offload."""
+def _optimizer_route(engine: Any) -> str | None:
+    """The wrapper class upstream's engine would have built here (runtime/optimizer_routes.py):
+    BF16_Optimizer for bf16 parameters with fp32 gradient accumulation and fp32 masters, without
+    ZeRO or at stage 1 with `data_types.grad_accum_dtype: "fp32"` given and no optimizer offload;
+    without ZeRO otherwise (fp16, bf16 accumulated in bf16) FP16_Optimizer for a fused optimizer
+    (FusedAdam), FP16_UnfusedOptimizer for others; None where upstream uses its ZeRO classes."""
     policy = engine.precision
-    if (policy.param_dtype, policy.master_dtype, policy.grad_accum_dtype) != (torch.bfloat16, torch.float32, torch.float32):
-        return False
     stage = engine._config.model.zero_optimization.stage
-    return stage == 0 or (stage == 1 and engine._config.model.data_types.grad_accum_dtype == "fp32"
-                          and engine.zero_offload_optimizer() is None)
+    if (policy.param_dtype, policy.master_dtype, policy.grad_accum_dtype) == (torch.bfloat16, torch.float32, torch.float32):
+        if stage == 0 or (stage == 1 and engine._config.model.data_types.grad_accum_dtype == "fp32"
+                          and engine.zero_offload_optimizer() is None):
+            return "BF16_Optimizer"
+    if stage == 0 and policy.is_mixed and policy.param_dtype in (torch.float16, torch.bfloat16):
+        from ..ops.adam import FusedAdam
+
+        return "FP16_Optimizer" if isinstance(engine.basic_optimizer, FusedAdam) else "FP16_UnfusedOptimizer"
+    return None
 
 
 def cast_module(module: torch.nn.Module, param_dtype: torch.dtype, buffer_dtype: torch.dtype | None,

@@ -66,7 +66,7 @@ class OptimizerWrapper(DeepSpeedOptimizer):
     group: Any             # the data-parallel group
     overflow: bool
     _global_grad_norm: float | None
-    bf16_optimizer_route: bool = False   # upstream would have built BF16_Optimizer (bf16_optimizer.py)
+    optimizer_route: str | None = None   # the class upstream would have built (optimizer_routes.py)
     split: SplitModel | None = None      # set by the PipelineEngine
 
     @property

@@ -226,6 +226,35 @@ def test_bf16_optimizer_matches_the_engine_optimizers_upstream_builds_it_for():
         BF16_Optimizer()
 
 
+def test_fp16_optimizer_names_match_the_routes_upstream_takes():
+    """fp16 without ZeRO: upstream builds FP16_Optimizer for FusedAdam, FP16_UnfusedOptimizer for
+    others; checkpoint tests read their fp32 masters through `fp32_groups_flat` / `fp32_groups`."""
+    import deepspeed
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    def build(opt, **extra):
+        cfg = {"train_batch_size": 1, "optimizer": {"type": opt, "params": {"lr": 0.1}}, **extra}
+        model = torch.nn.Linear(2, 2)
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+        return engine.optimizer
+
+    fused = build("Adam", fp16={"enabled": True})
+    assert isinstance(fused, FP16_Optimizer) and not isinstance(fused, FP16_UnfusedOptimizer)
+    flat = fused.fp32_groups_flat
+    assert len(flat) == 1 and flat[0].dtype == torch.float32 and flat[0].numel() == 6
+    unfused = build("SGD", fp16={"enabled": True})
+    assert isinstance(unfused, FP16_UnfusedOptimizer) and not isinstance(unfused, FP16_Optimizer)
+    assert [tuple(m.shape) for m in unfused.fp32_groups[0]] == [(2, 2), (2,)]
+    zero = build("Adam", fp16={"enabled": True}, zero_optimization={"stage": 2})
+    assert isinstance(zero, DeepSpeedZeroOptimizer) and not isinstance(zero, (FP16_Optimizer, FP16_UnfusedOptimizer))
+    assert sum(t.numel() for t in zero.single_partition_of_fp32_groups) >= 6
+    assert not isinstance(build("Adam"), (FP16_Optimizer, FP16_UnfusedOptimizer))
+    with pytest.raises(TypeError, match="deepspeed.initialize"):
+        FP16_Optimizer()
+
+
 def test_on_device_builds_modules_on_meta_in_dtype():
     import deepspeed
     from deepspeed.utils import OnDevice

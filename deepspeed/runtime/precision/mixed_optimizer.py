@@ -62,6 +62,18 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def master_params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
+    @property
+    def fp32_groups(self) -> list[list[torch.Tensor]]:
+        """The fp32 master weights per param group (upstream FP16_UnfusedOptimizer's attribute)."""
+        return [list(g["params"]) for g in self.optimizer.param_groups]
+
+    @property
+    def fp32_groups_flat(self) -> list[torch.Tensor]:
+        """The masters of each param group flattened into one tensor (upstream FP16_Optimizer's
+        attribute; here a copy: our masters are one tensor per parameter)."""
+        return [torch.cat([m.detach().reshape(-1) for m in group]) if group else torch.zeros(0)
+                for group in self.fp32_groups]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.grads.zero_grad()
 

@@ -183,6 +183,12 @@ class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad()
 
+    @property
+    def single_partition_of_fp32_groups(self) -> list[torch.Tensor]:
+        """This rank's fp32 master shards, one per gradient bucket (upstream: one per param group),
+        the tensors the step updates (upstream's attribute name)."""
+        return [sb.master for sb in self.buckets]
+
     def shard_numel(self) -> int:
         """Master elements held by this rank (ceil(bucket/N) per bucket, padding included)."""
         return sum(sb.master.numel() for sb in self.buckets)

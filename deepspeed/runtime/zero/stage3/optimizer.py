@@ -107,6 +107,12 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
             um.unit.shard.copy_(um.master)   # casts to the parameters' dtype and device
         self.coordinator.after_shard_update()
 
+    @property
+    def fp32_partitioned_groups_flat(self) -> list[torch.Tensor]:
+        """This rank's fp32 master shards (one per gather unit; upstream: one per param group),
+        the tensors the step updates (upstream's attribute name; tests compare them)."""
+        return [u.master for u in self.units]
+
     def __repr__(self) -> str:
         return (f"Stage3Optimizer({type(self.optimizer).__name__}, units={len(self.units)}, "
                 f"world={self.dp_world})")
