@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -24,3 +25,13 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device = torch.device(
         cloned = [clone_tensors_for_torch_save(value, device) for value in item]
         return type(item)(cloned) if not hasattr(item, "_fields") else type(item)(*cloned)
     return item
+
+
+def get_model_ckpt_name_for_rank(base_folder: str, mp_rank_str: str) -> str:
+    """`<base_folder>/mp_rank_<mp_rank_str>_model_states.pt` (upstream's helper; pass "00")."""
+    return os.path.join(base_folder, f"mp_rank_{mp_rank_str}_model_states.pt")
+
+
+def get_zero_ckpt_name_for_rank(base_folder: str, dp_rank: int, mp_rank: int) -> str:
+    """`<base_folder>/zero_pp_rank_<dp>_mp_rank_<mp:02d>_optim_states.pt` (upstream's helper)."""
+    return os.path.join(base_folder, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt")

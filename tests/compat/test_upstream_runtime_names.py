@@ -357,3 +357,21 @@ def test_partition_balanced_is_optimal_by_brute_force():
                                                for cuts in itertools.combinations(range(1, n), k - 1)))
         assert (max(got), -min(got)) == best, (w, k, got)
     assert weights_of([1, 1, 1, 1, 0, 1], partition_balanced([1, 1, 1, 1, 0, 1], 4)) == [2, 1, 1, 1]
+
+
+def test_moe_param_group_helpers_and_checkpoint_names():
+    from deepspeed.checkpoint.utils import get_model_ckpt_name_for_rank, get_zero_ckpt_name_for_rank
+    from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 3))
+    expert = model[1].weight
+    expert.allreduce, expert.group_name = False, "ep_size_2"
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p",
+                                                                   "lr": 0.1})
+    assert [len(g["params"]) for g in groups] == [3, 1]
+    assert groups[1]["params"][0] is expert and groups[1]["moe"] and groups[1]["name"] == "ep_size_2"
+    assert groups[0]["lr"] == groups[1]["lr"] == 0.1 and is_moe_param(expert) and not is_moe_param(model[0].weight)
+    plain = split_params_into_different_moe_groups_for_optimizer([{"params": list(model[0].parameters())}])
+    assert len(plain) == 1 and len(plain[0]["params"]) == 2
+    assert get_model_ckpt_name_for_rank("d/global_step0", "00") == "d/global_step0/mp_rank_00_model_states.pt"
+    assert get_zero_ckpt_name_for_rank("d", 1, 0) == "d/zero_pp_rank_1_mp_rank_00_optim_states.pt"
