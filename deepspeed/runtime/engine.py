@@ -91,6 +91,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         self.inside_no_sync_ctxt = False
         self.enable_backward_allreduce = True
         self.pipeline_parallelism = False   # upstream's attribute (PipelineEngine: True)
+        self.sparse_tensor_module_names: set[str] = set()   # upstream's (sparse gradients: not supported)
         self.timers = SynchronizedWallClockTimer()
         self.tput_timer = ThroughputTimer(batch_size=self.train_batch_size(),
                                           steps_per_output=self.steps_per_print())

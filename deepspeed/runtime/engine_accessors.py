@@ -77,7 +77,44 @@ def _make(name: str, getter: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 class EngineAccessors:
-    """Mixin: one method per row of `_ACCESSORS`, reading `self._config`."""
+    """Mixin: one method per row of `_ACCESSORS`, reading `self._config`; and the checkpoint file
+    names upstream's engine exposes (tests and Megatron-style trainers call them)."""
+
+    @property
+    def checkpoint_mp_rank(self) -> int:
+        from .checkpoint.writer import mp_rank
+
+        return mp_rank(self)
+
+    def _get_ckpt_name(self, checkpoints_path: str, tag: Any, mp_placeholder: str | None = None,
+                       pp_placeholder: Any = None) -> str:
+        """This rank's model-states file under `checkpoints_path/tag`."""
+        import os
+
+        from .checkpoint.writer import dp_rank
+
+        mp = mp_placeholder if mp_placeholder is not None else f"{self.checkpoint_mp_rank:02d}"
+        if self.zero_optimization_partition_weights():
+            dp = pp_placeholder if pp_placeholder is not None else dp_rank(self)
+            return os.path.join(checkpoints_path, str(tag), f"zero_pp_rank_{dp}_mp_rank_{mp}_model_states.pt")
+        return os.path.join(checkpoints_path, str(tag), f"mp_rank_{mp}_model_states.pt")
+
+    def _get_zero_ckpt_name(self, checkpoints_path: str, tag: Any) -> str:
+        """This rank's optimizer-partition file under `checkpoints_path/tag`."""
+        import os
+
+        from ..checkpoint.files import optim_file
+        from .checkpoint.writer import dp_rank
+
+        return os.path.join(checkpoints_path, str(tag),
+                            optim_file(dp_rank(self), bool(self.bfloat16_enabled()), self.checkpoint_mp_rank))
+
+    def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag: Any, expp_rank: int) -> str:
+        """Upstream's expert-parallel optimizer file name (MoE; this build writes none)."""
+        import os
+
+        return os.path.join(checkpoints_path, str(tag),
+                            f"expp_rank_{expp_rank}_mp_rank_{self.checkpoint_mp_rank:02d}_optim_states.pt")
 
 
 for _name, _getter in _ACCESSORS.items():
