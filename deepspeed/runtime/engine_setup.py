@@ -197,16 +197,21 @@ def wrap_optimizer(engine: Any) -> Any:
 
 
 def _optimizer_route(engine: Any) -> str | None:
-    """The wrapper class upstream's engine would have built here (runtime/optimizer_routes.py):
-    BF16_Optimizer for bf16 parameters with fp32 gradient accumulation and fp32 masters, without
-    ZeRO or at stage 1 with `data_types.grad_accum_dtype: "fp32"` given and no optimizer offload;
-    without ZeRO otherwise (fp16, bf16 accumulated in bf16) FP16_Optimizer for a fused optimizer
-    (FusedAdam), FP16_UnfusedOptimizer for others; None where upstream uses its ZeRO classes."""
+    """The wrapper class upstream's engine (0.19.8) would have built here (runtime/optimizer_routes.py):
+    BF16_Optimizer at ZeRO stage 1 for bf16 with `data_types.grad_accum_dtype: "fp32"` given and no
+    optimizer offload, and for bf16 pipelines without ZeRO; without ZeRO otherwise, for fp16 and bf16
+    (whose gradients upstream accumulates in bf16 by default), FP16_Optimizer for a fused optimizer
+    (FusedAdam) and FP16_UnfusedOptimizer for others; None where upstream uses its ZeRO classes or no
+    wrapper (fp32). Ours accumulates bf16 gradients in fp32 whatever the route (docs/precision.md).
+    bf16 without ZeRO with an explicit fp32 accumulation, which upstream refuses, is called BF16_Optimizer."""
     policy = engine.precision
     stage = engine._config.model.zero_optimization.stage
-    if (policy.param_dtype, policy.master_dtype, policy.grad_accum_dtype) == (torch.bfloat16, torch.float32, torch.float32):
-        if stage == 0 or (stage == 1 and engine._config.model.data_types.grad_accum_dtype == "fp32"
-                          and engine.zero_offload_optimizer() is None):
+    explicit_fp32_accum = engine._config.model.data_types.grad_accum_dtype == "fp32"
+    if policy.param_dtype == torch.bfloat16 and policy.master_dtype == torch.float32:
+        if stage == 1 and explicit_fp32_accum and engine.zero_offload_optimizer() is None:
+            return "BF16_Optimizer"
+        if stage == 0 and (explicit_fp32_accum or getattr(engine, "pipeline_parallelism", False)
+                           or type(engine).__name__ == "PipelineEngine"):
             return "BF16_Optimizer"
     if stage == 0 and policy.is_mixed and policy.param_dtype in (torch.float16, torch.bfloat16):
         from ..ops.adam import FusedAdam

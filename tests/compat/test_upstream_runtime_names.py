@@ -216,7 +216,13 @@ def test_bf16_optimizer_matches_the_engine_optimizers_upstream_builds_it_for():
         engine, *_ = deepspeed.initialize(model=torch.nn.Linear(2, 2), config=cfg)
         return engine.optimizer
 
-    assert isinstance(build(bf16={"enabled": True}), BF16_Optimizer)               # no ZeRO
+    # no ZeRO: upstream accumulates bf16 gradients in bf16 by default and builds FP16_(Unfused)Optimizer;
+    # only an explicit fp32 accumulation (which upstream refuses without ZeRO) is called BF16_Optimizer here
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    assert not isinstance(build(bf16={"enabled": True}), BF16_Optimizer)
+    assert isinstance(build(bf16={"enabled": True}), FP16_UnfusedOptimizer)       # SGD: not fused
+    assert isinstance(build(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}), BF16_Optimizer)
     assert not isinstance(build(fp16={"enabled": True}), BF16_Optimizer)
     assert not isinstance(build(), BF16_Optimizer)
     stage1 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
