@@ -45,6 +45,11 @@ def _count(args: Any, name: str) -> int | None:
     return value if value is not None and value > 0 else None
 
 
+def _master_port(args: Any) -> int:
+    """--master_port; our parser leaves it None when not given (upstream's default is 29500)."""
+    return args.master_port or 29500
+
+
 def _each_rank_log(args: Any) -> str | None:
     value = getattr(args, "enable_each_rank_log", None)
     return None if value is None else str(value)
@@ -148,7 +153,7 @@ class PDSHRunner(MultiNodeRunner):
         exports = "".join(f"export {key}={value}; " for key, value in self.exports.items())
         cmd = [exports, f"cd {self.cwd};", self.python, "-u", "-m", "deepspeed.launcher.launch",
                f"--world_info={self.world_info_base64}", "--node_rank=%n", f"--master_addr={args.master_addr}",
-               f"--master_port={args.master_port}"]
+               f"--master_port={_master_port(args)}"]
         if getattr(args, "venv_script", None) is not None:
             cmd = [f"source {args.venv_script};"] + cmd
         for flag in ("no_python", "module", "no_local_rank"):
@@ -229,7 +234,7 @@ class MPICHRunner(MultiNodeRunner):
         total, per_node = _same_slots(self.name, self.resource_pool)
         mpirun = ["mpirun", "-n", f"{total}", "-ppn", f"{per_node}"] + shlex.split(self.args.launcher_args)
         exports = [item for key, value in self.exports.items() for item in ("-genv", f"{key}={value}")]
-        for key, value in (("MASTER_ADDR", self.args.master_addr), ("MASTER_PORT", self.args.master_port),
+        for key, value in (("MASTER_ADDR", self.args.master_addr), ("MASTER_PORT", _master_port(self.args)),
                            ("WORLD_SIZE", total), ("LOCAL_SIZE", per_node)):
             exports += ["-genv", key, str(value)]
         exports += ["-hosts", ",".join(self.resource_pool.keys())]
@@ -277,7 +282,7 @@ class IMPIRunner(MultiNodeRunner):
             except ValueError as exc:
                 raise LaunchError(str(exc)) from None
             exports += ["-genv", "OMP_NUM_THREADS", str(numactl[0][0])]
-        for key, value in (("MASTER_ADDR", args.master_addr), ("MASTER_PORT", args.master_port),
+        for key, value in (("MASTER_ADDR", args.master_addr), ("MASTER_PORT", _master_port(args)),
                            ("WORLD_SIZE", total), ("LOCAL_SIZE", per_node)):
             exports += ["-genv", key, str(value)]
         exports += ["-genv", "I_MPI_PIN", "0"]  # DeepSpeed binds cores itself (numactl)

@@ -134,7 +134,7 @@ def select_resources(
 
 def encode_world_info(nodes: Mapping[str, Sequence[int | str]]) -> str:
     """{host: device ids} -> urlsafe base64 JSON, the `--world_info` format of launch.py."""
-    return base64.urlsafe_b64encode(json.dumps({h: list(ids) for h, ids in nodes.items()}).encode()).decode()
+    return base64.urlsafe_b64encode(json.dumps(dict(nodes), default=list).encode()).decode()
 
 
 def decode_world_info(text: str) -> "OrderedDict[str, list[str]]":

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .constants import DLTS_HOSTFILE
+from .constants import EXPORT_ENVS as _EXPORT_ENVS
 from .launch import PREFIX, pid_file, run_plan
 from .multinode import DEEPSPEED_ENVIRONMENT_NAME, LAUNCHER_CLASSES, launch_multinode  # noqa: F401 (compat name)
+from .multinode import DEEPSPEED_ENVIRONMENT_PATHS as _ENV_PATHS
 from .plan import (
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
@@ -38,7 +40,7 @@ from .plan import (
     parse_hostfile,
     resolve_local_devices,
 )
-from .resources import check_counts, encode_world_info, select_resources
+from .resources import check_counts, encode_world_info, filter_resources, select_resources
 
 DEFAULT_HOSTFILE = DLTS_HOSTFILE  # used only when it exists, as upstream
 LAUNCHERS = tuple(LAUNCHER_CLASSES)
@@ -134,6 +136,7 @@ def decide(args: argparse.Namespace, host: LocalHost, hostfile_lines: Sequence[s
                   args.master_port or env_int(env, ["MASTER_PORT"], "rank 0's port") or DEFAULT_MASTER_PORT)
         token = job_token(encode_world_info(active), args.user_script)
         return node_job(spec, world, node_rank, master, env=env, token=token, elastic=elastic, **options)
+    LAUNCHER_CLASSES[args.launcher].validate_active_resources(active)  # also when one host is left (upstream)
     if args.node_rank >= 0:
         raise LaunchError(f"--node_rank {args.node_rank}: only used with --no_ssh (each node started by you); "
                           f"--launcher {args.launcher} numbers the nodes itself")
@@ -281,38 +284,82 @@ def _say(message: str) -> None:
     print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point; returns the exit code (first failing rank's, or 128+signal)."""
+def main(args: Sequence[str] | None = None) -> int:
+    """Console entry point; returns the exit code (first failing rank's, or 128+signal).
+
+    A bad request prints `deepspeed: error: ...` and returns 2; called with an explicit argument
+    list (upstream's `main(args=[...])`), it raises the LaunchError (a ValueError) instead, as upstream."""
+    if args is None:
+        try:
+            return _main(None)
+        except LaunchError as exc:
+            print(f"deepspeed: error: {exc}", file=sys.stderr)
+            return 2
+    return _main(args)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = parse_args(argv)
     verbose = args.log_level in ("debug", "info", "warning")
     notes: list[str] = []
-    try:
-        host = discover_local_host()
-        lines = read_hostfile(args.hostfile)
-        if lines is not None and args.hostfile is None:
-            args.hostfile = DEFAULT_HOSTFILE
-        decision = decide(args, host, lines, notes=notes)  # validate before touching sockets or ssh
-        for note in notes:
-            _say(f"warning: {note}")
-        if isinstance(decision, MultiNodeRequest):
-            args.master_port = args.master_port or DEFAULT_MASTER_PORT
-            return launch_multinode(args, decision.active, decision.pool, cuda=host.visible_devices is not None,
-                                    say=_say if verbose else lambda m: None)
-        job = decision
-        if job.link is None:  # one node: a busy default port is replaced (every node would have to agree)
-            port, message = resolve_master_port(args.master_port)
-            if message and verbose:
-                _say(message)
-            if port != job.master[1]:
-                args.master_port = port
-                job = decide(args, host, lines)
-    except LaunchError as exc:
-        print(f"deepspeed: error: {exc}", file=sys.stderr)
-        return 2
+    host = discover_local_host()
+    lines = read_hostfile(args.hostfile)
+    if lines is not None and args.hostfile is None:
+        args.hostfile = DEFAULT_HOSTFILE
+    decision = decide(args, host, lines, notes=notes)  # validate before touching sockets or ssh
+    for note in notes:
+        _say(f"warning: {note}")
+    if isinstance(decision, MultiNodeRequest):
+        args.master_port = args.master_port or DEFAULT_MASTER_PORT
+        return launch_multinode(args, decision.active, decision.pool, cuda=host.visible_devices is not None,
+                                say=_say if verbose else lambda m: None)
+    job = decision
+    if job.link is None:  # one node: a busy default port is replaced (every node would have to agree)
+        port, message = resolve_master_port(args.master_port)
+        if message and verbose:
+            _say(message)
+        if port != job.master[1]:
+            args.master_port = port
+            job = decide(args, host, lines)
     if args.log_level == "debug":
         _say(f"plan: {_describe(job.plan)}")
     with pid_file(os.getpid() if args.save_pid else None):
         return run_plan(job.plan, prefix_output=args.prefix_output, link=job.link, replan=job.plan_for)
+
+
+# --------------------------------------------------------------------------- compat: upstream runner helpers
+# Upstream's names for the resource steps (its unit tests and some tools call them); thin wrappers.
+EXPORT_ENVS = _EXPORT_ENVS
+DEEPSPEED_ENVIRONMENT_PATHS = _ENV_PATHS
+DLTS_HOSTFILE = DEFAULT_HOSTFILE
+
+
+def fetch_hostfile(hostfile_path: str) -> "OrderedDict[str, int] | None":
+    lines = read_hostfile(hostfile_path) if os.path.isfile(hostfile_path) else None
+    return None if lines is None else parse_hostfile(lines, hostfile_path)
+
+
+def _parse_hostfile(hostfile_lines: Sequence[str]) -> "OrderedDict[str, int]":
+    return parse_hostfile(hostfile_lines)
+
+
+def parse_resource_filter(host_info: Mapping[str, Sequence[int]], include_str: str = "", exclude_str: str = ""):
+    return filter_resources(host_info, include_str, exclude_str)
+
+
+def parse_inclusion_exclusion(resource_pool: Mapping[str, int], inclusion: str, exclusion: str):
+    return filter_resources({h: list(range(n)) for h, n in resource_pool.items()}, inclusion, exclusion)
+
+
+def apply_num_nodes_and_gpus(active_resources: Mapping[str, Sequence[int]], num_nodes: int | None,
+                             num_gpus: int | None) -> "OrderedDict[str, list[int]]":
+    """The first num_nodes hosts, slots 0..num_gpus-1 on each (None/-1: unchanged), as upstream."""
+    active = OrderedDict((h, list(s)) for h, s in active_resources.items())
+    if num_nodes is not None and num_nodes > 0:
+        active = OrderedDict(list(active.items())[:num_nodes])
+    if num_gpus is not None and num_gpus > 0:
+        active = OrderedDict((h, list(range(num_gpus))) for h in active)
+    return active
 
 
 if __name__ == "__main__":

@@ -249,3 +249,18 @@ def test_numactl_binding():
     assert get_numactl_cmd("0-5", 3, 2, []) == (2, ["numactl", "-C", "4-5"])
     with pytest.raises(ValueError, match="2 core\\(s\\) cannot be split among 4 local ranks"):
         get_numactl_cmd("0-1", 4, 0, [])
+
+
+def test_launch_py_takes_node_rank_and_master_from_a_scheduler():
+    from deepspeed.launcher import launch
+    from deepspeed.launcher.resources import encode_world_info
+
+    info = encode_world_info({"n0": [0], "n1": [0]})
+    args = launch.parse_args([f"--world_info={info}", "t.py"])
+    job = launch.job_from_launch_args(args, env={"NODE_RANK": "1", "MASTER_ADDR": "n0", "MASTER_PORT": "6000"})
+    assert (job.node_rank, job.master, job.link.port) == (1, ("n0", 6000), 6001)
+    args = launch.parse_args([f"--world_info={info}", "--node_rank=0", "--master_addr=m", "--master_port=7", "t.py"])
+    job = launch.job_from_launch_args(args, env={"NODE_RANK": "1", "MASTER_ADDR": "n0", "SLURM_NODEID": "1"})
+    assert (job.node_rank, job.master) == (0, ("m", 7))  # flags win
+    job = launch.job_from_launch_args(launch.parse_args([f"--world_info={info}", "t.py"]), env={"SLURM_NODEID": "1"})
+    assert (job.node_rank, job.master) == (1, ("127.0.0.1", 29500))
