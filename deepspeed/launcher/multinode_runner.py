@@ -115,6 +115,20 @@ class MultiNodeRunner(ABC):
                               "hostfile's slots or use --launcher pdsh")
 
 
+class _HostfileRunner(MultiNodeRunner):
+    """A backend that is given the hostfile's {host: slots} (the MPI tools and srun)."""
+
+    def __init__(self, args: Any, world_info_base64: str, resource_pool: Mapping[str, int]) -> None:
+        super().__init__(args, world_info_base64)
+        self.resource_pool = resource_pool
+
+    def backend_exists(self) -> Any:
+        return shutil.which("mpirun")
+
+    def validate_args(self) -> None:
+        self._no_filters()
+
+
 def _same_slots(name: str, resource_pool: Mapping[str, int]) -> tuple[int, int]:
     """(total processes, processes per node); MPI's -ppn needs the same count on every host."""
     counts = list(resource_pool.values())
@@ -183,12 +197,11 @@ class PDSHRunner(MultiNodeRunner):
         return pdsh + launch + [self.user_script] + self.user_arguments, kill, environment
 
 
-class OpenMPIRunner(MultiNodeRunner):
+class OpenMPIRunner(_HostfileRunner):
     """mpirun starts every rank; init_distributed reads OMPI_COMM_WORLD_*."""
 
     def __init__(self, args: Any, world_info_base64: str, resource_pool: Mapping[str, int]) -> None:
-        super().__init__(args, world_info_base64)
-        self.resource_pool = resource_pool
+        super().__init__(args, world_info_base64, resource_pool)
         self.add_export("UCX_TLS", "tcp")
 
     def backend_exists(self) -> Any:
@@ -197,9 +210,6 @@ class OpenMPIRunner(MultiNodeRunner):
     @property
     def name(self) -> str:
         return "openmpi"
-
-    def validate_args(self) -> None:
-        self._no_filters()
 
     def get_cmd(self, environment: dict[str, str], active_resources: Mapping[str, Sequence[int]]) -> list[str]:
         launcher_args = shlex.split(self.args.launcher_args)
@@ -213,22 +223,12 @@ class OpenMPIRunner(MultiNodeRunner):
         return mpirun + exports + self.python_exec() + [self.user_script] + self.user_arguments
 
 
-class MPICHRunner(MultiNodeRunner):
+class MPICHRunner(_HostfileRunner):
     """mpirun (hydra) starts launcher_helper.py per rank, which maps PMI_RANK to RANK."""
-
-    def __init__(self, args: Any, world_info_base64: str, resource_pool: Mapping[str, int]) -> None:
-        super().__init__(args, world_info_base64)
-        self.resource_pool = resource_pool
-
-    def backend_exists(self) -> Any:
-        return shutil.which("mpirun")
 
     @property
     def name(self) -> str:
         return "mpich"
-
-    def validate_args(self) -> None:
-        self._no_filters()
 
     def get_cmd(self, environment: dict[str, str], active_resources: Mapping[str, Sequence[int]]) -> list[str]:
         total, per_node = _same_slots(self.name, self.resource_pool)
@@ -248,23 +248,16 @@ class MPICHRunner(MultiNodeRunner):
         return mpirun + exports + python + helper + [self.user_script] + self.user_arguments
 
 
-class IMPIRunner(MultiNodeRunner):
+class IMPIRunner(_HostfileRunner):
     """Intel MPI's mpirun with one `-n 1 -env RANK i -env LOCAL_RANK j` section per rank."""
 
     def __init__(self, args: Any, world_info_base64: str, resource_pool: Mapping[str, int]) -> None:
-        super().__init__(args, world_info_base64)
-        self.resource_pool = resource_pool
+        super().__init__(args, world_info_base64, resource_pool)
         self.numa_cores: list[list[int]] | None = None  # None: read /sys when binding cores
-
-    def backend_exists(self) -> Any:
-        return shutil.which("mpirun")
 
     @property
     def name(self) -> str:
         return "impi"
-
-    def validate_args(self) -> None:
-        self._no_filters()
 
     def get_cmd(self, environment: dict[str, str], active_resources: Mapping[str, Sequence[int]]) -> list[str]:
         total, per_node = _same_slots("impi", self.resource_pool)
@@ -297,12 +290,8 @@ class IMPIRunner(MultiNodeRunner):
         return mpirun + exports + per_rank
 
 
-class SlurmRunner(MultiNodeRunner):
+class SlurmRunner(_HostfileRunner):
     """srun starts every rank; init_distributed reads SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID."""
-
-    def __init__(self, args: Any, world_info_base64: str, resource_pool: Mapping[str, int]) -> None:
-        super().__init__(args, world_info_base64)
-        self.resource_pool = resource_pool
 
     def backend_exists(self) -> Any:
         return shutil.which("sinfo")
@@ -310,6 +299,9 @@ class SlurmRunner(MultiNodeRunner):
     @property
     def name(self) -> str:
         return "slurm"
+
+    def validate_args(self) -> None:
+        """srun takes --include/--exclude/--num_* (validate_active_resources checks the result)."""
 
     @classmethod
     def validate_active_resources(cls, active_resources: Mapping[str, Sequence[int]]) -> None:
@@ -339,13 +331,12 @@ class SlurmRunner(MultiNodeRunner):
         return srun + [exports] + self.python_exec() + [self.user_script] + self.user_arguments
 
 
-class MVAPICHRunner(MultiNodeRunner):
+class MVAPICHRunner(_HostfileRunner):
     """MVAPICH2-GDR's mpirun with its tuning variables; init_distributed reads MV2_COMM_WORLD_*."""
 
     def __init__(self, args: Any, world_info_base64: str, resource_pool: Mapping[str, int],
                  cuda: bool | None = None) -> None:
-        super().__init__(args, world_info_base64)
-        self.resource_pool = resource_pool
+        super().__init__(args, world_info_base64, resource_pool)
         if cuda is None:
             from .runner import cuda_device_count
 
@@ -372,9 +363,6 @@ class MVAPICHRunner(MultiNodeRunner):
     @property
     def name(self) -> str:
         return "mvapich"
-
-    def validate_args(self) -> None:
-        self._no_filters()
 
     def hostfile_text(self) -> str:
         return "".join(f"{host}\n" for host in self.resource_pool)
