@@ -199,9 +199,6 @@ class _Job:
             self._link_failed_code = 128 + (self.signum or signal.SIGTERM)
             return False
         if nodes != list(range(len(self.link.spec.hosts))):
-            if self.spec_node_rank() not in nodes:
-                self._link_failed_code = 1
-                return False
             assert self.replan is not None
             self.plan = self.replan(nodes)
             self.say(f"elastic start with {len(nodes)} of {len(self.link.spec.hosts)} node(s): node ranks {nodes}; "
@@ -261,10 +258,12 @@ class _Job:
             if self.signum is not None:
                 name = signal.Signals(self.signum).name
                 self.say(f"received {name}; forwarding it to {len(self.ranks)} rank(s)")
-                self._stop_all(self.signum)
                 where = f" of {self.link.spec.label(self.spec_node_rank())}" if self.link else ""
-                return self._verdict(Stop(128 + self.signum, f"the launcher{where} received {name}",
-                                          self.plan.node_rank))
+                stop = Stop(128 + self.signum, f"the launcher{where} received {name}", self.plan.node_rank)
+                if self.link is not None:
+                    self.link.notify(stop)
+                self._stop_all(self.signum)
+                return self._verdict(stop, notified=True)
             stop = self.link.poll() if self.link is not None else None
             if stop is not None:
                 return self._stopped_by_link(stop)
@@ -276,11 +275,13 @@ class _Job:
                 return self._succeeded()
             time.sleep(POLL_S)
 
-    def _verdict(self, stop: Stop) -> int:
+    def _verdict(self, stop: Stop, notified: bool = False) -> int:
         """Report this node's end to the other launchers; the job's exit code comes back."""
         if self.link is None:
             return stop.code
-        verdict = self.link.report(stop) or stop
+        if not notified:
+            self.link.notify(stop)
+        verdict = self.link.verdict(stop)
         if verdict.node_rank != stop.node_rank or verdict.reason != stop.reason:
             self.say(f"job stopped: {verdict.reason}")
         return verdict.code
@@ -311,16 +312,19 @@ class _Job:
         when = time.time()
         others = sum(1 for r in self.ranks if r is not rank and r.proc.poll() is None)
         label = rank.label(self.plan)
+        reason = f"{label.split(' (')[0]} {describe_exit(rank.proc.returncode)}"
         self.say(f"{label} {describe_exit(rank.proc.returncode)}; stopping the other {others} local rank(s)")
-        self._stop_all(signal.SIGTERM)
-        for pump in rank.pumps:
+        for pump in rank.pumps:  # the rank is gone: its pipes end now
             pump.join(timeout=1.0)
         tail = rank.stderr_pump.tail_text()
+        stop = Stop(exit_code(rank.proc.returncode), reason, self.plan.node_rank, tail, when)
+        if self.link is not None:
+            self.link.notify(stop)  # the other nodes start stopping while this one does
+        self._stop_all(signal.SIGTERM)
         if tail.strip():
             self.say(f"last {TAIL_LINES} lines of rank {rank.spec.global_rank} stderr:\n{tail}")
-        reason = f"{label.split(' (')[0]} {describe_exit(rank.proc.returncode)}"
         self.say(f"job failed: {reason}")
-        return self._verdict(Stop(exit_code(rank.proc.returncode), reason, self.plan.node_rank, tail, when))
+        return self._verdict(stop, notified=True)
 
     def _stop_all(self, signum: int) -> None:
         """Signal every live process group, then SIGKILL whatever outlives the grace period."""

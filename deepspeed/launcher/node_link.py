@@ -287,14 +287,20 @@ class NodeLink:
 
     def report(self, stop: Stop) -> Stop | None:
         """This node's ranks ended (code 0: all succeeded). Returns the job's verdict for a failure."""
+        self.notify(stop)
+        return None if stop.code == 0 else self.verdict(stop)
+
+    def notify(self, stop: Stop) -> None:
+        """Tell node 0 (without waiting) how this node's ranks ended."""
         message = {"type": "exit", "code": stop.code, "reason": stop.reason, "detail": stop.detail,
                    "when": stop.when or time.time()}
         if self.is_coordinator:
             self._on_exit(0, message)
         elif self._sock is not None:
             _send(self._sock, message)
-        if stop.code == 0:
-            return None
+
+    def verdict(self, stop: Stop) -> Stop:
+        """Wait (briefly) for node 0's choice among the failures reported; ours if none comes."""
         deadline = time.monotonic() + SETTLE_S + 2.0
         with self._lock:
             while self._stop is None and time.monotonic() < deadline:
