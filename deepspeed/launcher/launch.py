@@ -169,9 +169,11 @@ class _Job:
             try:
                 self._start_all()
             except OSError as exc:
-                self.say(f"could not start {exc.filename or 'rank'}: {exc.strerror or exc}")
+                reason = f"could not start {exc.filename or 'rank'} on {self.plan.host}: {exc.strerror or exc}"
+                self.say(reason)
                 self._stop_all(signal.SIGTERM)
-                return 127 if isinstance(exc, FileNotFoundError) else 126
+                return self._verdict(Stop(127 if isinstance(exc, FileNotFoundError) else 126, reason,
+                                          self.plan.node_rank))
             return self._monitor()
         finally:
             self._stop_all(signal.SIGTERM)  # no-op when every group is already gone
