@@ -17,7 +17,7 @@ import sys
 FEATURES: dict[str, str] = {
     "engine (deepspeed.initialize)": "yes",
     "data parallel": "yes",
-    "launcher (`deepspeed` CLI)": "yes (single node)",
+    "launcher (`deepspeed` CLI)": "yes",
     "config validation (pydantic)": "yes",
     "optimizers (FusedAdam, CPUAdam, Lamb, Lion, Adagrad)": "yes (torch foreach/fused)",
     "LR schedules": "yes",
@@ -33,7 +33,8 @@ FEATURES: dict[str, str] = {
     "zero_to_fp32 / ds_to_universal": "yes (streaming)",
     "activation checkpointing": "planned",
     "pipeline parallelism": "planned",
-    "multi-node launch": "planned",
+    "multi-node launch": "yes (pdsh, OpenMPI, MPICH, Intel MPI, MVAPICH, SLURM, --no_ssh)",
+    "elastic batch sizes (elasticity)": "yes (restart on another node count)",
     "autotuning": "planned",
 }
 

@@ -15,6 +15,9 @@ args` (upstream's per-node entry point), or through `deepspeed` (runner.py), whi
 4. Each rank's stderr is pumped through a thread that forwards the bytes unchanged and keeps
    the last TAIL_LINES lines for the failure report; stdout is inherited unless a rank log
    or an output prefix needs it piped too.
+5. In a multi-node job the launchers meet before any rank starts and stop together, with
+   one exit code, when a rank anywhere fails or a launcher is signalled (node_link.py,
+   [Note: node link]).
 Why not torch.distributed.run's elastic agent: see docs/launcher.md.
 """
 
@@ -29,9 +32,24 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator, Mapping
 
-from .plan import LaunchError, LaunchPlan, RankLaunch, ScriptSpec, build_node_plan, decode_world_info, parse_core_list
+from .node_link import NodeLink, Stop
+from .plan import (
+    DEFAULT_MASTER_ADDR,
+    DEFAULT_MASTER_PORT,
+    LaunchError,
+    LaunchPlan,
+    LinkSpec,
+    NodeJob,
+    RankLaunch,
+    ScriptSpec,
+    decode_world_info,
+    env_int,
+    job_token,
+    node_job,
+    parse_core_list,
+)
 
 TAIL_LINES = 20
 DEFAULT_GRACE_S = 5.0
@@ -121,31 +139,41 @@ class _Rank:
         self.spec, self.proc, self.pumps, self.log = spec, proc, pumps, log
         self.stderr_pump = pumps[-1]
 
-    @property
-    def label(self) -> str:
-        return f"rank {self.spec.global_rank} (local_rank {self.spec.local_rank}, pid {self.proc.pid})"
+    def label(self, plan: LaunchPlan) -> str:
+        spec = self.spec
+        if plan.num_nodes == 1:
+            return f"rank {spec.global_rank} (local_rank {spec.local_rank}, pid {self.proc.pid})"
+        return (f"rank {spec.global_rank} on {plan.host} (node rank {plan.node_rank}, local_rank {spec.local_rank}, "
+                f"pid {self.proc.pid})")
 
 
 class _Job:
     """Executes a LaunchPlan with the guarantees of [Note: launcher guarantees]."""
 
-    def __init__(self, plan: LaunchPlan, grace_s: float, prefix_output: bool) -> None:
+    def __init__(self, plan: LaunchPlan, grace_s: float, prefix_output: bool, link: NodeLink | None = None,
+                 replan: Callable[[list[int]], LaunchPlan] | None = None) -> None:
         self.plan, self.grace_s, self.prefix_output = plan, grace_s, prefix_output
+        self.link, self.replan = link, replan
         lock = threading.Lock()  # one lock: lines from different ranks never split each other
         self.err, self.out = _Sink(sys.stderr, lock), _Sink(sys.stdout, lock)
         self.ranks: list[_Rank] = []
         self.signum: int | None = None
         self.escalate = False
+        self._link_failed_code = 1
 
     def run(self) -> int:
         previous = self._install_handlers()
         try:
+            if self.link is not None and not self._rendezvous():
+                return self._link_failed_code
             try:
                 self._start_all()
             except OSError as exc:
-                self.say(f"could not start {exc.filename or 'rank'}: {exc.strerror or exc}")
+                reason = f"could not start {exc.filename or 'rank'} on {self.plan.host}: {exc.strerror or exc}"
+                self.say(reason)
                 self._stop_all(signal.SIGTERM)
-                return 127 if isinstance(exc, FileNotFoundError) else 126
+                return self._verdict(Stop(127 if isinstance(exc, FileNotFoundError) else 126, reason,
+                                          self.plan.node_rank))
             return self._monitor()
         finally:
             self._stop_all(signal.SIGTERM)  # no-op when every group is already gone
@@ -156,6 +184,31 @@ class _Job:
                     rank.log.close()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            if self.link is not None:
+                self.link.close()
+
+    def _rendezvous(self) -> bool:
+        """Meet the other nodes' launchers; False (with _link_failed_code set) when the job cannot start."""
+        assert self.link is not None
+        try:
+            nodes = self.link.rendezvous(cancelled=lambda: self.signum is not None)
+        except LaunchError as exc:
+            self.say(f"error: {exc}")
+            self._link_failed_code = 1
+            return False
+        if nodes is None:
+            self.say(f"received {signal.Signals(self.signum or signal.SIGTERM).name} before the job started")
+            self._link_failed_code = 128 + (self.signum or signal.SIGTERM)
+            return False
+        if nodes != list(range(len(self.link.spec.hosts))):
+            assert self.replan is not None
+            self.plan = self.replan(nodes)
+            self.say(f"elastic start with {len(nodes)} of {len(self.link.spec.hosts)} node(s): node ranks {nodes}; "
+                     f"this node is node rank {self.plan.node_rank}, world size {self.plan.world_size}")
+        return True
+
+    def spec_node_rank(self) -> int:
+        return self.link.spec.node_rank if self.link is not None else self.plan.node_rank
 
     def say(self, message: str) -> None:
         with self.err.lock:
@@ -207,27 +260,73 @@ class _Job:
             if self.signum is not None:
                 name = signal.Signals(self.signum).name
                 self.say(f"received {name}; forwarding it to {len(self.ranks)} rank(s)")
+                where = f" of {self.link.spec.label(self.spec_node_rank())}" if self.link else ""
+                stop = Stop(128 + self.signum, f"the launcher{where} received {name}", self.plan.node_rank)
+                if self.link is not None:
+                    self.link.notify(stop)
                 self._stop_all(self.signum)
-                return 128 + self.signum
+                return self._verdict(stop, notified=True)
+            stop = self.link.poll() if self.link is not None else None
+            if stop is not None:
+                return self._stopped_by_link(stop)
             returncodes = [rank.proc.poll() for rank in self.ranks]
             failed = [rank for rank, rc in zip(self.ranks, returncodes) if rc not in (None, 0)]
             if failed:
                 return self._stop_on_failure(failed[0])
             if all(rc == 0 for rc in returncodes):
-                return 0
+                return self._succeeded()
             time.sleep(POLL_S)
 
-    def _stop_on_failure(self, rank: _Rank) -> int:
-        others = sum(1 for r in self.ranks if r is not rank and r.proc.poll() is None)
-        self.say(f"{rank.label} {describe_exit(rank.proc.returncode)}; stopping the other {others} rank(s)")
+    def _verdict(self, stop: Stop, notified: bool = False) -> int:
+        """Report this node's end to the other launchers; the job's exit code comes back."""
+        if self.link is None:
+            return stop.code
+        if not notified:
+            self.link.notify(stop)
+        verdict = self.link.verdict(stop)
+        if verdict.node_rank != stop.node_rank or verdict.reason != stop.reason:
+            self.say(f"job stopped: {verdict.reason}")
+        return verdict.code
+
+    def _succeeded(self) -> int:
+        if self.link is None:
+            return 0
+        self.link.report(Stop(0, "done", self.plan.node_rank))
+        while self.link.is_coordinator and not self.link.all_done():  # node 0 answers until every node is done
+            stop = self.link.poll()
+            if stop is not None:
+                self.say(f"job stopped: {stop.reason}")
+                return stop.code
+            if self.signum is not None:
+                return self._verdict(Stop(128 + self.signum, "node rank 0's launcher was signalled", 0))
+            time.sleep(POLL_S)
+        return 0
+
+    def _stopped_by_link(self, stop: Stop) -> int:
+        live = sum(1 for r in self.ranks if r.proc.poll() is None)
+        self.say(f"stopping {live} local rank(s): {stop.reason}")
+        if stop.detail.strip() and self.plan.node_rank == 0 and stop.node_rank != 0:
+            self.say(f"last {TAIL_LINES} stderr lines of that rank:\n{stop.detail}")
         self._stop_all(signal.SIGTERM)
-        for pump in rank.pumps:
+        return stop.code
+
+    def _stop_on_failure(self, rank: _Rank) -> int:
+        when = time.time()
+        others = sum(1 for r in self.ranks if r is not rank and r.proc.poll() is None)
+        label = rank.label(self.plan)
+        reason = f"{label.split(' (')[0]} {describe_exit(rank.proc.returncode)}"
+        self.say(f"{label} {describe_exit(rank.proc.returncode)}; stopping the other {others} local rank(s)")
+        for pump in rank.pumps:  # the rank is gone: its pipes end now
             pump.join(timeout=1.0)
         tail = rank.stderr_pump.tail_text()
+        stop = Stop(exit_code(rank.proc.returncode), reason, self.plan.node_rank, tail, when)
+        if self.link is not None:
+            self.link.notify(stop)  # the other nodes start stopping while this one does
+        self._stop_all(signal.SIGTERM)
         if tail.strip():
             self.say(f"last {TAIL_LINES} lines of rank {rank.spec.global_rank} stderr:\n{tail}")
-        self.say(f"job failed: rank {rank.spec.global_rank} {describe_exit(rank.proc.returncode)}")
-        return exit_code(rank.proc.returncode)
+        self.say(f"job failed: {reason}")
+        return self._verdict(stop, notified=True)
 
     def _stop_all(self, signum: int) -> None:
         """Signal every live process group, then SIGKILL whatever outlives the grace period."""
@@ -293,9 +392,15 @@ def grace_seconds() -> float:
         raise LaunchError(f"{GRACE_ENV}={raw!r}: expected a number of seconds") from None
 
 
-def run_plan(plan: LaunchPlan, *, grace_s: float | None = None, prefix_output: bool = False) -> int:
-    """Start every rank of `plan`, supervise them, and return the launcher's exit code."""
-    return _Job(plan, grace_seconds() if grace_s is None else grace_s, prefix_output).run()
+def run_plan(plan: LaunchPlan, *, grace_s: float | None = None, prefix_output: bool = False,
+             link: LinkSpec | None = None, replan: Callable[[list[int]], LaunchPlan] | None = None) -> int:
+    """Start every rank of `plan`, supervise them, and return the launcher's exit code.
+
+    With `link` (multi-node jobs) the launchers of all nodes rendezvous first and stop together;
+    `replan(node_ranks)` rebuilds this node's plan when an elastic start leaves nodes out.
+    """
+    grace = grace_seconds() if grace_s is None else grace_s
+    return _Job(plan, grace, prefix_output, NodeLink(link) if link else None, replan).run()
 
 
 @contextlib.contextmanager
@@ -318,31 +423,38 @@ def pid_file(save_pid: int | None) -> Iterator[None]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Upstream's per-node flags. --node_rank/--master_addr/--master_port fall back to NODE_RANK
+    (or SLURM_NODEID), MASTER_ADDR and MASTER_PORT when a scheduler sets them, then to 0,
+    127.0.0.1 and 29500."""
     parser = argparse.ArgumentParser(description="Start this node's ranks of a DeepSpeed job.")
-    parser.add_argument("--node_rank", type=int, default=0, help="index of this node in --world_info")
-    parser.add_argument("--master_addr", default="127.0.0.1", type=str)
-    parser.add_argument("--master_port", default=29500, type=int)
-    parser.add_argument("--world_info", default="None", type=str, help="base64 JSON {host: [device ids]}")
-    parser.add_argument("--module", action="store_true", help="run the script as `python -m`")
-    parser.add_argument("--no_python", action="store_true", help="execute the script directly")
-    parser.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank")
-    parser.add_argument("--save_pid", type=int, default=0, help="write our pid to /tmp/<SAVE_PID>.deepspeed")
-    parser.add_argument("--enable_each_rank_log", default="None", type=str, help="also write DIR/rank<R>.log")
-    parser.add_argument("--bind_cores_to_rank", action="store_true", help="give each rank its own cores")
-    parser.add_argument("--bind_core_list", type=str, default=None, help="cores to split, e.g. 0,2-5")
-    parser.add_argument("--prefix_output", action="store_true", help="prefix rank output lines with [rankN]:")
-    parser.add_argument("--log_level", type=str, default="info", help="accepted for compatibility")
-    parser.add_argument("-q", "--quiet", action="store_true", help="accepted for compatibility")
-    parser.add_argument("training_script", type=str)
-    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    add = parser.add_argument
+    add("--node_rank", type=int, default=None, help="index of this node in --world_info (env NODE_RANK; 0)")
+    add("--master_addr", default=None, type=str, help="rank 0's host (env MASTER_ADDR; 127.0.0.1)")
+    add("--master_port", default=None, type=int, help="rank 0's port (env MASTER_PORT; 29500)")
+    add("--world_info", default="None", type=str, help="base64 JSON {host: [device ids]}")
+    add("--module", action="store_true", help="run the script as `python -m`")
+    add("--no_python", action="store_true", help="execute the script directly")
+    add("--no_local_rank", action="store_true", help="do not pass --local_rank")
+    add("--save_pid", type=int, default=0, help="write our pid to /tmp/<SAVE_PID>.deepspeed")
+    add("--enable_each_rank_log", default="None", type=str, help="also write DIR/rank<R>.log")
+    add("--bind_cores_to_rank", action="store_true", help="give each rank its own cores")
+    add("--bind_core_list", type=str, default=None, help="cores to split, e.g. 0,2-5")
+    add("--enable_elastic_training", action="store_true", help="elastic start (see --min_elastic_nodes)")
+    add("--min_elastic_nodes", type=int, default=-1, help="start with this many nodes if the others never join")
+    add("--max_elastic_nodes", type=int, default=-1, help="start as soon as this many nodes joined")
+    add("--prefix_output", action="store_true", help="prefix rank output lines with [rankN]:")
+    add("--log_level", type=str, default="info", help="accepted for compatibility")
+    add("-q", "--quiet", action="store_true", help="accepted for compatibility")
+    add("training_script", type=str)
+    add("training_script_args", nargs=argparse.REMAINDER)
     return parser.parse_args(argv)
 
 
-def plan_from_launch_args(args: argparse.Namespace) -> LaunchPlan:
-    """Build this node's plan from launch.py's flags (pure apart from reading our affinity)."""
+def job_from_launch_args(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> NodeJob:
+    """This node's job from launch.py's flags (pure apart from reading our affinity)."""
     if args.world_info == "None":
         raise LaunchError("--world_info is required: base64 JSON {host: [device ids]}, as written by `deepspeed`")
-    nodes = list(decode_world_info(args.world_info).values())
+    world = decode_world_info(args.world_info)
     spec = ScriptSpec(
         args.training_script, tuple(args.training_script_args), args.module, args.no_python, args.no_local_rank
     )
@@ -350,20 +462,31 @@ def plan_from_launch_args(args: argparse.Namespace) -> LaunchPlan:
     if args.bind_cores_to_rank:
         cores = parse_core_list(args.bind_core_list) if args.bind_core_list else sorted(os.sched_getaffinity(0))
     log_dir = None if args.enable_each_rank_log in ("None", "") else args.enable_each_rank_log
-    return build_node_plan(
-        spec, nodes, node_rank=args.node_rank, master=(args.master_addr, args.master_port), cores=cores, log_dir=log_dir
-    )
+    node_rank = args.node_rank
+    if node_rank is None:
+        node_rank = env_int(env, ["NODE_RANK", "SLURM_NODEID"], "this node's rank") or 0
+    master_addr = args.master_addr or env.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
+    master_port = args.master_port or env_int(env, ["MASTER_PORT"], "rank 0's port") or DEFAULT_MASTER_PORT
+    elastic = (args.min_elastic_nodes, args.max_elastic_nodes)
+    return node_job(spec, world, node_rank, (master_addr, master_port), env=env,
+                    token=job_token(args.world_info, args.training_script), elastic=elastic,
+                    cores=tuple(cores) if cores is not None else None, log_dir=log_dir)
+
+
+def plan_from_launch_args(args: argparse.Namespace) -> LaunchPlan:
+    """compat: this node's plan (without the link to the other nodes)."""
+    return job_from_launch_args(args).plan
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        plan = plan_from_launch_args(args)
+        job = job_from_launch_args(args)
     except LaunchError as exc:
         print(f"{PREFIX} error: {exc}", file=sys.stderr)
         return 2
     with pid_file(args.save_pid):
-        return run_plan(plan, prefix_output=args.prefix_output)
+        return run_plan(job.plan, prefix_output=args.prefix_output, link=job.link, replan=job.plan_for)
 
 
 if __name__ == "__main__":

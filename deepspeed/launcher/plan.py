@@ -16,26 +16,27 @@ with LOCAL_RANK (torch.cuda.set_device(local_rank)).
 
 from __future__ import annotations
 
-import base64
-import json
-import re
+import hashlib
 import sys
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
+# compat: these lived here before the multi-node launcher; tests and callers import them from plan.
+from .resources import (  # noqa: F401
+    NODE_SPEC_FORMAT,
+    LaunchError,
+    check_counts,
+    decode_world_info,
+    encode_world_info,
+    filter_resources,
+    parse_hostfile,
+    parse_node_spec,
+    ranges,
+)
+
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500  # torch.distributed's default, as upstream
-MULTI_NODE_UNSUPPORTED = (
-    "multi-node launch is not supported yet by this implementation; use torchrun/srun per node "
-    "(or run `python -m deepspeed.launcher.launch --world_info=... --node_rank=N` on each node)"
-)
-NODE_SPEC_FORMAT = "NAME[:SLOT[,SLOT...]][@NAME[:SLOT...]...], e.g. 'localhost:0,1'"
-
-
-class LaunchError(ValueError):
-    """A launch request that cannot be satisfied; the message names the flag, value and fix."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class LaunchPlan:
     ranks: tuple[RankLaunch, ...]
     node_rank: int = 0
     num_nodes: int = 1
+    host: str = "localhost"  # this node's name in the world info (for messages)
 
     @property
     def envs(self) -> tuple[Mapping[str, str], ...]:
@@ -95,74 +97,7 @@ class LocalHost:
     names: frozenset[str] = frozenset({"localhost", "127.0.0.1"})
 
 
-# --------------------------------------------------------------------------- resource strings
-
-
-def parse_hostfile(lines: Sequence[str], path: str = "hostfile") -> "OrderedDict[str, int]":
-    """MPI-style `host slots=N` lines (comments and blank lines skipped) -> {host: slots}."""
-    pool: OrderedDict[str, int] = OrderedDict()
-    for lineno, raw in enumerate(lines, start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        match = re.match(r"^(\S+)\s+slots=(\d+)\s*$", line)
-        if not match:
-            raise LaunchError(f"{path}:{lineno}: bad hostfile line {line!r}; expected 'HOST slots=N'")
-        host, slots = match.group(1), int(match.group(2))
-        if host in pool:
-            raise LaunchError(f"{path}:{lineno}: host {host!r} is listed twice")
-        pool[host] = slots
-    if not pool:
-        raise LaunchError(f"{path}: hostfile has no 'HOST slots=N' entries")
-    return pool
-
-
-def parse_node_spec(flag: str, value: str) -> "OrderedDict[str, list[int]]":
-    """Parse an --include/--exclude string into {host: sorted slots} ([] means 'all slots')."""
-    spec: OrderedDict[str, list[int]] = OrderedDict()
-    for part in value.split("@"):
-        host, sep, slot_text = part.partition(":")
-        if not host.strip():
-            raise LaunchError(f"{flag} {value!r}: empty host name; expected {NODE_SPEC_FORMAT}")
-        slots = spec.setdefault(host.strip(), [])
-        if not sep:
-            continue
-        for token in slot_text.split(","):
-            if not token.strip().isdigit():
-                raise LaunchError(
-                    f"{flag} {value!r}: slot {token!r} is not a non-negative integer; expected {NODE_SPEC_FORMAT}"
-                )
-            slots.append(int(token))
-    return OrderedDict((h, sorted(set(s))) for h, s in spec.items())
-
-
-def filter_resources(
-    pool: Mapping[str, Sequence[int]], include: str = "", exclude: str = "", note: str = ""
-) -> "OrderedDict[str, list[int]]":
-    """Apply --include or --exclude to {host: slots}; keeps hostfile order and drops empty hosts."""
-    if include and exclude:
-        raise LaunchError("--include and --exclude are mutually exclusive; use one of them")
-    if not include and not exclude:
-        return OrderedDict((h, list(s)) for h, s in pool.items())
-    flag, value = ("--include", include) if include else ("--exclude", exclude)
-    suffix = f" ({note})" if note else ""
-    chosen: dict[str, list[int]] = {}
-    for host, slots in parse_node_spec(flag, value).items():
-        if host not in pool:
-            available = ", ".join(pool)
-            raise LaunchError(f"{flag} {value!r}: host {host!r} is not available (available: {available}){suffix}")
-        missing = [s for s in slots if s not in pool[host]]
-        if missing:
-            raise LaunchError(
-                f"{flag} {value!r}: slot {missing[0]} does not exist on {host} "
-                f"(available slots: {_ranges(pool[host])}){suffix}"
-            )
-        chosen[host] = slots or list(pool[host])
-    if include:
-        result = ((h, chosen[h]) for h in pool if h in chosen)
-    else:
-        result = ((h, [s for s in pool[h] if s not in chosen.get(h, ())]) for h in pool)
-    return OrderedDict((h, s) for h, s in result if s)
+# --------------------------------------------------------------------------- cores
 
 
 def parse_core_list(text: str, flag: str = "--bind_core_list") -> list[int]:
@@ -190,28 +125,6 @@ def split_cores(cores: Sequence[int], nprocs: int) -> list[tuple[int, ...]]:
     return [tuple(cores[i * per_rank : (i + 1) * per_rank]) for i in range(nprocs)]
 
 
-def encode_world_info(nodes: Mapping[str, Sequence[int | str]]) -> str:
-    """{host: device ids} -> urlsafe base64 JSON, the `--world_info` format of launch.py."""
-    return base64.urlsafe_b64encode(json.dumps({h: list(ids) for h, ids in nodes.items()}).encode()).decode()
-
-
-def decode_world_info(text: str) -> "OrderedDict[str, list[str]]":
-    """Inverse of encode_world_info; device ids come back as strings (they go into an env var)."""
-    try:
-        raw = json.loads(base64.urlsafe_b64decode(text.encode()), object_pairs_hook=OrderedDict)
-    except (ValueError, TypeError) as exc:
-        raise LaunchError(f"--world_info {text!r}: not base64-encoded JSON ({exc})") from None
-    if not isinstance(raw, dict) or not raw or not all(isinstance(v, list) for v in raw.values()):
-        raise LaunchError(f"--world_info decodes to {raw!r}; expected a non-empty {{host: [device ids]}} object")
-    return OrderedDict((h, [str(i) for i in ids]) for h, ids in raw.items())
-
-
-def _ranges(slots: Sequence[int]) -> str:
-    if list(slots) == list(range(len(slots))) and slots:
-        return f"0-{len(slots) - 1}" if len(slots) > 1 else "0"
-    return ",".join(map(str, slots)) or "none"
-
-
 # --------------------------------------------------------------------------- per-rank plan
 
 
@@ -235,6 +148,7 @@ def build_node_plan(
     visible_devices: bool = True,
     cores: Sequence[int] | None = None,
     log_dir: str | None = None,
+    host: str = "localhost",
 ) -> LaunchPlan:
     """Plan the ranks of node `node_rank`; `nodes[i]` lists node i's device ids in rank order.
 
@@ -269,7 +183,122 @@ def build_node_plan(
             env["OMP_NUM_THREADS"] = str(len(block))
         log_path = f"{log_dir.rstrip('/')}/rank{rank}.log" if log_dir else None
         ranks.append(RankLaunch(rank, local_rank, rank_argv(spec, local_rank), MappingProxyType(env), block, log_path))
-    return LaunchPlan(world_size, master[0], master[1], tuple(ranks), node_rank, len(nodes))
+    return LaunchPlan(world_size, master[0], master[1], tuple(ranks), node_rank, len(nodes), host)
+
+
+# --------------------------------------------------------------------------- a node of a multi-node job
+
+CONTROL_PORT_ENV = "DS_LAUNCHER_CONTROL_PORT"
+RDZV_TIMEOUT_ENV = "DS_LAUNCHER_RENDEZVOUS_TIMEOUT"
+DEFAULT_RDZV_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """Where and how this node's launcher meets the others (see node_link.py, [Note: node link])."""
+
+    node_rank: int
+    hosts: tuple[str, ...]  # node names in node-rank order (from the world info)
+    addr: str
+    port: int
+    timeout_s: float = DEFAULT_RDZV_TIMEOUT_S
+    token: str = ""  # identifies the job: launchers of another job are turned away
+    min_nodes: int | None = None  # elastic start: start with at least this many nodes at the timeout
+    max_nodes: int | None = None  # elastic start: start as soon as this many nodes joined
+
+    def label(self, node_rank: int) -> str:
+        return f"node rank {node_rank} ({self.hosts[node_rank]})"
+
+
+@dataclass(frozen=True)
+class NodeJob:
+    """This node's share of a job described by a world info: its plan and, with more than one
+    node, its link to the other launchers."""
+
+    spec: ScriptSpec
+    hosts: tuple[str, ...]
+    devices: tuple[tuple[str, ...], ...]  # per node, in node-rank order
+    node_rank: int
+    master: tuple[str, int]
+    visible_devices: bool = True
+    cores: tuple[int, ...] | None = None
+    log_dir: str | None = None
+    link: LinkSpec | None = None
+
+    @property
+    def plan(self) -> LaunchPlan:
+        return self.plan_for(range(len(self.hosts)))
+
+    def plan_for(self, node_ranks: Sequence[int]) -> LaunchPlan:
+        """The plan when only `node_ranks` take part (an elastic start), renumbered in order."""
+        node_ranks = list(node_ranks)
+        return build_node_plan(self.spec, [self.devices[r] for r in node_ranks],
+                               node_rank=node_ranks.index(self.node_rank), master=self.master,
+                               visible_devices=self.visible_devices, cores=self.cores, log_dir=self.log_dir,
+                               host=self.hosts[self.node_rank])
+
+
+def job_token(world_info: str, script: str) -> str:
+    """Same world info and script on every node -> same token (node 0 turns other jobs away)."""
+    return hashlib.sha256(f"{world_info}\0{script}".encode()).hexdigest()[:16]
+
+
+def env_int(env: Mapping[str, str], names: Sequence[str], what: str) -> int | None:
+    """The first of `names` set in `env`, as an int (a scheduler's NODE_RANK, MASTER_PORT, ...)."""
+    for name in names:
+        raw = env.get(name)
+        if raw:
+            if not raw.strip().isdigit():
+                raise LaunchError(f"{name}={raw!r} ({what}): expected a non-negative integer")
+            return int(raw)
+    return None
+
+
+def link_settings(master_port: int, env: Mapping[str, str]) -> tuple[int, float]:
+    """(control port, rendezvous timeout) from DS_LAUNCHER_CONTROL_PORT / DS_LAUNCHER_RENDEZVOUS_TIMEOUT."""
+    port = env_int(env, [CONTROL_PORT_ENV], "the launchers' control port")
+    if port is not None and not 0 < port < 65536:
+        raise LaunchError(f"{CONTROL_PORT_ENV}={port}: expected a TCP port number (1-65535)")
+    raw = env.get(RDZV_TIMEOUT_ENV)
+    try:
+        timeout = float(raw) if raw else DEFAULT_RDZV_TIMEOUT_S
+    except ValueError:
+        timeout = -1.0
+    if timeout <= 0:
+        raise LaunchError(f"{RDZV_TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
+    return (master_port + 1 if port is None else port), timeout
+
+
+def elastic_bounds(min_nodes: int | None, max_nodes: int | None, num_nodes: int) -> tuple[int | None, int | None]:
+    """--min_elastic_nodes/--max_elastic_nodes (-1 or None: unset) checked against the node count."""
+    lo = None if min_nodes is None or min_nodes < 0 else min_nodes
+    hi = None if max_nodes is None or max_nodes < 0 else max_nodes
+    if lo is not None and not 1 <= lo <= num_nodes:
+        raise LaunchError(f"--min_elastic_nodes {lo}: must be between 1 and the number of nodes ({num_nodes})")
+    if hi is not None and not 1 <= hi:
+        raise LaunchError(f"--max_elastic_nodes {hi}: must be >= 1")
+    if lo is not None and hi is not None and hi < lo:
+        raise LaunchError(f"--max_elastic_nodes {hi} is smaller than --min_elastic_nodes {lo}")
+    return lo, hi
+
+
+def node_job(spec: ScriptSpec, world: Mapping[str, Sequence[str]], node_rank: int, master: tuple[str, int], *,
+             env: Mapping[str, str], token: str = "", elastic: tuple[int | None, int | None] = (None, None),
+             **plan_options) -> NodeJob:
+    """This node's NodeJob for the {host: device ids} world; a LinkSpec when there is more than one node."""
+    hosts = tuple(world)
+    if not 0 <= node_rank < len(hosts):
+        raise LaunchError(f"--node_rank {node_rank}: must be in [0, {len(hosts)}) for the {len(hosts)} node(s) "
+                          f"{', '.join(hosts)}")
+    link = None
+    if len(hosts) > 1:
+        port, timeout = link_settings(master[1], env)
+        lo, hi = elastic_bounds(*elastic, len(hosts))
+        link = LinkSpec(node_rank, hosts, master[0], port, timeout, token, lo, hi)
+    devices = tuple(tuple(str(d) for d in ids) for ids in world.values())
+    job = NodeJob(spec, hosts, devices, node_rank, master, link=link, **plan_options)
+    job.plan  # noqa: B018 - validate now (cores per rank, empty nodes), before anything starts
+    return job
 
 
 # --------------------------------------------------------------------------- single-node resolution
@@ -277,53 +306,40 @@ def build_node_plan(
 
 def resolve_local_devices(
     host: LocalHost,
-    hostfile: Mapping[str, int] | None = None,
     *,
     include: str = "",
     exclude: str = "",
-    num_nodes: int | None = None,
     num_gpus: int | None = None,
-    force_multi: bool = False,
 ) -> list[str]:
-    """Pick this node's device ids (CUDA ids, or CPU slot numbers) from the CLI resource flags.
+    """No hostfile: pick this machine's device ids (CUDA ids, or CPU slot numbers) from the flags.
 
-    See [Note: slots index the visible devices]. Anything that would need a second machine
-    raises MULTI_NODE_UNSUPPORTED rather than silently launching locally.
+    A CUDA host offers one slot per visible device; a CPU host one process by default, N with
+    --num_gpus N, and one virtual slot per core for --include/--exclude.
+    See [Note: slots index the visible devices].
     """
-    if (include or exclude) and (num_nodes is not None or num_gpus is not None):
-        raise LaunchError("--num_nodes/--num_gpus cannot be combined with --include/--exclude; use one style")
-    for flag, count in (("--num_gpus", num_gpus), ("--num_nodes", num_nodes)):
-        if count is not None and count < 1:
-            raise LaunchError(f"{flag} {count}: must be >= 1")
-    if force_multi or (num_nodes is not None and num_nodes > 1):
-        raise LaunchError(MULTI_NODE_UNSUPPORTED)
+    check_counts(None, num_gpus, include, exclude)
     devices = host.visible_devices
-    if hostfile:
-        pool = dict(hostfile)
-    elif devices is not None:
-        pool = {"localhost": len(devices)}
-    else:  # CPU host: one process by default, one virtual slot per core for include/exclude
-        pool = {"localhost": num_gpus or (len(host.cpus) if include or exclude else 1)}
+    if devices is not None:
+        count = len(devices)
+    else:
+        count = num_gpus or (len(host.cpus) if include or exclude else 1)
     note = _device_note(devices)
-    active = filter_resources({h: list(range(n)) for h, n in pool.items()}, include, exclude, note)
+    active = filter_resources({"localhost": list(range(count))}, include, exclude, note)
     if not active:
         raise LaunchError(f"--exclude {exclude!r} leaves no slots to launch on")
-    if num_nodes is not None:  # upstream: the first num_nodes hosts of the (filtered) pool
-        active = OrderedDict(list(active.items())[:num_nodes])
-    if len(active) > 1:
-        raise LaunchError(f"{MULTI_NODE_UNSUPPORTED} (resources span {len(active)} hosts: {', '.join(active)})")
-    name, slots = next(iter(active.items()))
-    if name not in host.names:
-        local = ", ".join(sorted(host.names))
-        raise LaunchError(f"host {name!r} is not this machine ({local}); {MULTI_NODE_UNSUPPORTED}")
-    if num_gpus is not None:
-        slots = list(range(num_gpus))
+    slots = list(range(num_gpus)) if num_gpus is not None else active["localhost"]
+    return map_local_slots(host, slots, f"--num_gpus {num_gpus}" if num_gpus is not None else "--include")
+
+
+def map_local_slots(host: LocalHost, slots: Sequence[int], what: str = "hostfile slots") -> list[str]:
+    """Slot numbers on this machine -> device ids (an index into the visible CUDA devices)."""
+    devices = host.visible_devices
     if devices is None:
         return [str(s) for s in slots]
     too_high = [s for s in slots if s >= len(devices)]
     if too_high:
-        flag = f"--num_gpus {num_gpus}" if num_gpus is not None else "hostfile slots"
-        raise LaunchError(f"{flag}: asks for slot {too_high[0]} but only {len(devices)} device(s) are visible ({note})")
+        raise LaunchError(f"{what}: asks for slot {too_high[0]} but only {len(devices)} device(s) are visible "
+                          f"({_device_note(devices)})")
     return [devices[s] for s in slots]
 
 

@@ -53,6 +53,7 @@ _ACCESSORS: dict[str, Callable[[Any], Any]] = {
     "sparse_gradients_enabled": lambda c: bool(getattr(c.model, "sparse_gradients", False)),
     "checkpoint_tag_validation_enabled": lambda c: _tag_validation(c) != "ignore",
     "checkpoint_tag_validation_fail": lambda c: _tag_validation(c) == "fail",
+    "elasticity_enabled": lambda c: c.elasticity_enabled,
 }
 
 

@@ -194,6 +194,7 @@ def test_defaults_cover_every_scalar_key():
                 yield prefix + key
 
     skip = set(UNSUPPORTED_SECTIONS) | {"train_batch_size", "train_micro_batch_size_per_gpu", "allgather_size",
+                                        "elasticity",  # a free-form section checked by deepspeed.elasticity
                                         "gradient_accumulation_steps", "pipeline.use_reentrant",
                                         "zero_optimization.overlap_comm", "zero_optimization.mics_shard_size",
                                         "zero_optimization.mics_hierarchical_params_gather",

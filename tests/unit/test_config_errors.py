@@ -272,7 +272,6 @@ NOT_SUPPORTED = [  # (key, enabled value, disabled value)
     ("quantize_training", {"enabled": True}, {"enabled": False}),
     ("eigenvalue", {"enabled": True}, {"enabled": False}),
     ("sparse_attention", {"mode": "fixed"}, None),
-    ("elasticity", {"enabled": True}, {"enabled": False}),
     ("graph_harvesting", True, False),
     ("curriculum_learning", {"enabled": True}, {"enabled": False}),
     ("progressive_layer_drop", {"enabled": True}, {"enabled": False}),

@@ -13,7 +13,6 @@ import pytest
 
 from deepspeed.launcher import launch
 from deepspeed.launcher.plan import (
-    MULTI_NODE_UNSUPPORTED,
     LaunchError,
     LocalHost,
     decode_world_info,
@@ -22,7 +21,14 @@ from deepspeed.launcher.plan import (
     parse_hostfile,
     parse_node_spec,
 )
-from deepspeed.launcher.runner import plan_from_argv, resolve_master_port, visible_cuda_devices
+from deepspeed.launcher.runner import (
+    MultiNodeRequest,
+    decide,
+    parse_args,
+    plan_from_argv,
+    resolve_master_port,
+    visible_cuda_devices,
+)
 
 PY = "/usr/bin/python-test"
 CPU = LocalHost(visible_devices=None, cpus=(0, 1, 2, 3))
@@ -139,9 +145,9 @@ def test_include_exclude_on_cpu_host_use_one_slot_per_core():
         (["--num_gpus", "3"], GPU_2_3, r"--num_gpus 3: asks for slot 2 but only 2 device\(s\) are visible"),
         (["--num_gpus", "0"], CPU, "--num_gpus 0: must be >= 1"),
         (["--num_nodes", "0"], CPU, "--num_nodes 0: must be >= 1"),
-        (["--num_nodes", "2"], CPU, "multi-node launch is not supported"),
-        (["--force_multi"], CPU, "multi-node launch is not supported"),
-        (["--node_rank", "1"], CPU, "multi-node launch is not supported"),
+        (["--num_nodes", "2"], CPU, r"--num_nodes 2: needs a hostfile listing the nodes \(-H FILE"),
+        (["--force_multi"], CPU, "--force_multi: needs a hostfile"),
+        (["--node_rank", "1"], CPU, r"--node_rank 1: a job without a hostfile has one node"),
         (["--autotuning", "tune"], CPU, "autotuner is not implemented"),
     ],
 )
@@ -164,14 +170,16 @@ def test_hostfile_with_only_localhost_is_fine():
     assert cvd(plan(["t.py"], GPU4, lines)) == ["0,1", "0,1"]
 
 
-def test_hostfile_multi_host_is_rejected_unless_filtered_to_local():
+def test_hostfile_multi_host_goes_to_the_backend_unless_filtered_to_one_host():
     lines = ["localhost slots=2", "worker-1 slots=4"]
-    with pytest.raises(LaunchError, match=r"multi-node.*span 2 hosts: localhost, worker-1"):
-        plan(["t.py"], CPU, lines)
+    decision = decide(parse_args(["t.py"]), CPU, lines, python=PY, env={})
+    assert isinstance(decision, MultiNodeRequest)
+    assert decision.active == {"localhost": [0, 1], "worker-1": [0, 1, 2, 3]}
     assert plan(["--include", "localhost", "t.py"], CPU, lines).world_size == 2
     assert plan(["--num_nodes", "1", "t.py"], CPU, lines).world_size == 2  # top host only
-    with pytest.raises(LaunchError, match="'worker-1' is not this machine"):
-        plan(["t.py"], CPU, ["worker-1 slots=4"])
+    notes = []
+    job = decide(parse_args(["t.py"]), CPU, ["worker-1 slots=4"], python=PY, env={}, notes=notes)
+    assert job.plan.world_size == 4 and "'worker-1' is not recognised as this machine" in notes[0]
 
 
 def test_hostfile_slots_beyond_visible_devices():

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from deepspeed.elasticity.elasticity import elastic_batch_params
 from deepspeed.utils.logging import logger
 
 from .batch import BatchSizes, resolve_batch
@@ -75,6 +76,7 @@ _COMPAT: dict[str, Callable[["DeepSpeedConfig"], Any]] = {
     "torch_autocast_enabled": lambda c: c.model.torch_autocast.enabled,
     "torch_autocast_dtype": lambda c: c.model.torch_autocast.dtype,
     "torch_autocast_lower_precision_safe_modules": lambda c: c.model.torch_autocast.lower_precision_safe_modules,
+    "elasticity_enabled": lambda c: c._elastic is not None,
 }
 _SAME_NAME = ("gradient_clipping", "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
               "prescale_gradients", "gradient_predivide_factor", "gradient_allreduce_op", "dataloader_drop_last",
@@ -96,12 +98,15 @@ class DeepSpeedConfig:
     def __init__(self, config: Any, mpu: Any = None, world_size: Optional[int] = None,
                  strict: Optional[bool] = None, mesh_device: Any = None):
         self.raw = load_config_dict(config)
+        self._elastic: Optional[dict[str, int]] = None  # batch triple from the elasticity section
         self.strict = strict_from_env() if strict is None else bool(strict)
         prepared = prepare(self.raw, self.strict)
         model = validate(prepared)
         errors = prepared.errors
         try:
             self.world_size = data_parallel_world_size(mpu, world_size, mesh_device)
+            # ElasticityError (not a DeepSpeedConfigError) propagates as upstream raises it.
+            self._elastic = elastic_batch_params(self.raw, self.world_size)
             batch = self._resolve_batch(model, prepared.data)
         except DeepSpeedConfigError as exc:
             errors.extend(line for line in exc.errors if line not in errors)
@@ -116,6 +121,8 @@ class DeepSpeedConfig:
         log_auto_defaults(model, prepared.auto_paths)
 
     def _resolve_batch(self, model: Optional[RootConfig], data: dict[str, Any]) -> Optional[BatchSizes]:
+        if self._elastic is not None:  # the elasticity section sets all three (deepspeed/elasticity)
+            return resolve_batch(*(self._elastic[k] for k in BATCH_KEYS), self.world_size)
         values = [getattr(model, k) if model is not None else data.get(k) for k in BATCH_KEYS]
         if model is None and not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in values):
             return None  # the type errors are already reported

@@ -123,6 +123,8 @@ class RootConfig(UnsupportedSections):
     """Ulysses sequence-parallel size (only 1 is supported here)."""
     allgather_size: Optional[Int] = Field(None, ge=0)
     """Legacy: allgather_bucket_size for the boolean `zero_optimization: true` form."""
+    elasticity: Optional[dict[str, Any]] = None
+    """Elastic batch sizes (deepspeed.elasticity checks the section and sets the batch triple)."""
 
     fp16: FP16Config = Field(default_factory=FP16Config)
     """fp16 mixed precision with loss scaling."""

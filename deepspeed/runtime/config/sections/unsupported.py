@@ -74,7 +74,6 @@ UNSUPPORTED_SECTIONS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "quantize_training": (_flag(), "MoQ quantized training", _OFF),
     "eigenvalue": (_flag(), "eigenvalue computation", _OFF),
     "sparse_attention": (_present, "sparse attention", "remove it"),
-    "elasticity": (_flag(), "elastic training", _OFF + " and give the batch sizes directly"),
     "graph_harvesting": (_flag(), "graph harvesting", "remove it or set it to false"),
     "curriculum_learning": (_flag(), "legacy curriculum learning", _OFF),
     "progressive_layer_drop": (_flag(), "progressive layer drop", _OFF),
@@ -126,8 +125,6 @@ class UnsupportedSections(DSModel):
     """Eigenvalue computation (removed upstream; not supported here)."""
     sparse_attention: Unsupported = None
     """Sparse attention (removed upstream; not supported here)."""
-    elasticity: Unsupported = None
-    """Elastic training (removed upstream; not supported here)."""
     graph_harvesting: Unsupported = None
     """Graph harvesting (removed upstream; not supported here)."""
     curriculum_learning: Unsupported = None
