@@ -7,7 +7,6 @@ missing package fails every rank alike instead of rank 0 alone.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 from packaging import version as pkg_version
 
@@ -32,9 +31,10 @@ def _missing(monitor: str, detail: str = "") -> MonitorUnavailableError:
 
 
 def _require(monitor: str) -> None:
-    module = _OPTIONAL[monitor][0]
-    if importlib.util.find_spec(module) is None:
-        raise _missing(monitor)
+    try:
+        importlib.import_module(_OPTIONAL[monitor][0])
+    except ImportError:
+        raise _missing(monitor) from None
 
 
 def check_tb_availability() -> None:

@@ -63,7 +63,7 @@ def model_state_bytes(engine: Any) -> dict[str, int]:
     out = dict.fromkeys(KINDS, 0)
     for kind, tensors in _by_kind(engine).items():
         for tensor in tensors:
-            if tensor.device.type == "meta":
+            if not torch.is_tensor(tensor) or tensor.device.type == "meta":
                 continue
             storage = tensor.untyped_storage()
             key = (str(tensor.device), storage.data_ptr())

@@ -286,7 +286,7 @@ class ThroughputTimer:
         self.initialized = False
         self._begin: Any = None                     # host seconds or a device event
         self._step: list[tuple[Any, Any]] = []      # this optimizer step's micro-step spans
-        self._pending: list[list[tuple[Any, Any]]] = []   # counted steps not resolved yet
+        self._pending: list[tuple[bool, list[tuple[Any, Any]]]] = []   # (counted?, spans) not resolved yet
 
     def update_epoch_count(self) -> None:
         self.epoch_count += 1
@@ -317,17 +317,16 @@ class ThroughputTimer:
         if not global_step:
             return
         self.global_step_count += 1
-        if self.global_step_count > self.start_step:
-            self._pending.append(self._step)
+        self._pending.append((self.global_step_count > self.start_step, self._step))
         self._step = []
         if report_speed and self.steps_per_output and self.global_step_count % self.steps_per_output == 0:
             self.logging(self.report())
 
     def _resolve(self) -> None:
-        for spans in self._pending:
+        for counted, spans in self._pending:
             seconds = sum(end - begin if isinstance(end, float) else _EventSpan(begin, end).milliseconds() / 1000.0
                           for begin, end in spans)
-            self.total_elapsed_time += seconds
+            self.total_elapsed_time += seconds if counted else 0.0
             self.step_elapsed_time = seconds
         self._pending = []
 
