@@ -41,9 +41,8 @@ def _by_kind(engine: Any) -> dict[str, list[torch.Tensor]]:
     kinds: dict[str, list[torch.Tensor]] = {k: [] for k in KINDS}
     kinds["parameters"] += params + list(engine.module.buffers())
     kinds["gradients"] += [p.grad for p in params if p.grad is not None]
-    reducer = getattr(engine, "_reducer", None)
-    if reducer is not None:
-        kinds["gradients"] += list(reducer.flat_buffers())
+    for bucket in getattr(getattr(engine, "_reducer", None), "buckets", []):   # buffers and ZeRO-2 shards
+        kinds["gradients"] += [v for v in vars(bucket).values() if torch.is_tensor(v)]
     for unit in getattr(getattr(engine, "_stage3", None), "units", []):   # ZeRO-3 shards and gathered units
         for name, value in vars(unit).items():
             if torch.is_tensor(value):

@@ -203,15 +203,15 @@ def _stragglers(data: dict) -> dict:
     if any(s != shape for s in shapes):
         raise RuntimeError("log_summary(show_straggler=True): the ranks logged different collectives "
                            "(op, message size, count); the straggler analysis needs the same on every rank")
-    out: dict[str, dict[int, dict]] = {}
-    for op, size, count in shape:
+    found = {}
+    for op, size, count in shape:   # the same order on every rank: the collectives pair up
         lats = torch.tensor(data[op][size][1], dtype=torch.float64, device=device)
         fastest = lats.clone()
         dist.all_reduce(fastest, op=dist.ReduceOp.MIN)
         late = lats - fastest
-        out.setdefault(op, {})[size] = {
+        found[op, size] = {
             "count": count, "total_comm_lat_ms": float(fastest.sum()), "total_straggler_ms": float(late.sum()),
             "avg_comm_lat_ms": trim_mean(fastest.cpu().tolist(), 0.1),
             "avg_straggler_ms": trim_mean(late.cpu().tolist(), 0.1),
             "msg_size_bytes": size, "msg_size_str": convert_size(size)}
-    return out
+    return {op: {size: found[op, size] for size in sorted(sizes)} for op, sizes in data.items()}
