@@ -7,11 +7,12 @@ the FLOPs profiler, measured side by side in one process.
 One process, one rank (gloo, world size 1), one torch thread. Every variant is its own engine on an
 identically initialised demo GPT (examples/gpt defaults: 4 layers, width 128, block 64; micro batch 8,
 gradient accumulation 2, AdamW, ZeRO-2 as examples/gpt/ds_config.json) and sees the same batches.
-Variants take turns: each repeat runs `--steps` optimizer steps of every variant, in a rotated order,
-timing each step. Per variant: the median step, and the ratio to `base` paired by repeat (median of
-the per-repeat ratios of medians), which cancels the machine's drifts. The FLOPs profiler's two
-profiled steps (counted, then timed) are reported apart, as a one-time cost; its other steps are
-its steady state. W&B and Comet are not installed here: `wandb (no-op)` enables the W&B monitor with a
+After `--warmup` untimed steps each, variants take turns step by step (one optimizer step of each,
+in an order rotated every step), so a drift of the shared machine hits all of them alike. Per
+variant: the median step, and the paired ratio to `base` (median over steps of variant / base at
+the same step), with the median of each repeat's ratios. `base (copy, built last)` is a second engine
+with nothing on: its ratio is the noise floor of the comparison. The FLOPs profiler's two profiled steps
+(counted, then timed) are reported apart, as a one-time cost; its other steps are its steady state. W&B and Comet are not installed here: `wandb (no-op)` enables the W&B monitor with a
 stand-in module that drops the data, i.e. it measures this package's side (recording events).
 
 Also printed: the cost of one timer start/stop pair and one monitor event, timed in a tight loop;
@@ -42,7 +43,8 @@ import deepspeed  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 MICRO, GAS, BLOCK = 8, 2, 64
-PROFILE_STEP = 2
+WARMUP = 3
+PROFILE_STEP = WARMUP + 1   # inside the timed steps
 
 
 def variants(out: str) -> dict[str, dict]:
@@ -56,6 +58,7 @@ def variants(out: str) -> dict[str, dict]:
         table["tensorboard"] = tb
         table["all monitors + breakdown"] = {**csv, **tb, "wandb": {"enabled": True}, "wall_clock_breakdown": True,
                                              "steps_per_print": 10}
+    table["base (copy, built last)"] = {}   # control: what a variant with nothing on measures (noise floor)
     return table
 
 
@@ -108,6 +111,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per variant per repeat")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=WARMUP, help=f"untimed steps per variant (<= {WARMUP})")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -118,24 +122,28 @@ def main() -> None:
     with contextlib.redirect_stdout(devnull):
         engines = {name: build(extra) for name, extra in table.items()}
     names = list(engines)
-    times: dict[str, list[list[float]]] = {n: [] for n in names}
+    with contextlib.redirect_stdout(devnull):
+        for name in names:
+            for step in range(min(a.warmup, WARMUP)):
+                run_step(engines[name], step)
+    times: dict[str, list[list[float]]] = {n: [[] for _ in range(a.repeats)] for n in names}
     profiled: list[float] = []
     for r in range(a.repeats):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            engine, steps = engines[name], []
-            for _ in range(a.steps):
+        for s in range(a.steps):
+            turn = r * a.steps + s
+            for name in names[turn % len(names):] + names[:turn % len(names)]:
+                engine = engines[name]
                 with contextlib.redirect_stdout(devnull):
                     index = engine.global_steps
-                    seconds = run_step(engine, r * a.steps + len(steps))
+                    seconds = run_step(engine, WARMUP + turn)
                 if name == "flops_profiler" and index in (PROFILE_STEP, PROFILE_STEP + 1):
                     profiled.append(seconds)
-                    continue
-                steps.append(seconds)
-            times[name].append(steps)
+                    times[name][r].append(None)
+                else:
+                    times[name][r].append(seconds)
     rows = report(names, times, profiled)
     costs = micro_costs()
-    base = statistics.median(s for rep in times["base"] for s in rep)
+    base = statistics.median(x for rep in times["base"] for x in rep)
     per_step = 5 * GAS + 2      # timer pairs per optimizer step with the breakdown (fwd, bwd, inner, reduce, step...)
     print(f"\ntimer start/stop pair: {costs['timer_pair_s'] * 1e6:.2f} us; {per_step} per step = "
           f"{per_step * costs['timer_pair_s'] / base * 100:.3f}% of the base step ({base * 1e3:.1f} ms)")
@@ -146,21 +154,23 @@ def main() -> None:
             json.dump({"rows": rows, "micro_costs": costs, "times": times, "profiled": profiled}, f, indent=1)
 
 
-def report(names: list[str], times: dict[str, list[list[float]]], profiled: list[float]) -> list[dict]:
-    base_medians = [statistics.median(rep) for rep in times["base"]]
-    print("| variant | median step (ms) | vs base (paired) | per-repeat ratios |")
+def report(names: list[str], times: dict[str, list[list[float | None]]], profiled: list[float]) -> list[dict]:
+    def paired(name: str, rep: int | None = None) -> float:
+        reps = range(len(times[name])) if rep is None else [rep]
+        return statistics.median(v / b for r in reps for v, b in zip(times[name][r], times["base"][r])
+                                 if v is not None)
+
+    print("| variant | median step (ms) | vs base (paired by step) | per-repeat |")
     print("|---|---|---|---|")
     rows = []
     for name in names:
-        medians = [statistics.median(rep) for rep in times[name]]
-        ratios = [m / b for m, b in zip(medians, base_medians)]
-        row = {"variant": name, "median_ms": statistics.median(s for rep in times[name] for s in rep) * 1e3,
-               "ratio": statistics.median(ratios), "ratios": ratios}
+        ratios = [paired(name, r) for r in range(len(times[name]))]
+        row = {"variant": name, "median_ms": statistics.median(x for rep in times[name] for x in rep if x is not None)
+               * 1e3, "ratio": paired(name), "ratios": ratios}
         rows.append(row)
-        print(f"| {name} | {row['median_ms']:.2f} | {row['ratio']:.3f}x | "
-              f"{', '.join(f'{x:.3f}' for x in ratios)} |")
-    if profiled:
-        base = statistics.median(s for rep in times["base"] for s in rep)
+        print(f"| {name} | {row['median_ms']:.2f} | {row['ratio']:.3f}x | {', '.join(f'{x:.3f}' for x in ratios)} |")
+    if len(profiled) >= 2:
+        base = statistics.median(x for rep in times["base"] for x in rep)
         print(f"\nflops_profiler one-time: counted step {profiled[0] * 1e3:.1f} ms, timed step "
               f"{profiled[1] * 1e3:.1f} ms (base step {base * 1e3:.1f} ms): "
               f"{(sum(profiled[:2]) - 2 * base) * 1e3:.1f} ms once per run")

@@ -22,15 +22,6 @@ import sys
 import threading
 from typing import Any
 
-_BUS_FACTOR = {
-    "all_reduce": lambda n: 2.0 * (n - 1) / n,
-    "inference_all_reduce": lambda n: 2.0 * (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "reduce_scatter_tensor": lambda n: (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "all_gather_into_tensor": lambda n: (n - 1) / n,
-    "all_to_all_single": lambda n: (n - 1) / n,
-}
 _COLUMNS = ("Comm. Op", "Message Size", "Count", "Total Latency(ms)", "Avg Latency(ms)", "tput_avg (Gbps)",
             "busbw_avg (Gbps)")
 _STRAGGLER_COLUMNS = ("Comm. Op", "Message Size", "Count", "Total comm lat(ms)", "Total straggler(ms)",
@@ -52,9 +43,13 @@ def calc_bw_log(comm_op: str, size: int, duration: float, group_size: int | None
         from .. import comm as dist
 
         group_size = dist.get_world_size()
-    n = max(group_size, 1)
+    from ..comm.counting import WIRE_FACTOR   # (here: deepspeed.comm imports this module)
+
+    # nccl-tests' bus factor is the ring's share of the message each rank sends, except that a
+    # broadcast's bus bandwidth is its algorithmic one
+    factor = WIRE_FACTOR.get("all_reduce" if comm_op == "inference_all_reduce" else comm_op)
     algbw = size / duration * 8 / 1e6 if duration > 0 else 0.0   # bytes/ms -> Gbit/s
-    return algbw, algbw * _BUS_FACTOR.get(comm_op, lambda n: 1.0)(n)
+    return algbw, algbw * (factor(max(group_size, 1)) if factor is not None and comm_op != "broadcast" else 1.0)
 
 
 def get_caller_func(frame: int = 3) -> str:
