@@ -29,7 +29,8 @@ class CometMonitor(Monitor):
 
     def __init__(self, comet_config: Any) -> None:
         super().__init__(comet_config)
-        check_comet_availability()
+        if comet_config.enabled:   # nothing needs the package while the monitor is off
+            check_comet_availability()
         self.enabled = comet_config.enabled
         self._samples_log_interval = comet_config.samples_log_interval
         self._experiment: Any = None

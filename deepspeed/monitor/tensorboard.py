@@ -15,7 +15,8 @@ class TensorBoardMonitor(Monitor):
 
     def __init__(self, tensorboard_config: Any) -> None:
         super().__init__(tensorboard_config)
-        check_tb_availability()
+        if tensorboard_config.enabled:   # nothing needs the package while the monitor is off
+            check_tb_availability()
         self.enabled = tensorboard_config.enabled
         self.output_path = tensorboard_config.output_path
         self.job_name = tensorboard_config.job_name

@@ -14,7 +14,8 @@ class WandbMonitor(Monitor):
 
     def __init__(self, wandb_config: Any) -> None:
         super().__init__(wandb_config)
-        check_wandb_availability()
+        if wandb_config.enabled:   # nothing needs the package while the monitor is off
+            check_wandb_availability()
         self.enabled = wandb_config.enabled
         self.group, self.team, self.project = wandb_config.group, wandb_config.team, wandb_config.project
         if self.enabled and dist.get_rank() == 0:

@@ -71,7 +71,8 @@ def test_per_module_rows_and_tree():
                    "Top 2 modules in terms of params, MACs or fwd latency at different model depths:", "depth 3:",
                    "(blocks): ModuleList(", "(fc): Linear(", "in_features=32, out_features=128, bias=True)"):
         assert needle in text, needle
-    assert prof.get_total_flops() == 0 and not prof.started   # end_profile drops the results
+    assert not prof.started and prof.module_rows().flops == 0     # end_profile drops the per-module results
+    assert prof.get_total_flops() == root.flops                    # the totals stay, as upstream's attributes
 
 
 def test_upstream_number_formats():

@@ -168,19 +168,23 @@ class FlopsProfiler:
 
     def reset_profile(self) -> None:
         """Forget all results (upstream: resets the per-module attributes)."""
-        self._stats = {}
-        self._open, self._spans = defaultdict(list), []
+        self._drop_module_stats()
         self._counted = 0
         self.op_flops = {}
         self.backward_flops = None
         self.flops = self.macs = self.params = 0
 
+    def _drop_module_stats(self) -> None:
+        self._stats = {}
+        self._open, self._spans = defaultdict(list), []
+
     def end_profile(self) -> None:
-        """Stop profiling and drop the results."""
+        """Stop profiling and drop the per-module results; the totals (`flops`, `macs`, `params`,
+        `backward_flops`) stay readable, as upstream's attributes do."""
         if not self.started:
             return
         self.stop_profile()
-        self.reset_profile()
+        self._drop_module_stats()
         self.started = False
 
     # --- hooks -------------------------------------------------------------------------------
@@ -282,7 +286,9 @@ class FlopsProfiler:
 
 def engine_times_of(engine: Any) -> EngineTimes:
     """The engine's sizes (and no latencies) for the summary of a standalone print."""
-    return EngineTimes(world_size=engine.world_size, dp_world_size=engine.dp_world_size,
+    dp = engine.dp_world_size   # None under Ulysses: the sequence-data-parallel group replicates
+    return EngineTimes(world_size=engine.world_size,
+                       dp_world_size=dp if dp is not None else getattr(engine, "seq_dp_world_size", 1),
                        mp_world_size=getattr(engine, "mp_world_size", 1),
                        micro_batch=engine.train_micro_batch_size_per_gpu())
 
