@@ -112,6 +112,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per variant per repeat")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=WARMUP, help=f"untimed steps per variant (<= {WARMUP})")
+    p.add_argument("--profile-runs", type=int, default=3, help="fresh profiler engines for the one-time cost")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -142,6 +143,12 @@ def main() -> None:
                 else:
                     times[name][r].append(seconds)
     rows = report(names, times, profiled)
+    with contextlib.redirect_stdout(devnull):
+        one_time = [profile_cost(table["flops_profiler"]) for _ in range(a.profile_runs)]
+    if one_time:
+        counted, timed = (statistics.median(x[i] for x in one_time) for i in (0, 1))
+        print(f"flops_profiler one-time cost, {len(one_time)} fresh engines (median extra over the engine's own "
+              f"median step): counted step {counted * 1e3:+.1f} ms, timed step {timed * 1e3:+.1f} ms")
     costs = micro_costs()
     base = statistics.median(x for rep in times["base"] for x in rep)
     per_step = 5 * GAS + 2      # timer pairs per optimizer step with the breakdown (fwd, bwd, inner, reduce, step...)
@@ -152,6 +159,15 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "micro_costs": costs, "times": times, "profiled": profiled}, f, indent=1)
+
+
+def profile_cost(extra: dict) -> tuple[float, float]:
+    """Extra seconds of the counted and the timed step over the median of the engine's other steps."""
+    engine = build(extra)
+    steps = [run_step(engine, s) for s in range(PROFILE_STEP + 6)]
+    others = steps[1:PROFILE_STEP] + steps[PROFILE_STEP + 2:]
+    engine.destroy()
+    return steps[PROFILE_STEP] - statistics.median(others), steps[PROFILE_STEP + 1] - statistics.median(others)
 
 
 def report(names: list[str], times: dict[str, list[list[float | None]]], profiled: list[float]) -> list[dict]:
@@ -171,7 +187,7 @@ def report(names: list[str], times: dict[str, list[list[float | None]]], profile
         print(f"| {name} | {row['median_ms']:.2f} | {row['ratio']:.3f}x | {', '.join(f'{x:.3f}' for x in ratios)} |")
     if len(profiled) >= 2:
         base = statistics.median(x for rep in times["base"] for x in rep)
-        print(f"\nflops_profiler one-time: counted step {profiled[0] * 1e3:.1f} ms, timed step "
+        print(f"\nflops_profiler in the interleaved run: counted step {profiled[0] * 1e3:.1f} ms, timed step "
               f"{profiled[1] * 1e3:.1f} ms (base step {base * 1e3:.1f} ms): "
               f"{(sum(profiled[:2]) - 2 * base) * 1e3:.1f} ms once per run")
     return rows
