@@ -27,11 +27,10 @@ class EventsLogScheduler:
 class CometMonitor(Monitor):
     """`comet_ml.start(...)` on rank 0; events go to the experiment's `log_metric`."""
 
+    requires = staticmethod(check_comet_availability)
+
     def __init__(self, comet_config: Any) -> None:
         super().__init__(comet_config)
-        if comet_config.enabled:   # nothing needs the package while the monitor is off
-            check_comet_availability()
-        self.enabled = comet_config.enabled
         self._samples_log_interval = comet_config.samples_log_interval
         self._experiment: Any = None
         self._events_log_scheduler = EventsLogScheduler(comet_config.samples_log_interval)

@@ -17,7 +17,6 @@ class csvMonitor(Monitor):  # noqa: N801 - upstream's name
 
     def __init__(self, csv_config: Any) -> None:
         super().__init__(csv_config)
-        self.enabled = csv_config.enabled
         self.output_path = csv_config.output_path
         self.job_name = csv_config.job_name
         self.filenames: list[str] = []

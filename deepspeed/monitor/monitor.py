@@ -8,7 +8,7 @@ on global rank 0 only; on other ranks every call is a no-op.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .. import comm as dist
 
@@ -18,9 +18,15 @@ Event = tuple[str, Any, int]
 class Monitor(ABC):
     """A backend: `write_events(event_list)` with `(name, value, step)` tuples."""
 
+    requires: Callable[[], None] | None = None
+    """Raises when the backend's optional package is missing (checked only when enabled)."""
+
     @abstractmethod
     def __init__(self, monitor_config: Any) -> None:
         self.monitor_config = monitor_config
+        self.enabled = getattr(monitor_config, "enabled", True)
+        if self.enabled and self.requires is not None:
+            self.requires()
 
     @abstractmethod
     def write_events(self, event_list: Sequence[Event]) -> None: ...

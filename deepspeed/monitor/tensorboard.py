@@ -13,11 +13,10 @@ from .utils import check_tb_availability
 class TensorBoardMonitor(Monitor):
     """Writes `add_scalar(name, value, step)` into `output_path/job_name` on rank 0."""
 
+    requires = staticmethod(check_tb_availability)
+
     def __init__(self, tensorboard_config: Any) -> None:
         super().__init__(tensorboard_config)
-        if tensorboard_config.enabled:   # nothing needs the package while the monitor is off
-            check_tb_availability()
-        self.enabled = tensorboard_config.enabled
         self.output_path = tensorboard_config.output_path
         self.job_name = tensorboard_config.job_name
         self.summary_writer = None

@@ -12,11 +12,10 @@ from .utils import check_wandb_availability
 class WandbMonitor(Monitor):
     """`wandb.init(project, group, entity=team)` on rank 0; each event is `wandb.log({name: value}, step=step)`."""
 
+    requires = staticmethod(check_wandb_availability)
+
     def __init__(self, wandb_config: Any) -> None:
         super().__init__(wandb_config)
-        if wandb_config.enabled:   # nothing needs the package while the monitor is off
-            check_wandb_availability()
-        self.enabled = wandb_config.enabled
         self.group, self.team, self.project = wandb_config.group, wandb_config.team, wandb_config.project
         if self.enabled and dist.get_rank() == 0:
             import wandb
