@@ -113,12 +113,18 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=WARMUP, help=f"untimed steps per variant (<= {WARMUP})")
     p.add_argument("--profile-runs", type=int, default=3, help="fresh profiler engines for the one-time cost")
+    p.add_argument("--variants", default=None, help="comma-separated subset (base is always included)")
+    p.add_argument("--copies", type=int, default=1, help="engines per variant (name #2, #3...): per-engine spread")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     torch.set_num_threads(1)
     sys.modules.setdefault("wandb", types.SimpleNamespace(init=lambda **kw: None, log=lambda *a, **kw: None))
     out = tempfile.mkdtemp(prefix="bench_obs_")
     table = variants(out)
+    if a.variants:
+        keep = {"base", *a.variants.split(",")}
+        table = {n: e for n, e in table.items() if n in keep}
+    table = {(n if i == 0 else f"{n} #{i + 1}"): e for n, e in table.items() for i in range(a.copies)}
     devnull = open(os.devnull, "w")
     with contextlib.redirect_stdout(devnull):
         engines = {name: build(extra) for name, extra in table.items()}
@@ -137,14 +143,15 @@ def main() -> None:
                 with contextlib.redirect_stdout(devnull):
                     index = engine.global_steps
                     seconds = run_step(engine, WARMUP + turn)
-                if name == "flops_profiler" and index in (PROFILE_STEP, PROFILE_STEP + 1):
+                if name.startswith("flops_profiler") and index in (PROFILE_STEP, PROFILE_STEP + 1):
                     profiled.append(seconds)
                     times[name][r].append(None)
                 else:
                     times[name][r].append(seconds)
     rows = report(names, times, profiled)
     with contextlib.redirect_stdout(devnull):
-        one_time = [profile_cost(table["flops_profiler"]) for _ in range(a.profile_runs)]
+        one_time = [profile_cost(table["flops_profiler"]) for _ in range(a.profile_runs)] \
+            if "flops_profiler" in table else []
     if one_time:
         counted, timed = (statistics.median(x[i] for x in one_time) for i in (0, 1))
         print(f"flops_profiler one-time cost, {len(one_time)} fresh engines (median extra over the engine's own "
@@ -185,7 +192,7 @@ def report(names: list[str], times: dict[str, list[list[float | None]]], profile
                * 1e3, "ratio": paired(name), "ratios": ratios}
         rows.append(row)
         print(f"| {name} | {row['median_ms']:.2f} | {row['ratio']:.3f}x | {', '.join(f'{x:.3f}' for x in ratios)} |")
-    if len(profiled) >= 2:
+    if len(profiled) >= 2 and "flops_profiler" in names:
         base = statistics.median(x for rep in times["base"] for x in rep)
         print(f"\nflops_profiler in the interleaved run: counted step {profiled[0] * 1e3:.1f} ms, timed step "
               f"{profiled[1] * 1e3:.1f} ms (base step {base * 1e3:.1f} ms): "
