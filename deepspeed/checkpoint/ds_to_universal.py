@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from ..utils.progress import progress
 from .files import CheckpointError, model_file, save_file, write_text
 from .reader import CheckpointReader
 
@@ -38,7 +39,7 @@ def convert(input_folder: str, output_folder: str) -> int:
     os.makedirs(zero_dir, exist_ok=True)
     fields = ["fp32"] + reader.fields()
     names = reader.param_names()
-    for name in names:
+    for name in progress(names, desc="Converting to universal", unit="param"):
         folder = os.path.join(zero_dir, name)
         os.makedirs(folder, exist_ok=True)
         shape = reader.groups()[reader._where[name][0]][reader._where[name][1]][1]

@@ -15,41 +15,33 @@ import torch
 import torch.distributed as _tdist
 from torch.distributed import ReduceOp
 
-from ..utils.logging import logger
+from ..utils.comms_logging import CommsLogger
 from . import exit as _exit
 from .counting import comms_counter
 from .gloo_collectives import (all_gather_applies, broadcast_all_gather, exchange_reduce_scatter,
                                reduce_scatter_applies)
 
-__all__ = ["ReduceOp", "default_pg_timeout", "TORCH_DISTRIBUTED_DEFAULT_PORT", "configure", "is_available", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_global_rank", "get_world_group", "get_backend", "new_group", "destroy_process_group", "all_reduce", "inference_all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "allgather_fn", "all_gather", "broadcast", "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv", "barrier", "monitored_barrier", "all_gather_object", "broadcast_object_list", "log_summary", "init_distributed", "mpi_discovery", "comms_counter"]
+__all__ = ["ReduceOp", "default_pg_timeout", "TORCH_DISTRIBUTED_DEFAULT_PORT", "configure", "is_available", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_global_rank", "get_world_group", "get_backend", "new_group", "destroy_process_group", "all_reduce", "inference_all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "allgather_fn", "all_gather", "broadcast", "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv", "barrier", "monitored_barrier", "all_gather_object", "broadcast_object_list", "log_summary", "reset_log", "has_comm_data", "get_comm_operation_count", "get_logged_comm_ops", "comms_logger", "init_distributed", "mpi_discovery", "comms_counter"]
 
 default_pg_timeout = datetime.timedelta(minutes=30)
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
 
-class _CommsLogConfig:
-    """State of the `comms_logger` section; one owner, set by `configure()`."""
-
-    enabled = False
-    verbose = False
-    prof_all = True
-    prof_ops: list[str] = []
-    debug = False
-
-
-_LOG = _CommsLogConfig()
+comms_logger = CommsLogger()
+"""The `comms_logger` section's logger (utils/comms_logging.py); off unless the config or
+`configure(enabled=True)` turns it on."""
 
 
 def configure(deepspeed_config: Any = None, enabled: bool | None = None, prof_all: bool | None = None,
               prof_ops: list[str] | None = None, verbose: bool | None = None, debug: bool | None = None) -> None:
-    """Apply the `comms_logger` config section (or explicit overrides)."""
+    """Apply an enabled `comms_logger` config section, then any explicit overrides (upstream's rules)."""
     section = getattr(getattr(deepspeed_config, "model", None), "comms_logger", None)
+    if section is not None:
+        comms_logger.configure(section)
     for name, value in (("enabled", enabled), ("prof_all", prof_all), ("prof_ops", prof_ops),
                         ("verbose", verbose), ("debug", debug)):
-        if value is None and section is not None:
-            value = getattr(section, name, None)
         if value is not None:
-            setattr(_LOG, name, value)
+            setattr(comms_logger, name, value)
 
 
 def _group_size(group: Any) -> int:
@@ -58,16 +50,26 @@ def _group_size(group: Any) -> int:
 
 def _timed(op: str, tensor: torch.Tensor | None, group: Any, fn: Callable[[], Any], nbytes: int | None = None) -> Any:
     """Run one collective, count it, and log it when the comms logger asks for it."""
+    logged = comms_logger.wants(op)
     start = time.perf_counter()
     result = fn()
+    if logged:   # completed before timing: [Note: what the comms logger measures]
+        _complete(result, tensor)
     elapsed = time.perf_counter() - start
     numel = tensor.numel() if tensor is not None else 0
     size = nbytes if nbytes is not None else (numel * tensor.element_size() if tensor is not None else 0)
-    dtype = str(tensor.dtype) if tensor is not None else "-"
-    comms_counter.record(op, numel, size, dtype, _group_size(group), elapsed)
-    if _LOG.enabled and _LOG.verbose and (_LOG.prof_all or op in _LOG.prof_ops):
-        logger.info(f"comm op: {op} | time (ms): {elapsed * 1e3:.2f} | msg size: {size} B | dtype: {dtype}")
+    comms_counter.record(op, numel, size, str(tensor.dtype) if tensor is not None else "-", _group_size(group),
+                         elapsed)
+    if logged:
+        comms_logger.append(op, op, elapsed * 1e3, size, _group_size(group))
     return _exit.track(result)  # an asynchronous Work is settled at exit if still pending (exit.py)
+
+
+def _complete(result: Any, tensor: torch.Tensor | None) -> None:
+    if result is not None and hasattr(result, "wait"):
+        result.wait()
+    if tensor is not None and tensor.device.type == "cuda":
+        torch.cuda.synchronize(tensor.device)
 
 
 # --- process group state ------------------------------------------------------------------
@@ -234,15 +236,38 @@ def broadcast_object_list(object_list: list[Any], src: int = 0, group: Any = Non
                   lambda: _tdist.broadcast_object_list(object_list, src=src, group=group, device=device))
 
 
-def log_summary(show_straggler: bool = False) -> None:
-    """Print the per-op tally (upstream prints its comms-logger table here)."""
-    if get_rank() != 0:
-        return
-    lines = [f"{'op':<24}{'count':>8}{'MB':>12}{'wire MB':>12}{'time ms':>12}"]
-    for op, s in sorted(comms_counter.summary().items()):
-        lines.append(f"{op:<24}{s['count']:>8}{s['bytes'] / 2**20:>12.2f}{s['wire_bytes'] / 2**20:>12.2f}"
-                     f"{s['time_s'] * 1e3:>12.1f}")
-    print("\n".join(lines), flush=True)
+def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict | None:
+    """Print the comms logger's table on rank 0 (collective: every rank must call it; with
+    `show_straggler`, also the fastest rank's latency and each rank's wait). With `return_dict`,
+    every rank returns its statistics (upstream's structure)."""
+    comms_logger.paused = True   # the summary's own collectives are not logged
+    try:
+        if is_initialized():
+            _tdist.barrier()
+        result = comms_logger.log_all(print_log=get_rank() == 0, show_straggler=show_straggler,
+                                      return_dict=return_dict)
+        if is_initialized():
+            _tdist.barrier()
+    finally:
+        comms_logger.paused = False
+    return result
+
+
+def reset_log() -> None:
+    """Forget what the comms logger recorded (e.g. per epoch)."""
+    comms_logger.reset_data()
+
+
+def has_comm_data() -> bool:
+    return comms_logger.has_data()
+
+
+def get_comm_operation_count() -> int:
+    return comms_logger.get_total_operations()
+
+
+def get_logged_comm_ops() -> list[str]:
+    return comms_logger.get_operation_names()
 
 
 # --- initialisation ----------------------------------------------------------------------

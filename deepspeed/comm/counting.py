@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 # Fraction of the message one rank puts on the wire, as a function of world size N.
-_WIRE_FACTOR = {
+WIRE_FACTOR = {
     "all_reduce": lambda n: 2.0 * (n - 1) / n,
     "reduce_scatter_tensor": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
@@ -55,7 +55,7 @@ class CommsCounter:
     def record(self, op: str, numel: int, nbytes: int, dtype: str, world_size: int, elapsed_s: float) -> None:
         if not self.enabled:
             return
-        factor = _WIRE_FACTOR.get(op, lambda n: 1.0)(max(world_size, 1))
+        factor = WIRE_FACTOR.get(op, lambda n: 1.0)(max(world_size, 1))
         with self._lock:
             s = self.stats.setdefault(op, OpStats())
             s.count += 1

@@ -19,7 +19,6 @@ from torch import nn
 from .. import comm as ds_comm
 from ..utils.logging import log_dist, set_log_level_from_string
 from .activation_checkpointing import state as activation_checkpointing
-from ..utils.timer import SynchronizedWallClockTimer, ThroughputTimer
 from .base_optimizer import DeepSpeedOptimizer
 from .dataloader import DeepSpeedDataLoader
 from .engine_accessors import EngineAccessors
@@ -31,10 +30,9 @@ from .engine_setup import (broadcast_module_states, build_lr_scheduler, build_op
 from .errors import UsageError
 from .grad_accum import is_boundary
 from .optimizer_wrapper import clip_sharded_grads, counted_in_norm
+from .observer import EngineObserver
 from .precision.policy import PrecisionPolicy
 from .zero.stages import STAGES
-
-FORWARD_TIMER, BACKWARD_TIMER, STEP_TIMER = "fwd", "bwd", "step"
 
 
 class DeepSpeedEngine(EngineAccessors, nn.Module):
@@ -92,9 +90,6 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         self.enable_backward_allreduce = True
         self.pipeline_parallelism = False   # upstream's attribute (PipelineEngine: True)
         self.sparse_tensor_module_names: set[str] = set()   # upstream's (sparse gradients: not supported)
-        self.timers = SynchronizedWallClockTimer()
-        self.tput_timer = ThroughputTimer(batch_size=self.train_batch_size(),
-                                          steps_per_output=self.steps_per_print())
 
         self.client_optimizer, self.client_lr_scheduler = optimizer, lr_scheduler
         self.basic_optimizer = build_optimizer_for_engine(self, optimizer, model_parameters)
@@ -104,6 +99,10 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
             if training_data is not None else None
         ds_comm.configure(config_class)
+        # timers, throughput, monitors, FLOPs profiler, memory reports (observer.py)
+        self._obs = EngineObserver(self)
+        self.timers, self.tput_timer, self.monitor = self._obs.timers, self._obs.tput_timer, self._obs.monitor
+        self.flops_profiler = self._obs.flops_profiler
         if self.dump_state():
             config_class.print_config()
 
@@ -129,10 +128,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         Outputs that need grad get a hook that makes `output.backward()` behave like
         engine.backward; see [Note: PyTorch-compatible backward] in backward_hooks.py.
         """
-        if self.wall_clock_breakdown():
-            self.timers(FORWARD_TIMER).start()
-        if self.training and self.tput_timer is not None:
-            self.tput_timer.start()
+        self._obs.before_forward()
         inputs, kwargs = self.precision.cast_input(inputs), self.precision.cast_input(kwargs)
         with self.precision.forward_context(self.device.type), \
                 activation_checkpointing.activated(self._activation_checkpointing):
@@ -144,8 +140,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
             for i, tensor in enumerate(tensors):
                 upstream = [tokens[j] for j in sources.get(i, [])]
                 tensor.register_hook(partial(self._output_grad_hook, tokens[i], upstream))
-        if self.wall_clock_breakdown():
-            self.timers(FORWARD_TIMER).stop()
+        self._obs.after_forward()
         return output
 
     def _output_grad_hook(self, tensor_id: int, computed_from: list[int], grad: torch.Tensor) -> torch.Tensor:
@@ -178,8 +173,6 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward(loss): loss must be a scalar tensor; for non-scalar outputs call "
                              "output.backward(gradient) directly")
-        if self.wall_clock_breakdown():
-            self.timers(BACKWARD_TIMER).start()
         self._losses.append(loss.detach())
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self._bstate.begin():
@@ -191,8 +184,6 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         finally:
             self._bstate.engine_driven = False
         self._backward_epilogue()
-        if self.wall_clock_breakdown():
-            self.timers(BACKWARD_TIMER).stop()
         return scaled
 
     def _reduce_now(self) -> bool:
@@ -202,6 +193,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
                 and (self.stage.shard_gradients or self.is_gradient_accumulation_boundary()))
 
     def _backward_prologue(self) -> None:
+        self._obs.before_backward()
         if self._reduce_now():
             self._reducer.arm()
 
@@ -213,10 +205,12 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         """
         if not self._bstate.end():
             return
+        self._obs.before_reduce()
         if self._reducer is not None and self._reducer.armed:
             self._reducer.finish()
             self._reduced_this_boundary = True
         self._bstate.run_post_hooks()
+        self._obs.after_backward()
 
     def register_grad_acc_post_hook(self, hook: Any) -> None:
         """Run `hook()` at the end of every backward of this engine (after gradient reduction)."""
@@ -322,17 +316,12 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: pass `optimizer` or an `optimizer` "
                                "section in the config to deepspeed.initialize")
-        if self.wall_clock_breakdown():
-            self.timers(STEP_TIMER).start()
+        self._obs.before_step()
         self._step_applied = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._take_model_step(lr_kwargs)
-        self.tput_timer.stop(global_step=boundary)
-        if self.wall_clock_breakdown():
-            self.timers(STEP_TIMER).stop()
-            if boundary and self._should_print():
-                self.timers.log([FORWARD_TIMER, BACKWARD_TIMER, STEP_TIMER])
+        self._obs.after_step(boundary)
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
@@ -368,6 +357,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         self._reduced_this_boundary = False
         if self._should_print():
             self._report_progress(self.global_steps)
+        self._obs.on_model_step(self._losses)
         self._losses = []
 
     def _should_print(self) -> bool:
@@ -548,6 +538,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
                 wait_local(self)
         finally:
             self._remove_hooks()
+            self._obs.close()
 
     def _remove_hooks(self) -> None:
         if self._reducer is not None:

@@ -1,38 +1,20 @@
 # compat: upstream path deepspeed.runtime.utils (DeepSpeed 0.19.8 names).
 """Upstream's grab-bag of runtime helpers, under their names. The partitioning functions live
-in layer_partition.py, PartitionedTensor in partitioned_tensor.py, move_to_device in dataloader.py;
+in layer_partition.py, PartitionedTensor in partitioned_tensor.py, move_to_device in dataloader.py,
+see_memory_usage in memory_report.py;
 the rest of upstream's module (MoE-aware clipping/overflow checks, ZeRO-3 output hooks) is not
 provided: see docs/compatibility.md."""
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import torch
 
-from ..utils.logging import log_dist
 from .dataloader import move_to_device  # noqa: F401
 from .layer_partition import partition_balanced, partition_uniform, prefix_sum_inc  # noqa: F401
+from .memory_report import see_memory_usage  # noqa: F401
 from .partitioned_tensor import PartitionedTensor  # noqa: F401
-
-
-def see_memory_usage(message: str, force: bool = False) -> None:
-    """Log device and host memory on rank 0, only when `force` (upstream's switch; the
-    `memory_breakdown` config turns it on in upstream's engine)."""
-    if not force:
-        return
-    import psutil
-
-    from ..accelerator import get_accelerator
-
-    gc.collect()
-    acc, gib = get_accelerator(), 2**30
-    vm = psutil.virtual_memory()
-    log_dist(f"{message} | MA {acc.memory_allocated() / gib:.2f} GB | Max_MA {acc.max_memory_allocated() / gib:.2f} GB"
-             f" | CPU Virtual Memory: used = {(vm.total - vm.available) / gib:.2f} GB, percent = {vm.percent}%",
-             ranks=[0])
-    acc.reset_peak_memory_stats()
 
 
 def call_to_str(base: str, *args: Any, **kwargs: Any) -> str:

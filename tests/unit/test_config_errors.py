@@ -256,7 +256,6 @@ def test_non_string_key():
 
 # ------------------------------------------------------------------------------ not supported
 NOT_SUPPORTED = [  # (key, enabled value, disabled value)
-    ("flops_profiler", {"enabled": True}, {"enabled": False, "profile_step": 3}),
     ("autotuning", {"enabled": True}, {"enabled": False, "fast": True}),
     ("hybrid_engine", {"enabled": True}, {"enabled": False, "max_out_tokens": 512}),
     ("data_efficiency", {"enabled": True}, {"enabled": False}),
@@ -277,7 +276,6 @@ NOT_SUPPORTED = [  # (key, enabled value, disabled value)
     ("progressive_layer_drop", {"enabled": True}, {"enabled": False}),
     ("sparse_gradients", True, False),
     ("sequence_parallel_size", 2, 1),
-    ("comet", {"enabled": True}, {"enabled": False, "project": "p"}),
 ]
 
 

@@ -26,6 +26,7 @@ import torch
 
 from ...checkpoint import files
 from ...checkpoint.reader import CheckpointReader
+from ...utils.progress import NoBar, min_bytes, progress
 from . import zero3_io
 from .hp_state import HpState
 from .writer import set_rng_state
@@ -89,9 +90,13 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
 
 def apply_plan(engine: Any, plan: LoadPlan) -> None:
     """Copy the plan into the engine (local; the caller re-gathers afterwards)."""
-    with torch.no_grad():
+    total = sum(value.numel() * value.element_size() for _, value in plan.copies)
+    bar = progress(total=total, desc="Loading checkpoint", unit="B", unit_scale=True) if total >= min_bytes() \
+        else NoBar()
+    with torch.no_grad(), bar:
         for target, value in plan.copies:
-            target.copy_(value)
+            target.copy_(value)   # reads the memory-mapped checkpoint files
+            bar.update(value.numel() * value.element_size())
         if plan.zero3_params is not None:
             zero3_io.write_param_slices(engine, plan.zero3_params)
     if plan.optimizer_state is not None:

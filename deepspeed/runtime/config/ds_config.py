@@ -77,7 +77,16 @@ _COMPAT: dict[str, Callable[["DeepSpeedConfig"], Any]] = {
     "torch_autocast_dtype": lambda c: c.model.torch_autocast.dtype,
     "torch_autocast_lower_precision_safe_modules": lambda c: c.model.torch_autocast.lower_precision_safe_modules,
     "elasticity_enabled": lambda c: c._elastic is not None,
+    "monitor_config": lambda c: _monitor_config(c.model),
+    "flops_profiler_config": lambda c: c.model.flops_profiler,
+    "timers_config": lambda c: c.model.timers.throughput,
 }
+
+
+def _monitor_config(model: Any) -> Any:
+    from ...monitor.monitor import monitor_config_of
+
+    return monitor_config_of(model)
 _SAME_NAME = ("gradient_clipping", "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
               "prescale_gradients", "gradient_predivide_factor", "gradient_allreduce_op", "dataloader_drop_last",
               "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "managed_gradient_accumulation",

@@ -25,7 +25,7 @@ from .sections.activation_checkpointing import ActivationCheckpointingConfig
 from .sections.base import AUTO, DtypeName, Float, Int, Problem, key_homes, not_supported
 from .sections.checkpoint import CheckpointConfig
 from .sections.comms import CommsLoggerConfig
-from .sections.misc import AioConfig, TimersConfig
+from .sections.misc import AioConfig, FlopsProfilerConfig, TimersConfig
 from .sections.monitor import CometConfig, CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from .sections.optimizer import OptimizerConfig, SchedulerConfig
 from .sections.pipeline import PipelineConfig
@@ -104,9 +104,10 @@ class RootConfig(UnsupportedSections):
     disable_python_gc: bool = False
     """Disable Python's automatic cyclic garbage collector during training."""
     wall_clock_breakdown: bool = False
-    """Time forward/backward/step and log the breakdown."""
+    """Time forward/backward/step (and the reduction and optimizer inside them); log the mean
+    per optimizer step every steps_per_print steps."""
     memory_breakdown: bool = False
-    """Log memory usage at checkpoints in the step."""
+    """Log memory (device, RSS, model states by kind) before and after forward, backward and step."""
     dataloader_drop_last: bool = False
     """Drop the last incomplete batch in deepspeed_io()."""
     zero_allow_untested_optimizer: bool = False
@@ -155,7 +156,9 @@ class RootConfig(UnsupportedSections):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     """Weights & Biases monitor."""
     comet: CometConfig = Field(default_factory=CometConfig)
-    """Comet monitor (parsed; enabling it is not supported)."""
+    """Comet monitor."""
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    """FLOPs profiler (one step, rank 0)."""
     timers: TimersConfig = Field(default_factory=TimersConfig)
     """Throughput timer."""
     aio: AioConfig = Field(default_factory=AioConfig)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ... import comm as ds_comm
+from ...utils.timer import OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_STEP_TIMER, timed
 from ..base_optimizer import ZeROOptimizer
 from ..optimizer_wrapper import OptimizerWrapper, clip_sharded_grads, counted_in_norm  # noqa: F401
 from ..precision.policy import PrecisionPolicy
@@ -196,9 +197,12 @@ class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
     # --- the step ---------------------------------------------------------------------------
     def step(self, closure: Any = None) -> bool:
         comm_device = self.buckets[0].param_flat.device if self.buckets else torch.device("cpu")
-        if not step_on_shards(self, self.buckets, "a gradient shard", comm_device):
+        with timed(self, OPTIMIZER_STEP_TIMER):   # wall_clock_breakdown (engine observer)
+            applied = step_on_shards(self, self.buckets, "a gradient shard", comm_device)
+        if not applied:
             return False
-        self._all_gather_params()
+        with timed(self, OPTIMIZER_ALLGATHER_TIMER):
+            self._all_gather_params()
         self.loss_scaler.update_scale(False)
         return True
 

@@ -1,4 +1,4 @@
-"""Small sections: `timers`, `aio`."""
+"""Small sections: `timers`, `flops_profiler`, `aio`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Optional
 
 from pydantic import Field
 
-from .base import DSModel, Int
+from .base import DSModel, Float, Int
 
 
 class ThroughputTimerConfig(DSModel):
@@ -15,7 +15,9 @@ class ThroughputTimerConfig(DSModel):
     enabled: bool = True
     """Measure samples per second."""
     synchronized: bool = True
-    """Synchronise the device before reading the clock (exact, slower)."""
+    """Time the device's work, not the host's: with an asynchronous device (CUDA) each step is
+    timed with device events read at each report, so this never stalls the device (upstream
+    synchronizes it at every start and stop). False: the host clock."""
 
 
 class TimersConfig(DSModel):
@@ -23,6 +25,26 @@ class TimersConfig(DSModel):
 
     throughput: ThroughputTimerConfig = Field(default_factory=ThroughputTimerConfig)
     """Throughput timer."""
+
+
+class FlopsProfilerConfig(DSModel):
+    """`flops_profiler`: profile one training step (deepspeed.profiling.flops_profiler)."""
+
+    enabled: bool = False
+    """Profile the FLOPs, parameters and latency of each module once, on rank 0."""
+    recompute_fwd_factor: Float = Field(0.0, ge=0)
+    """Share of the forward recomputed in backward (activation checkpointing), for the estimate
+    of backward FLOPs as (2 + factor) x forward; the engine also reports the measured ones."""
+    profile_step: Int = Field(1, ge=0)
+    """Optimizer step whose first forward is counted (the next step's forward is timed)."""
+    module_depth: Int = Field(-1, ge=-1)
+    """Depth of the aggregated per-module report (-1: all depths)."""
+    top_modules: Int = Field(1, ge=1)
+    """Module types listed per depth in the aggregated report."""
+    detailed: bool = True
+    """Print the whole module tree with each module's profile."""
+    output_file: Optional[str] = None
+    """Write the report to this file instead of stdout."""
 
 
 class AioConfig(DSModel):

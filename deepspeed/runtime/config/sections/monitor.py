@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Optional
 
-from .base import DSModel, Int, Problem, not_supported
+from .base import DSModel, Int
 
 
 class TensorBoardConfig(DSModel):
@@ -43,12 +43,12 @@ class WandbConfig(DSModel):
 
 
 class CometConfig(DSModel):
-    """`comet`: Comet ML monitor. Parsed for compatibility; enabling it is not supported here."""
+    """`comet`: log training events to Comet ML (needs the `comet_ml` package, >= 3.41)."""
 
     enabled: bool = False
-    """Log to Comet (not supported by this implementation)."""
+    """Log to Comet."""
     samples_log_interval: Int = 100
-    """Log every N samples."""
+    """Log an event name again only after this many more samples."""
     project: Optional[str] = None
     """Comet project."""
     workspace: Optional[str] = None
@@ -64,6 +64,3 @@ class CometConfig(DSModel):
     mode: Optional[str] = None
     """"get", "create" or "get_or_create"."""
 
-    def _problems(self) -> Iterator[Problem]:
-        if self.enabled:
-            yield "enabled", not_supported("the Comet monitor", "remove it or set enabled: false")

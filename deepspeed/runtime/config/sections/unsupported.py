@@ -59,7 +59,6 @@ def _present(value: Any) -> bool:
 _OFF = "remove it or set enabled: false"
 # key -> (is it enabled?, feature name, how to turn it off)
 UNSUPPORTED_SECTIONS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
-    "flops_profiler": (_flag(), "the FLOPs profiler", _OFF),
     "autotuning": (_flag(), "autotuning", _OFF),
     "hybrid_engine": (_flag(), "the hybrid (RLHF) engine", _OFF),
     "data_efficiency": (_flag(), "data efficiency (curriculum sampling / random-LTD)", _OFF),
@@ -95,8 +94,6 @@ Unsupported = Annotated[Any, AfterValidator(_reject_if_enabled)]
 class UnsupportedSections(DSModel):
     """The top-level keys of UNSUPPORTED_SECTIONS; each is accepted while absent or off."""
 
-    flops_profiler: Unsupported = None
-    """FLOPs profiler (not supported here)."""
     autotuning: Unsupported = None
     """Autotuning (not supported here)."""
     hybrid_engine: Unsupported = None

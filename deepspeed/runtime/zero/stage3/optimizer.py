@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .... import comm as ds_comm
+from ....utils.timer import OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_STEP_TIMER, timed
 from ...base_optimizer import ZeROOptimizer
 from ...optimizer_wrapper import OptimizerWrapper
 from ...precision.policy import PrecisionPolicy
@@ -94,9 +95,12 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
 
     # --- the step ---------------------------------------------------------------------------
     def step(self, closure: Any = None) -> bool:
-        if not step_on_shards(self, self.units, "a ZeRO-3 gradient shard", self._comm_device):
+        with timed(self, OPTIMIZER_STEP_TIMER):   # wall_clock_breakdown (engine observer)
+            applied = step_on_shards(self, self.units, "a ZeRO-3 gradient shard", self._comm_device)
+        if not applied:
             return False
-        self.refresh_from_masters()
+        with timed(self, OPTIMIZER_ALLGATHER_TIMER):   # shards updated; persistent units re-gathered
+            self.refresh_from_masters()
         self.loss_scaler.update_scale(False)
         return True
 
