@@ -170,6 +170,13 @@ class EngineObserver:
                         self._events.add(f"Train/Samples/elapsed_time_ms_{suffix}", means[name],
                                          self._engine.global_samples)
 
+    def record_train_loss(self, loss: torch.Tensor) -> None:
+        """`Train/Samples/train_loss` of the last optimizer step, on rank 0, when the loss is known
+        only after the step (the PipelineEngine's batch mean, broadcast from the last stage)."""
+        if self.monitor.enabled and self.rank == 0:
+            self._events.add("Train/Samples/train_loss", loss, self._engine.global_samples)
+            self.flush_events()
+
     def flush_events(self, wait: bool = False) -> None:
         """Write the recorded events whose values are on the host (all of them with `wait`)."""
         events = self._events.ready(wait)

@@ -97,7 +97,7 @@ def config(micro: int, gas: int, dp: int, zero: int, dtype: str = "fp32", clip: 
 
 
 def train(stages: int, micro: int, gas: int, zero: int, steps: int, ac_interval: int = 0, with_mask: bool = False,
-          dtype: str = "fp32", clip: float = 0.0, partition_method: str = "parameters"):
+          dtype: str = "fp32", clip: float = 0.0, partition_method: str = "parameters", csv_dir: str | None = None):
     """Train the pipeline; returns (losses, this stage's parameters by name, meta, p2p counts)."""
     import deepspeed
     from deepspeed import comm as ds_comm
@@ -108,7 +108,10 @@ def train(stages: int, micro: int, gas: int, zero: int, steps: int, ac_interval:
     model = PipelineModule(specs(with_mask), num_stages=stages, loss_fn=loss_fn, seed_layers=True, base_seed=BASE_SEED,
                            partition_method=partition_method, activation_checkpoint_interval=ac_interval,
                            checkpointable_layers=["Block"] if ac_interval else None)
-    engine, _, _, _ = deepspeed.initialize(model=model, config=config(micro, gas, dp, zero, dtype, clip),
+    cfg = config(micro, gas, dp, zero, dtype, clip)
+    if csv_dir:
+        cfg["csv_monitor"] = {"enabled": True, "output_path": csv_dir, "job_name": "pipe"}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     replica = engine.grid.get_data_parallel_id()
     losses = []

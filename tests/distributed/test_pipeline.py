@@ -168,3 +168,17 @@ def test_loads_upstream_pipeline_checkpoint(tmp_path, stages):
     results = run_distributed(4, jobs.resume_upstream, stages, fixture, str(tmp_path / "ckpt"))
     for got, want in results:
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def test_monitor_writes_the_batch_loss_on_rank_0(tmp_path):
+    """Rank 0 is the first stage: it writes Train/Samples/train_loss from the batch mean the last
+    stage broadcasts (upstream's pipeline event), keyed by samples."""
+    import csv
+
+    micro, gas, steps = 2, 2, 3
+    results = run_distributed(2, jobs.train, 2, micro, gas, 0, steps, 0, False, "fp32", 0.0, "parameters",
+                              str(tmp_path))
+    with open(tmp_path / "pipe" / "Train_Samples_train_loss.csv") as f:
+        rows = list(csv.reader(f))[1:]
+    assert [int(r[0]) for r in rows] == [micro * gas * (i + 1) for i in range(steps)]
+    assert [float(r[1]) for r in rows] == pytest.approx(results[0][0], rel=1e-6)

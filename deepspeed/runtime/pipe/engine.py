@@ -172,6 +172,8 @@ class PipelineEngine(DeepSpeedEngine):
                                              stage_id=self.stage_id))
         with torch.no_grad():
             self.agg_train_loss = self._aggregate_total_loss()
+        if not self.is_last_stage():   # the last stage's own backward losses were recorded with the step
+            self._obs.record_train_loss(self.agg_train_loss)
         if self.wall_clock_breakdown():
             self.timers(TRAIN_BATCH_TIMER).stop()
         return self.agg_train_loss
