@@ -34,7 +34,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Mapping, Sequence
 
 from .constants import MVAPICH_TMP_HOSTFILE, PDSH_MAX_FAN_OUT
-from .resources import LaunchError
+from .resources import LaunchError, cuda_device_count
 
 _SHELL_SAFE = re.compile(r"^[\w@%+=:,./-]*$")
 
@@ -338,7 +338,6 @@ class MVAPICHRunner(_HostfileRunner):
                  cuda: bool | None = None) -> None:
         super().__init__(args, world_info_base64, resource_pool)
         if cuda is None:
-            from .runner import cuda_device_count
 
             cuda = cuda_device_count() > 0
         self.add_export("MV2_SMP_USE_CMA", "0")  # the CMA kernel module is missing on Ubuntu

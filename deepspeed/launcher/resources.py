@@ -9,6 +9,10 @@ Nothing here starts a process or imports torch.
 
 from __future__ import annotations
 
+import sys
+
+import os
+
 import base64
 import json
 import re
@@ -171,3 +175,16 @@ def first_slurm_host(nodelist: str) -> str:
         out.append(ch)
         i += 1
     return "".join(out)
+
+
+# Device nodes / proc entries a CUDA or ROCm driver creates; without any, torch sees 0 devices.
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def cuda_device_count() -> int:
+    """torch.cuda.device_count(), skipping the multi-second torch import on hosts with no GPU driver."""
+    if "torch" not in sys.modules and not any(os.path.exists(p) for p in GPU_DRIVER_PATHS):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -40,7 +40,8 @@ from .plan import (
     parse_hostfile,
     resolve_local_devices,
 )
-from .resources import check_counts, encode_world_info, filter_resources, select_resources
+from .resources import (GPU_DRIVER_PATHS, check_counts, cuda_device_count, encode_world_info,  # noqa: F401
+                        filter_resources, select_resources)
 
 DEFAULT_HOSTFILE = DLTS_HOSTFILE  # used only when it exists, as upstream
 LAUNCHERS = tuple(LAUNCHER_CLASSES)
@@ -203,19 +204,6 @@ def visible_cuda_devices(device_count: int, cuda_visible_devices: str | None) ->
         return tuple(str(i) for i in range(device_count))
     entries = [e.strip() for e in cuda_visible_devices.split(",") if e.strip()]
     return tuple(entries[:device_count])
-
-
-# Device nodes / proc entries a CUDA or ROCm driver creates; without any, torch sees 0 devices.
-GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
-
-
-def cuda_device_count() -> int:
-    """torch.cuda.device_count(), skipping the multi-second torch import on hosts with no GPU driver."""
-    if "torch" not in sys.modules and not any(os.path.exists(p) for p in GPU_DRIVER_PATHS):
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def discover_local_host() -> LocalHost:

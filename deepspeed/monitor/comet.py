@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .. import comm as dist
-from .monitor import Event, Monitor
+from .base import Event, Monitor
 from .utils import check_comet_availability
 
 

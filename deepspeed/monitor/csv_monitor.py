@@ -8,7 +8,7 @@ from typing import IO, Any, Sequence
 
 from .. import comm as dist
 from ._paths import log_dir
-from .monitor import Event, Monitor
+from .base import Event, Monitor
 
 
 class csvMonitor(Monitor):  # noqa: N801 - upstream's name

@@ -7,32 +7,15 @@ on global rank 0 only; on other ranks every call is a no-op.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from .. import comm as dist
+from .comet import CometMonitor
+from .csv_monitor import csvMonitor
+from .tensorboard import TensorBoardMonitor
+from .wandb import WandbMonitor
 
-Event = tuple[str, Any, int]
-
-
-class Monitor(ABC):
-    """A backend: `write_events(event_list)` with `(name, value, step)` tuples."""
-
-    requires: Callable[[], None] | None = None
-    """Raises when the backend's optional package is missing (checked only when enabled)."""
-
-    @abstractmethod
-    def __init__(self, monitor_config: Any) -> None:
-        self.monitor_config = monitor_config
-        self.enabled = getattr(monitor_config, "enabled", True)
-        if self.enabled and self.requires is not None:
-            self.requires()
-
-    @abstractmethod
-    def write_events(self, event_list: Sequence[Event]) -> None: ...
-
-    def close(self) -> None:
-        """Flush and release files (no-op by default)."""
+from .base import Event, Monitor  # noqa: F401 (upstream's names live here too)
 
 
 class MonitorMaster(Monitor):
@@ -40,11 +23,6 @@ class MonitorMaster(Monitor):
 
     def __init__(self, monitor_config: Any) -> None:
         super().__init__(monitor_config)
-        from .comet import CometMonitor
-        from .csv_monitor import csvMonitor
-        from .tensorboard import TensorBoardMonitor
-        from .wandb import WandbMonitor
-
         self.tb_monitor = self.wandb_monitor = self.csv_monitor = self.comet_monitor = None
         sections = {name: getattr(monitor_config, name) for name in ("tensorboard", "wandb", "csv_monitor", "comet")}
         self.enabled = any(section.enabled for section in sections.values())

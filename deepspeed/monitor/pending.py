@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .monitor import Event
+from .base import Event
 
 
 class PendingEvents:

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 from .. import comm as dist
 from ._paths import log_dir
-from .monitor import Event, Monitor
+from .base import Event, Monitor
 from .utils import check_tb_availability
 
 

@@ -187,14 +187,14 @@ def _stragglers(data: dict) -> dict:
     rank's were. Every rank must have logged the same ops, sizes and counts (checked first)."""
     import torch
 
-    from .. import comm as dist
+    from .. import comm as ds_comm
     from ..accelerator import get_accelerator
     from .timer import trim_mean
 
     device = get_accelerator().current_device_name()
     shape = sorted((op, size, vals[0]) for op, sizes in data.items() for size, vals in sizes.items())
-    shapes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(shapes, shape)
+    shapes: list[Any] = [None] * ds_comm.get_world_size()
+    ds_comm.all_gather_object(shapes, shape)
     if any(s != shape for s in shapes):
         raise RuntimeError("log_summary(show_straggler=True): the ranks logged different collectives "
                            "(op, message size, count); the straggler analysis needs the same on every rank")
@@ -202,7 +202,7 @@ def _stragglers(data: dict) -> dict:
     for op, size, count in shape:   # the same order on every rank: the collectives pair up
         lats = torch.tensor(data[op][size][1], dtype=torch.float64, device=device)
         fastest = lats.clone()
-        dist.all_reduce(fastest, op=dist.ReduceOp.MIN)
+        ds_comm.all_reduce(fastest, op=ds_comm.ReduceOp.MIN)
         late = lats - fastest
         found[op, size] = {
             "count": count, "total_comm_lat_ms": float(fastest.sum()), "total_straggler_ms": float(late.sum()),
