@@ -210,8 +210,7 @@ def _optimizer_route(engine: Any) -> str | None:
     if policy.param_dtype == torch.bfloat16 and policy.master_dtype == torch.float32:
         if stage == 1 and explicit_fp32_accum and engine.zero_offload_optimizer() is None:
             return "BF16_Optimizer"
-        if stage == 0 and (explicit_fp32_accum or getattr(engine, "pipeline_parallelism", False)
-                           or type(engine).__name__ == "PipelineEngine"):
+        if stage == 0 and (explicit_fp32_accum or type(engine).__name__ == "PipelineEngine"):
             return "BF16_Optimizer"
     if stage == 0 and policy.is_mixed and policy.param_dtype in (torch.float16, torch.bfloat16):
         from ..ops.adam import FusedAdam

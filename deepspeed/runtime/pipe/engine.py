@@ -99,7 +99,6 @@ class PipelineEngine(DeepSpeedEngine):
         self._compute_loss = True
         self._apply_pipeline_config()
         self._buffers: dict[str, list[Any]] = {}
-        self._tied_weight_ids = {id(w) for _, w, _ in self.module.tied_weights()}
 
     def _apply_pipeline_config(self) -> None:
         """The `pipeline` section: `use_reentrant: false` selects non-reentrant checkpointing for the

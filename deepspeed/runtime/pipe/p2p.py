@@ -17,6 +17,7 @@ point, part of the graph); integer masks and detached tensors travel forward onl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -76,8 +77,15 @@ class Meta:
             pos += 3 + ndim
         return cls(tuple(tensors), is_tuple)
 
+    @cached_property
     def grad_part(self) -> "Meta":
+        """What goes back: the tensors that required grad (computed once per meta)."""
         return Meta(tuple(t for t in self.tensors if t.requires_grad), True)
+
+    @cached_property
+    def nbytes(self) -> int:
+        """Bytes of one packed transfer (computed once per meta)."""
+        return packed_nbytes(self.tensors)
 
 
 def _offsets(metas: tuple[TensorMeta, ...]) -> tuple[list[int], int]:
@@ -141,7 +149,7 @@ class StageLink:
         if mode not in self.received or self.dynamic_shape:
             self.received[mode] = self._recv_meta()
         meta = self.received[mode]
-        buffer = torch.empty(packed_nbytes(meta.tensors), dtype=torch.uint8, device=self.device)
+        buffer = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.device)
         ds_comm.recv(buffer, self.peer)
         tensors = [t.requires_grad_(m.requires_grad and torch.is_grad_enabled())
                    for t, m in zip(unpack(buffer, meta.tensors), meta.tensors)]
@@ -157,10 +165,10 @@ class StageLink:
 
     def recv_grads(self, mode: str) -> list[torch.Tensor]:
         """Receive the gradients for what this stage sent (its outputs that required grad)."""
-        part = self.sent[mode].grad_part()
+        part = self.sent[mode].grad_part
         if not part.tensors:
             return []
-        buffer = torch.empty(packed_nbytes(part.tensors), dtype=torch.uint8, device=self.device)
+        buffer = torch.empty(part.nbytes, dtype=torch.uint8, device=self.device)
         ds_comm.recv(buffer, self.peer)
         return unpack(buffer, part.tensors)
 
