@@ -1,6 +1,6 @@
 """Per-file counts from a pytest junit XML of upstream's tests run against this package.
 
-    python report.py junit.xml [--baseline upstream_junit.xml]
+    python report.py junit.xml [more.xml ...] [--baseline upstream_junit.xml [...]]
 
 With --baseline (the same tests run against DeepSpeed itself), the table also gives, per file,
 how many of the tests that pass there pass here: the number the compatibility target is about.
@@ -33,13 +33,23 @@ def outcomes(path: str) -> dict[str, str]:
     return result
 
 
+def merged(paths: list[str]) -> dict[str, str]:
+    result: dict[str, str] = {}
+    for path in paths:
+        try:
+            result.update(outcomes(path))
+        except ET.ParseError:   # a pytest that died before writing its XML: its folder counts nothing
+            print(f"(unreadable, skipped: {path})")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("junit")
-    parser.add_argument("--baseline")
+    parser.add_argument("junit", nargs="+", help="junit XML files (one per folder run); merged")
+    parser.add_argument("--baseline", nargs="+")
     args = parser.parse_args()
-    ours = outcomes(args.junit)
-    base = outcomes(args.baseline) if args.baseline else None
+    ours = merged(args.junit)
+    base = merged(args.baseline) if args.baseline else None
     rows: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for test, status in ours.items():
         file = test.split("::")[0]
