@@ -86,6 +86,9 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         self._global_grad_norm: float | None = None
         self._losses: list[torch.Tensor] = []
         self._reduced_this_boundary = False
+        # managed_gradient_accumulation=false: every step() ends the window ([Note: unmanaged accumulation])
+        self._managed = config_class.model.managed_gradient_accumulation
+        self._backwards_since_step = 0
         self.inside_no_sync_ctxt = False
         self.enable_backward_allreduce = True
         self.pipeline_parallelism = False   # upstream's attribute (PipelineEngine: True)
@@ -190,10 +193,11 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         """Reduce in this backward: at accumulation boundaries, or after every backward when
         gradients are sharded (ZeRO-2 keeps only this rank's slice between micro-steps)."""
         return (self._reducer is not None and self.enable_backward_allreduce and not self.inside_no_sync_ctxt
-                and (self.stage.shard_gradients or self.is_gradient_accumulation_boundary()))
+                and (self.stage.shard_gradients or (self._managed and self.is_gradient_accumulation_boundary())))
 
     def _backward_prologue(self) -> None:
         self._obs.before_backward()
+        self._backwards_since_step += 1
         if self._reduce_now():
             self._reducer.arm()
 
@@ -270,6 +274,9 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         raises, nothing is reduced (stage 3 drops what the block accumulated)."""
         if self.pipeline_parallelism:
             raise NotImplementedError("coalesce_grad_reduction() is not supported with pipeline parallelism")
+        if not self._managed:
+            raise UsageError("coalesce_grad_reduction() with managed_gradient_accumulation=false: step() already "
+                             "reduces everything accumulated since the last step once; drop the block")
         if self.inside_no_sync_ctxt:
             raise UsageError("coalesce_grad_reduction() cannot be nested inside no_sync() or itself")
         self.inside_no_sync_ctxt = True   # backward does not arm the reducer; step() refuses
@@ -305,11 +312,21 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the boundary for the next backward (Hugging Face Accelerate drives it this way)."""
+        if not self._managed:
+            raise UsageError("set_gradient_accumulation_boundary() with managed_gradient_accumulation=false: the "
+                             "boundary is the caller's step() call")
         self._is_gradient_accumulation_boundary = bool(is_boundary)
 
     # --- step ---------------------------------------------------------------------------------
     def step(self, lr_kwargs: dict | None = None) -> None:
-        """At an accumulation boundary: clip, optimizer step, LR schedule, zero grads. Always counts."""
+        """At an accumulation boundary: clip, optimizer step, LR schedule, zero grads. Always counts.
+
+        [Note: unmanaged accumulation] With managed_gradient_accumulation=false the caller owns the
+        window: any number of backwards, then step(), which is always a boundary. Backwards still
+        divide by gradient_accumulation_steps (unless scale_wrt_gas=False); stages 0-1 reduce what
+        accumulated once, in step(); stages 2-3 reduce-scatter after every backward, as always
+        (reduction is linear, so the sum is the same and the gradients stay sharded).
+        global_samples advances by the micro-batches actually run."""
         if self.inside_no_sync_ctxt:
             raise UsageError("It is illegal to call Engine.step() inside no_sync context manager (or "
                              "coalesce_grad_reduction): leave the block first (its backward passes only accumulate)")
@@ -318,7 +335,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
                                "section in the config to deepspeed.initialize")
         self._obs.before_step()
         self._step_applied = False
-        boundary = self.is_gradient_accumulation_boundary()
+        boundary = self.is_gradient_accumulation_boundary() if self._managed else True
         if boundary:
             self._take_model_step(lr_kwargs)
         self._obs.after_step(boundary)
@@ -353,7 +370,9 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        self.global_samples += self.train_batch_size() if self._managed else \
+            self.train_micro_batch_size_per_gpu() * self.dp_world_size * self._backwards_since_step
+        self._backwards_since_step = 0
         self._reduced_this_boundary = False
         if self._should_print():
             self._report_progress(self.global_steps)

@@ -36,6 +36,7 @@ _ACCESSORS: dict[str, Callable[[Any], Any]] = {
     "zero_reduce_bucket_size": lambda c: c.model.zero_optimization.reduce_bucket_size,
     "zero_allgather_bucket_size": lambda c: c.model.zero_optimization.allgather_bucket_size,
     "zero_overlap_comm": lambda c: c.model.zero_optimization.overlap_comm,
+    "managed_gradient_accumulation": lambda c: c.model.managed_gradient_accumulation,
     "zero_contiguous_gradients": lambda c: c.model.zero_optimization.contiguous_gradients,
     "zero_allow_untested_optimizer": lambda c: c.model.zero_allow_untested_optimizer,
     "zero_force_ds_cpu_optimizer": lambda c: c.model.zero_force_ds_cpu_optimizer,

@@ -29,10 +29,11 @@ def check_supported(config: Any) -> None:
         unsupported.append("fp16.fp16_master_weights_and_grads=true (needs ZeRO with CPU offload)")
     if model.bf16.bf16_master_weights_and_grads:
         unsupported.append("bf16.bf16_master_weights_and_grads=true (needs ZeRO stages 1-3)")
-    if not model.managed_gradient_accumulation:
-        unsupported.append("managed_gradient_accumulation=false (every step() an accumulation boundary); "
-                           "use gradient_accumulation_steps, or set_gradient_accumulation_boundary() as "
-                           "Accelerate does")
+    if not model.managed_gradient_accumulation and model.zero_optimization.stage < 2 \
+            and model.zero_optimization.overlap_comm:
+        # upstream's rule (its stage 0/1 reduction moves to step()); kept so a config valid here is valid there
+        raise UsageError(f"managed_gradient_accumulation=false: overlap_comm only with ZeRO stage 2 or 3 (got stage "
+                         f"{model.zero_optimization.stage}); set zero_optimization.overlap_comm=false")
     if unsupported:
         raise NotSupportedYet("Not implemented yet in this build of deepspeed: " + "; ".join(unsupported) +
                               ". See README.md, 'Features', for what is available.")

@@ -381,3 +381,58 @@ def test_moe_param_group_helpers_and_checkpoint_names():
     assert len(plain) == 1 and len(plain[0]["params"]) == 2
     assert get_model_ckpt_name_for_rank("d/global_step0", "00") == "d/global_step0/mp_rank_00_model_states.pt"
     assert get_zero_ckpt_name_for_rank("d", 1, 0) == "d/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+def test_zero3_linear_function_matches_linear_and_works_with_torch_func():
+    """runtime.zero.linear: gradients equal F.linear's (batched, 3-D and unbatched, with and without
+    bias), torch.func.grad and vmap go through it, and backward replays forward's autocast state."""
+    from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3, LinearModuleForZeroStage3, zero3_linear_wrap
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(8, ), (3, 8), (2, 3, 8)]:
+        for with_bias in (True, False):
+            w = torch.randn(4, 8, generator=gen, requires_grad=True)
+            x = torch.randn(*shape, generator=gen, requires_grad=True)
+            b = torch.randn(4, generator=gen, requires_grad=True) if with_bias else None
+            ours = [t for t in (x, w, b) if t is not None]
+            ref = [t.detach().clone().requires_grad_() for t in ours]
+            zero3_linear_wrap(x, w, b).pow(2).sum().backward()
+            torch.nn.functional.linear(ref[0], ref[1], ref[2] if with_bias else None).pow(2).sum().backward()
+            for a, r in zip(ours, ref):
+                torch.testing.assert_close(a.grad, r.grad)
+    w, b = torch.randn(4, 8, generator=gen), torch.randn(4, generator=gen)
+    xs = torch.randn(3, 8, generator=gen)
+    grads = torch.func.grad(lambda w_, x_: zero3_linear_wrap(x_, w_, None).sum(), argnums=(0, 1))(w, xs)
+    torch.testing.assert_close(grads[0], torch.ones(3, 4).t() @ xs)
+    mapped = torch.func.vmap(lambda xi: LinearFunctionForZeroStage3.apply(xi, w, b).sum())(xs)
+    torch.testing.assert_close(mapped, (xs @ w.t() + b).sum(-1))
+    x = xs.clone().requires_grad_()
+    out = zero3_linear_wrap(x, w.requires_grad_(), None)
+    assert out.grad_fn._fwd_used_autocast is False
+    with torch.autocast("cpu", dtype=torch.bfloat16):   # backward keeps forward's (no) autocast
+        out.sum().backward()
+    assert x.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert LinearModuleForZeroStage3(8, 4)(xs).dtype == torch.bfloat16
+    assert LinearModuleForZeroStage3(8, 4).half()(xs.half()).dtype == torch.float16
+
+
+def test_checkpoint_engine_round_trip_and_no_nvme_ops(tmp_path):
+    import deepspeed
+    from deepspeed.ops.aio import AsyncIOBuilder
+    from deepspeed.runtime.checkpoint_engine import CheckpointEngine, TorchCheckpointEngine
+    from deepspeed.runtime.swap_tensor import MIN_SWAPPABLE_BYTES
+
+    engine = TorchCheckpointEngine()
+    state = {"w": torch.arange(6.0).view(2, 3), "step": 3}
+    engine.create("tag")
+    engine.save(state, str(tmp_path / "x.pt"))
+    assert engine.commit("tag") and not engine.is_decoupled()
+    loaded = engine.load(str(tmp_path / "x.pt"), map_location="cpu")
+    assert loaded["step"] == 3 and torch.equal(loaded["w"], state["w"])
+    with pytest.raises(NotImplementedError):
+        CheckpointEngine().save(state, str(tmp_path / "y.pt"))
+    assert not deepspeed.ops.__compatible_ops__[AsyncIOBuilder.NAME]   # no NVMe: tests gating on it skip
+    with pytest.raises(RuntimeError, match="async_io"):
+        AsyncIOBuilder().load()
+    assert MIN_SWAPPABLE_BYTES == 1 << 20

@@ -601,14 +601,23 @@ def test_hjson_config_file(tmp_path):
         load_config_dict(str(path))
 
 
-def test_unmanaged_gradient_accumulation_is_rejected_not_ignored():
-    # parsed (upstream's key) but not run here: initialize must say so instead of training differently
+def test_unmanaged_gradient_accumulation_refuses_overlap_comm_below_stage_2():
+    # upstream's rule (reduction moves to step() at stages 0-1); a config valid here stays valid there
     from deepspeed.runtime.engine_setup import check_supported
-    from deepspeed.runtime.errors import NotSupportedYet
+    from deepspeed.runtime.errors import UsageError
 
-    check_supported(DeepSpeedConfig({**BASE, "managed_gradient_accumulation": True}, world_size=1))
-    with pytest.raises(NotSupportedYet, match="managed_gradient_accumulation=false"):
-        check_supported(DeepSpeedConfig({**BASE, "managed_gradient_accumulation": False}, world_size=1))
+    unmanaged = {**BASE, "managed_gradient_accumulation": False}
+    check_supported(DeepSpeedConfig(unmanaged, world_size=1))
+    for stage in (2, 3):
+        check_supported(DeepSpeedConfig({**unmanaged, "zero_optimization": {"stage": stage, "overlap_comm": True}},
+                                        world_size=1))
+    for stage in (0, 1):
+        with pytest.raises(AssertionError, match="overlap_comm only with ZeRO stage 2"):
+            check_supported(DeepSpeedConfig({**unmanaged, "zero_optimization": {"stage": stage, "overlap_comm": True}},
+                                            world_size=1))
+    with pytest.raises(UsageError):
+        check_supported(DeepSpeedConfig({**unmanaged, "zero_optimization": {"stage": 1, "overlap_comm": True}},
+                                        world_size=1))
 
 
 def test_data_types_param_dtype_must_match_the_precision_flags():

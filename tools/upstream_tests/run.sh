@@ -36,7 +36,8 @@ for path in $select; do
     if [ -f "$path" ]; then echo "$path"; else find "$path" -name 'test_*.py' -print; fi
 done | sort -u | awk '{d=$0; sub(/\/[^\/]*$/, "", d); files[d]=files[d] " " $0} END {for (d in files) print d "\t" files[d]}' \
     | sort > "$out/chunks/list.tsv"
-export LOCAL_SIZE="${UPSTREAM_LOCAL_SIZE:-4}" DS_ACCELERATOR=cpu HF_HOME="$out/hf_home" \
+# PATH: tests that start the `deepspeed` launcher find this venv's.
+export PATH="$venv/bin:$PATH" LOCAL_SIZE="${UPSTREAM_LOCAL_SIZE:-4}" DS_ACCELERATOR=cpu HF_HOME="$out/hf_home" \
     TORCH_EXTENSIONS_DIR="$out/torch_extensions" venv out timeout_s
 # LOCAL_SIZE: how many CPU "devices" the accelerator reports (upstream's harness skips world sizes above
 # it; without it, the NUMA node count, usually 1): a 4-device node, as upstream's tests expect.

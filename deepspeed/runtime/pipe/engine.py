@@ -29,7 +29,7 @@ from ... import comm as ds_comm
 from ...comm.bounded import break_group
 from ..activation_checkpointing import state as activation_checkpointing
 from ..engine import DeepSpeedEngine
-from ..errors import NotSupportedYet
+from ..errors import NotSupportedYet, UsageError
 from ..optimizer_wrapper import OptimizerWrapper, SplitModel
 from . import schedule
 from .module import PipelineModule
@@ -59,6 +59,9 @@ class PipelineEngine(DeepSpeedEngine):
             raise NotSupportedYet("pipeline parallelism with zero_optimization.stage=3 is not supported (parameters "
                                   "would be gathered per stage by every micro-batch); use stage 1 or 2, which "
                                   "partition optimizer states and gradients across data-parallel replicas")
+        if config_class is not None and not config_class.model.managed_gradient_accumulation:
+            raise UsageError("managed_gradient_accumulation=false is not supported with pipeline parallelism: "
+                             "train_batch() runs gradient_accumulation_steps micro-batches and steps itself")
         super().__init__(*super_args, **super_kwargs)
         self.pipeline_parallelism = True
         self.has_bool_tensors = has_bool_tensors

@@ -9,7 +9,7 @@ from typing import Any
 from ..._lazy import import_submodule
 
 _PUBLIC = ("Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
-           "ZeroParamStatus")
+           "ZeroParamStatus", "unwrap_model_for_generation")
 
 __all__ = list(_PUBLIC)
 
@@ -17,6 +17,7 @@ __all__ = list(_PUBLIC)
 def __getattr__(name: str) -> Any:
     if name not in _PUBLIC:
         return import_submodule(__name__, name)   # deepspeed.zero.partition_parameters, ...
-    value = getattr(importlib.import_module(".partition_parameters", __name__), name)
+    home = ".generation" if name == "unwrap_model_for_generation" else ".partition_parameters"
+    value = getattr(importlib.import_module(home, __name__), name)
     globals()[name] = value
     return value

@@ -85,6 +85,7 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
                       for u in coordinator.units if any(id(p) in trained for p in u.params)]
         self._comm_device = coordinator.units[0].flat.device if coordinator.units else torch.device("cpu")
         self._fragments_of, self.model_param_groups = attach_fragment_masters(optimizer, self.units, names)
+        self._offload_view: Any = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.coordinator.zero_grad()
@@ -110,6 +111,16 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
         for um in self.units:
             um.unit.shard.copy_(um.master)   # casts to the parameters' dtype and device
         self.coordinator.after_shard_update()
+
+    @property
+    def parameter_offload(self) -> Any:
+        """Upstream's hook holder (``optimizer.parameter_offload``), which RL libraries use to
+        unhook the model for generation: see zero/generation.py."""
+        if self._offload_view is None:
+            from ..generation import ParameterOffloadView
+
+            self._offload_view = ParameterOffloadView(self.coordinator)
+        return self._offload_view
 
     @property
     def fp32_partitioned_groups_flat(self) -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ never reads them back: it asks the gather unit (sharded_param.py) or the zero.In
                    writes to it are what the next gather shows. Carries `ds_numel` (= s),
                    `status` (PartitionedParamStatus.AVAILABLE) and `final_location` (None: no NVMe)
     ds_numel_aligned  N*s
+    ds_active_sub_modules  an empty set (upstream's per-call bookkeeping; RL libraries clear it)
     partition_numel()  s;  padding_size()  N*s - ds_numel;  aligned_size()  N*s
 """
 
@@ -78,13 +79,15 @@ def publish(param: Any, *, ds_id: int, shape: torch.Size, persist: bool, tensor:
     tensor.ds_numel, tensor.status, tensor.final_location = size, PartitionedParamStatus.AVAILABLE, None
     param.ds_tensor = tensor
     param.ds_status = status
+    if "ds_active_sub_modules" not in param.__dict__:   # read (and cleared) by RL libraries; never filled
+        param.ds_active_sub_modules = set()
     param.partition_numel = _Constant(size)
     param.padding_size = _Constant(size * world - numel)
     param.aligned_size = _Constant(size * world)
 
 
 NAMES = ("ds_id", "ds_shape", "ds_numel", "ds_persist", "ds_numel_aligned", "ds_tensor", "ds_status",
-         "partition_numel", "padding_size", "aligned_size")
+         "partition_numel", "padding_size", "aligned_size", "ds_active_sub_modules")
 
 
 def unpublish(param: Any) -> None:

@@ -1,0 +1,95 @@
+"""Generation between training steps at ZeRO-3: `deepspeed.runtime.zero.unwrap_model_for_generation`
+and the hand-written equivalent RL libraries (TRL's remove_hooks/add_hooks) run through upstream's
+`optimizer.parameter_offload`. Inside: every parameter whole, no ZeRO-3 hook left, a forward issues no
+all-gather; after: training goes on exactly as plain PyTorch's."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+import deepspeed
+from deepspeed.runtime.zero import unwrap_model_for_generation
+from harness import run_distributed
+from models import TinyMLP, reference_training
+from test_engine_dp import _config, train_engine
+from test_zero3_engine import _assert_close_to, _z3
+
+
+def _trl_remove_hooks(engine) -> None:
+    """TRL's remove_hooks, as RL libraries copy it (reads upstream's names only)."""
+    offload = engine.optimizer.parameter_offload
+    params = itertools.chain(offload.module.named_parameters(recurse=True), offload.module.ds_external_parameters())
+    for _, param in params:
+        param.ds_active_sub_modules.clear()
+    for hook in offload.forward_hooks:
+        hook.remove()
+    for hook in offload.backward_hooks:
+        hook.remove()
+    offload.forward_hooks = []
+    offload.backward_hooks = []
+
+
+def _trl_add_hooks(engine) -> None:
+    offload = engine.optimizer.parameter_offload
+    offload._register_hooks_recursively(offload.module)
+
+
+def _hooks(module: torch.nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
+
+
+def generate_between_steps(model, step: int) -> None:
+    """Step 1: unwrap_model_for_generation; step 2: TRL's by-hand version. The plain model (the
+    reference run) goes through the same context as a no-op."""
+    if step not in (1, 2):
+        return
+    module = getattr(model, "module", model)
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(step))
+    engine = model if hasattr(model, "module") else None
+    hooked = _hooks(module)
+    if engine is not None:
+        stats = engine.optimizer.coordinator.stats
+        assert hooked > 0 and module.fc1.weight.numel() == 0   # partitioned between steps
+    if step == 1:
+        with unwrap_model_for_generation(model) as unwrapped:
+            assert unwrapped is model
+            assert _hooks(module) == 0 and module.fc1.weight.shape == (32, 16)
+            gathers = stats.sync if engine is not None else 0
+            with torch.no_grad():
+                out = module(x)
+            assert (stats.sync if engine is not None else 0) == gathers   # nothing gathered per layer
+    else:
+        if engine is None:
+            with torch.no_grad():
+                out = module(x)
+        else:
+            with deepspeed.zero.GatheredParameters(model.parameters()):
+                _trl_remove_hooks(model)
+                assert _hooks(module) == 0
+                with torch.no_grad():
+                    out = module(x)
+                _trl_add_hooks(model)
+    assert out.shape == (5, 4) and torch.isfinite(out).all()
+    assert _hooks(module) == hooked
+    if engine is not None:
+        assert module.fc1.weight.numel() == 0   # released again
+
+
+def test_generation_between_steps_then_training_matches_plain_pytorch() -> None:
+    config = _config(micro=1, gas=2, zero_optimization=_z3())
+    results = run_distributed(2, train_engine, config, 4, "engine", TinyMLP, generate_between_steps)
+    ref_losses, ref_state, _ = reference_training(config, 4, 2, edit=generate_between_steps)
+    _assert_close_to(results, ref_losses, ref_state)
+
+
+def other_stages(stage: int) -> bool:
+    engine, *_ = deepspeed.initialize(model=TinyMLP(), config=_config(zero_optimization={"stage": stage}))
+    with unwrap_model_for_generation(engine) as unwrapped:
+        return unwrapped is engine and engine.module.fc1.weight.shape == (32, 16)
+
+
+def test_other_stages_yield_the_engine_unchanged() -> None:
+    for stage in (0, 1, 2):
+        assert run_distributed(1, other_stages, stage) == [True]
