@@ -436,3 +436,31 @@ def test_checkpoint_engine_round_trip_and_no_nvme_ops(tmp_path):
     with pytest.raises(RuntimeError, match="async_io"):
         AsyncIOBuilder().load()
     assert MIN_SWAPPABLE_BYTES == 1 << 20
+
+
+def test_zero_init_refuses_a_one_rank_group_under_a_multi_process_launcher():
+    """Upstream issue 8084: a size-1 group created before the launcher's world (a library calling
+    init_process_group itself) made every rank keep the whole model, silently. Ours raises."""
+    from deepspeed.runtime.zero.partition_parameters import _contradicting_single_rank_pg_error as check
+
+    message = check(dp_world_size=1, explicit_process_group=None, env={"WORLD_SIZE": "8"})
+    assert "WORLD_SIZE=8" in message and "init_distributed" in message
+    for env in ({"WORLD_SIZE": "1"}, {}, {"WORLD_SIZE": ""}, {"WORLD_SIZE": "x"}, {"WORLD_SIZE": None}):
+        assert check(dp_world_size=1, explicit_process_group=None, env=env) is None
+    assert check(dp_world_size=8, explicit_process_group=None, env={"WORLD_SIZE": "8"}) is None
+    assert check(dp_world_size=1, explicit_process_group=object(), env={"WORLD_SIZE": "8"}) is None
+    script = """
+import os, torch, torch.distributed as dist
+os.environ["WORLD_SIZE"] = "2"   # as a launcher's second process would see it
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+import deepspeed
+try:
+    with deepspeed.zero.Init():
+        torch.nn.Linear(4, 4)
+    print("no error")
+except RuntimeError as e:
+    print("raised:", e)
+dist.destroy_process_group()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "raised: zero.Init: the launcher started WORLD_SIZE=2" in out.stdout, out.stdout + out.stderr

@@ -7,6 +7,7 @@ against (published by ShardedUnit and, before initialize, by the zero.Init regis
 from ...accelerator import get_accelerator  # noqa: F401  (transformers reads pp.get_accelerator)
 from .stage3.gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
 from .stage3.init_context import Init
+from .stage3.init_context import contradicting_single_rank_group as _contradicting_single_rank_pg_error  # noqa: F401
 from .stage3.sharded_param import ZeroParamStatus
 from .stage3.tensor_ctors import ORIGINALS as _ORIGINALS
 from .stage3.tensor_ctors import zero_wrapper_for_fp_tensor_constructor  # noqa: F401

@@ -25,6 +25,8 @@ them in between (`acquire` / `release`).
 
 from __future__ import annotations
 
+import os
+
 import functools
 import math
 from dataclasses import dataclass
@@ -315,6 +317,27 @@ def _config_settings(config: Any) -> tuple[torch.dtype | None, str | None, bool 
     return dtype, device.lower() if isinstance(device, str) else None, offload.get("pin_memory")
 
 
+def contradicting_single_rank_group(dp_world_size: int, explicit_process_group: Any, env: Any) -> str | None:
+    """The error for a one-rank group under a multi-process launcher (None when all is well).
+
+    A process group of size 1 created before the launcher's world was joined (a library calling
+    init_process_group itself, from_pretrained before init_distributed) would make every rank keep
+    the whole model: no error, just each rank out of memory. A group passed explicitly is the
+    user's choice and is trusted; a WORLD_SIZE that is not a number is not a launcher's."""
+    if dp_world_size != 1 or explicit_process_group is not None:
+        return None
+    try:
+        launched = int(env.get("WORLD_SIZE") or 1)
+    except (TypeError, ValueError):
+        return None
+    if launched <= 1:
+        return None
+    return (f"zero.Init: the launcher started WORLD_SIZE={launched} processes but the default process group has "
+            "1 rank, so nothing would be partitioned and every rank would hold the whole model. Create the group "
+            "for the whole world first (deepspeed.init_distributed(), or let deepspeed.initialize do it) before "
+            "zero.Init, or pass data_parallel_group= explicitly if one rank per group is intended.")
+
+
 class Init:
     """Partition parameters as modules are constructed (a context manager), or those of an
     already-built `module`. DeepSpeed 0.19.8's signature; see [Note: zero.Init].
@@ -354,6 +377,10 @@ class Init:
             self.group = data_parallel_group
         else:
             self.group = mpu.get_data_parallel_group() if mpu is not None else None
+        explicit = next((g for g in (sequence_data_parallel_group, data_parallel_group, mpu) if g is not None), None)
+        message = contradicting_single_rank_group(ds_comm.get_world_size(self.group), explicit, os.environ)
+        if message is not None:
+            raise RuntimeError(message)
         from ....accelerator import get_accelerator
 
         self.device = torch.device(get_accelerator().current_device_name())
