@@ -35,6 +35,13 @@ def queue_autograd_callback(fn: Callable[[], None]) -> bool:
     return True
 
 
+def in_autograd_backward() -> bool:
+    """True while an autograd graph task runs on this thread (a backward, or a reentrant
+    checkpoint's recompute inside one)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
 def under_function_transform() -> bool:
     """True inside torch.func.grad/vjp/jacrev/vmap: their autograd computes gradients of the
     transformed function only (no parameter gradients, no optimizer step), so the engine's output

@@ -22,8 +22,8 @@ from .activation_checkpointing import state as activation_checkpointing
 from .base_optimizer import DeepSpeedOptimizer
 from .dataloader import DeepSpeedDataLoader
 from .engine_accessors import EngineAccessors
-from .backward_hooks import (BackwardState, derived_outputs, output_tensors, queue_autograd_callback,
-                             under_function_transform)
+from .backward_hooks import (BackwardState, derived_outputs, in_autograd_backward, output_tensors,
+                             queue_autograd_callback, under_function_transform)
 from .engine_setup import (broadcast_module_states, build_lr_scheduler, build_optimizer_for_engine,
                            build_reducer, build_stage3_coordinator, check_supported, check_zero_layout,
                            NotSupportedYet, prepare_module, resolve_device, wrap_optimizer)
@@ -131,6 +131,8 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         Outputs that need grad get a hook that makes `output.backward()` behave like
         engine.backward; see [Note: PyTorch-compatible backward] in backward_hooks.py.
         """
+        if self._bstate.active and not in_autograd_backward():
+            self._abort_backward()   # the last backward raised before its epilogue
         self._obs.before_forward()
         inputs, kwargs = self.precision.cast_input(inputs), self.precision.cast_input(kwargs)
         with self.precision.forward_context(self.device.type), \
@@ -184,10 +186,20 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         try:
             to_backward = scaled * self.loss_scale_value() if self.precision.needs_scaler else scaled
             to_backward.backward(retain_graph=retain_graph)
-        finally:
+        except BaseException:
             self._bstate.engine_driven = False
+            self._abort_backward()
+            raise
+        self._bstate.engine_driven = False
         self._backward_epilogue()
         return scaled
+
+    def _abort_backward(self) -> None:
+        """A backward raised: end it as its epilogue would (reductions completed, ZeRO-3 units
+        released) so that a retry starts clean. Partial gradients stay accumulated, as in PyTorch."""
+        if self._stage3 is not None:
+            self._stage3.abort_backward()
+        self._backward_epilogue()
 
     def _reduce_now(self) -> bool:
         """Reduce in this backward: at accumulation boundaries, or after every backward when

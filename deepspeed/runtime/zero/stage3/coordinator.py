@@ -68,7 +68,7 @@ from torch import nn
 from ....utils.logging import logger
 from ....utils.weak_hooks import remove_when_collected, weak_hook
 from ....utils.z3_leaf_module import z3_leaf_module
-from ...backward_hooks import output_tensors, queue_autograd_callback
+from ...backward_hooks import in_autograd_backward, output_tensors, queue_autograd_callback
 from . import external, init_context
 from .external import ExternalUseDetector
 from .prefetch import BACKWARD, FORWARD, Prefetcher
@@ -179,6 +179,8 @@ class Stage3Coordinator:
     # --- hooks --------------------------------------------------------------------------------
     def _begin_forward(self, module: nn.Module, args: Any) -> None:
         self._forward_depth += 1
+        if self._forward_depth == 1 and self._in_backward and not in_autograd_backward():
+            self.abort_backward()   # the last backward raised before its end
         if self._forward_depth == 1:
             if not self._in_backward:
                 self.prefetcher.begin(FORWARD)
@@ -327,6 +329,15 @@ class Stage3Coordinator:
                 self.reducer.add(unit)
         self.reducer.flush()
         self._forget_backward(self.units)
+
+    def abort_backward(self) -> None:
+        """A backward raised before its end (an error in a checkpoint's recompute, in a hook): finish
+        it as its end would have, so the next forward and backward start clean. Gradients that
+        arrived are reduced into the shards, as plain PyTorch leaves a failed backward's partial
+        gradients in `.grad`; zero_grad() drops them. Collective, like the end it replaces: ranks that
+        hit the same error reach it alike."""
+        if self._in_backward:
+            self._end_backward()
 
     def _forget_backward(self, units: list[ShardedUnit]) -> None:
         """Drop the holds of `units` and what forwards recorded for a backward."""
