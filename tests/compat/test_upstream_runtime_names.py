@@ -464,3 +464,42 @@ dist.destroy_process_group()
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "raised: zero.Init: the launcher started WORLD_SIZE=2" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("in_splits,out_splits,in_f,out_f", [(1, 1, 32, 32), (2, 3, 23, 29), (5, 2, 29, 23)])
+def test_tiled_linear_equals_its_linear_forward_and_backward(in_splits, out_splits, in_f, out_f):
+    import copy
+
+    from deepspeed.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(in_f, out_f)
+    tiled = TiledLinear(in_f, out_f, init_linear=copy.deepcopy(base), in_splits=in_splits, out_splits=out_splits)
+    assert sum(p.numel() for p in tiled.parameters()) == sum(p.numel() for p in base.parameters())
+    from deepspeed.runtime.zero.stage3 import plan_units
+    assert len(plan_units(tiled).units) == in_splits * out_splits   # ZeRO-3 gathers one tile at a time
+    x = torch.randn(3, in_f)
+    torch.testing.assert_close(tiled(x), base(x))
+    base(x).pow(2).sum().backward()
+    tiled(x).pow(2).sum().backward()
+    for r, row in enumerate(tiled.linears):
+        rows = slice(tiled.out_parts[r], tiled.out_parts[r + 1])
+        for c, tile in enumerate(row):
+            torch.testing.assert_close(tile.weight.grad, base.weight.grad[rows, tiled.in_parts[c]:tiled.in_parts[c + 1]])
+            assert (tile.bias is not None) == (c == in_splits - 1)
+            if tile.bias is not None:
+                torch.testing.assert_close(tile.bias.grad, base.bias.grad[rows])
+
+    class ReturnsBias(torch.nn.Linear):
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight), self.bias
+
+    base_rb = ReturnsBias(in_f, out_f)
+    tiled_rb = TiledLinearReturnBias(in_f, out_f, linear_cls=ReturnsBias, init_linear=copy.deepcopy(base_rb),
+                                     in_splits=in_splits, out_splits=out_splits)
+    (out, bias), (ref_out, ref_bias) = tiled_rb(x), base_rb(x)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(bias, ref_bias)
+    for bad in (0, in_f + 1):
+        with pytest.raises(RuntimeError, match="in_splits"):
+            TiledLinear(in_f, out_f, in_splits=bad)
