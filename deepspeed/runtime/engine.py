@@ -245,6 +245,10 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         hooks then still divide by gradient_accumulation_steps but do not scale again."""
         if self.optimizer is None:
             raise RuntimeError("engine.scale() needs an optimizer")
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise UsageError(f"engine.scale(loss): loss must be a scalar tensor, got "
+                             f"{tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__}; for non-scalar "
+                             "outputs call output.backward(gradient) directly (the loss scale is applied for you)")
         if not self.precision.needs_scaler:
             return loss
         scaled = loss * self.loss_scale_value()
