@@ -13,12 +13,14 @@ upstream="${UPSTREAM:?set UPSTREAM to a checkout of deepspeedai/DeepSpeed (its t
 select="${UPSTREAM_SELECT:-unit}"
 jobs="${UPSTREAM_JOBS:-2}"
 timeout_s="${UPSTREAM_TIMEOUT:-600}"
-venv="$here/.venv-upstream"
+# UPSTREAM_VENV: an existing environment to run in instead (e.g. one with DeepSpeed itself installed,
+# for the baseline that UPSTREAM_BASELINE compares against); it needs the same pytest plugins.
+venv="${UPSTREAM_VENV:-$here/.venv-upstream}"
 out="${UPSTREAM_OUT:-$here/runs/upstream-tests}"
 python="${PYTHON:-python3}"
 [ -d "$upstream/tests/unit" ] || { echo "UPSTREAM=$upstream has no tests/unit folder" >&2; exit 2; }
 
-if [ ! -f "$venv/.installed" ]; then
+if [ -z "${UPSTREAM_VENV:-}" ] && [ ! -f "$venv/.installed" ]; then
     $python -m venv "$venv"
     "$venv/bin/pip" install -q "${TORCH:-torch==2.13.0}"
     "$venv/bin/pip" install -q -e "$here" "pytest==8.3.5" "pytest-forked==1.6.0" "pytest-xdist==3.6.1" \
@@ -33,24 +35,21 @@ cd "$upstream/tests"
 # One pytest per test file, $jobs at a time (not one xdist run over everything): a timeout inside
 # upstream's DistributedFixture (it runs outside the forked test) is a pytest INTERNALERROR that ends
 # the session, so it then loses one file, not the run. (~3 s of start-up per file.)
-for path in $select; do
-    if [ -f "$path" ]; then echo "$path"; else find "$path" -name 'test_*.py' -print; fi
-done | sort -u > "$out/chunks/list.txt"
+"$python" "$here/tools/upstream_tests/chunks.py" "$out/chunks" $select ${UPSTREAM_IDS:+--ids "$UPSTREAM_IDS"}
 export PATH="$venv/bin:$PATH" LOCAL_SIZE="${UPSTREAM_LOCAL_SIZE:-4}" DS_ACCELERATOR=cpu HF_HOME="$out/hf_home" \
     TORCH_EXTENSIONS_DIR="$out/torch_extensions" venv out timeout_s
 # LOCAL_SIZE: how many CPU "devices" the accelerator reports (upstream's harness skips world sizes above
 # it; without it, the NUMA node count, usually 1): a 4-device node, as upstream's tests expect.
 run_chunk() {
-    local name; name="$(echo "$1" | tr '/' '_')"
+    local name; name="$(basename "$1" .args)"
     # (to a file, not a pipe: a test's leftover worker processes would hold a pipe open after pytest exits)
     "$venv/bin/python" -m pytest --forked -p no:cacheprovider -q -o addopts="" --continue-on-collection-errors \
-        --timeout="$timeout_s" --junitxml="$out/chunks/$name.xml" "$1" > "$out/chunks/$name.log" 2>&1
-    echo "$1: exit $? ($(tail -n 1 "$out/chunks/$name.log" | sed 's/\x1b\[[0-9;]*m//g'))"
+        --timeout="$timeout_s" --junitxml="$out/chunks/$name.xml" "@$1" > "$out/chunks/$name.log" 2>&1
+    echo "$name: exit $? ($(tail -n 1 "$out/chunks/$name.log" | sed 's/\x1b\[[0-9;]*m//g'))"
 }
 export -f run_chunk
 set +e
-xargs -d '\n' -n 1 -P "$jobs" bash -c 'run_chunk "$0"' < "$out/chunks/list.txt" \
-    | tee "$out/pytest.log"
+ls "$out"/chunks/*.args | xargs -d '\n' -n 1 -P "$jobs" bash -c 'run_chunk "$0"' | tee "$out/pytest.log"
 set -e
-"$venv/bin/python" "$here/tools/upstream_tests/report.py" "$out"/chunks/*.xml \
+"$python" "$here/tools/upstream_tests/report.py" "$out"/chunks/*.xml \
     ${UPSTREAM_BASELINE:+--baseline "$UPSTREAM_BASELINE"} | tee "$out/per_file.md"
