@@ -131,8 +131,13 @@ def train(stages: int, micro: int, gas: int, zero: int, steps: int, ac_interval:
 def _p2p_snapshot():
     from deepspeed import comm as ds_comm
 
-    return {op: (int(s["count"]), int(s["bytes"])) for op, s in ds_comm.comms_counter.summary().items()
-            if op in ("send", "recv")}
+    out: dict[str, tuple[int, int]] = {}
+    for op, s in ds_comm.comms_counter.summary().items():
+        if op in ("send", "isend", "recv"):   # stages send asynchronously (isend); counted as sends
+            name = "recv" if op == "recv" else "send"
+            count, nbytes = out.get(name, (0, 0))
+            out[name] = (count + int(s["count"]), nbytes + int(s["bytes"]))
+    return out
 
 
 def _p2p_delta(before):

@@ -230,6 +230,12 @@ class PipelineEngine(DeepSpeedEngine):
                     raise
                 except Exception as error:
                     self._fail(cmd, error)
+        try:   # sends are asynchronous (p2p.StageLink): all of this schedule's must be done
+            for link in (self._to_prev, self._to_next):
+                if link is not None:
+                    link.flush()
+        except Exception as error:
+            self._fail(cmd, error)
         self._buffers = {}
 
     def _fail(self, cmd: schedule.PipeInstruction, error: BaseException) -> None:

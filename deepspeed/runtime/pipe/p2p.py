@@ -122,7 +122,12 @@ def packed_nbytes(metas: tuple[TensorMeta, ...]) -> int:
 
 
 class StageLink:
-    """This stage's channel to one neighbour: meta handshake once, then one message per transfer."""
+    """This stage's channel to one neighbour: meta handshake once, then one message per transfer.
+
+    Sends are asynchronous (isend): a stage goes on computing while its neighbour is still busy
+    instead of waiting for it to post the matching receive; messages to one peer arrive in the
+    order they were posted. Each pending send keeps its buffer alive until done; `flush()` waits
+    for all of them (the engine calls it at the end of every schedule)."""
 
     def __init__(self, peer: int, device: torch.device, dynamic_shape: bool = False) -> None:
         self.peer = peer
@@ -130,6 +135,18 @@ class StageLink:
         self.dynamic_shape = dynamic_shape
         self.sent: dict[str, Meta] = {}      # mode ("train"/"eval") -> meta of what we send
         self.received: dict[str, Meta] = {}  # mode -> meta of what we receive
+        self._pending: list[tuple[Any, torch.Tensor]] = []   # (work, buffer) of sends in flight
+
+    def _post(self, buffer: torch.Tensor) -> None:
+        while self._pending and self._pending[0][0].is_completed():
+            self._pending.pop(0)
+        self._pending.append((ds_comm.isend(buffer, self.peer), buffer))
+
+    def flush(self) -> None:
+        """Wait until every send posted so far has completed."""
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            work.wait()
 
     # --- activations (forward direction) ---------------------------------------------------
     def send_activation(self, value: Any, mode: str) -> None:
@@ -143,7 +160,7 @@ class StageLink:
                              f"{_describe(meta)}: shapes are exchanged once; build the PipelineModule with "
                              "dynamic_shape=True for inputs whose shape varies")
         tensors = list(value) if isinstance(value, (tuple, list)) else [value]
-        ds_comm.send(pack(tensors), self.peer)
+        self._post(pack(tensors))
 
     def recv_activation(self, mode: str) -> Any:
         if mode not in self.received or self.dynamic_shape:
@@ -161,7 +178,7 @@ class StageLink:
         grads = [t.grad if t.grad is not None else torch.zeros_like(t)
                  for t in _as_list(inputs) if t.requires_grad]
         if grads:
-            ds_comm.send(pack(grads), self.peer)
+            self._post(pack(grads))
 
     def recv_grads(self, mode: str) -> list[torch.Tensor]:
         """Receive the gradients for what this stage sent (its outputs that required grad)."""
@@ -175,8 +192,8 @@ class StageLink:
     # --- meta ----------------------------------------------------------------------------------
     def _send_meta(self, meta: Meta) -> None:
         words = meta.encode().to(self.device)
-        ds_comm.send(torch.tensor([words.numel()], dtype=torch.int64, device=self.device), self.peer)
-        ds_comm.send(words, self.peer)
+        self._post(torch.tensor([words.numel()], dtype=torch.int64, device=self.device))
+        self._post(words)
 
     def _recv_meta(self) -> Meta:
         length = torch.zeros(1, dtype=torch.int64, device=self.device)
