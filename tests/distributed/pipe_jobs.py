@@ -97,8 +97,10 @@ def config(micro: int, gas: int, dp: int, zero: int, dtype: str = "fp32", clip: 
 
 
 def train(stages: int, micro: int, gas: int, zero: int, steps: int, ac_interval: int = 0, with_mask: bool = False,
-          dtype: str = "fp32", clip: float = 0.0, partition_method: str = "parameters", csv_dir: str | None = None):
-    """Train the pipeline; returns (losses, this stage's parameters by name, meta, p2p counts)."""
+          dtype: str = "fp32", clip: float = 0.0, partition_method: str = "parameters", csv_dir: str | None = None,
+          loader: bool = False):
+    """Train the pipeline; returns (losses, this stage's parameters by name, meta, p2p counts).
+    `loader`: every step's micro-batches given once through set_dataloader (upstream's API)."""
     import deepspeed
     from deepspeed import comm as ds_comm
     from deepspeed.pipe import PipelineModule
@@ -116,10 +118,12 @@ def train(stages: int, micro: int, gas: int, zero: int, steps: int, ac_interval:
     replica = engine.grid.get_data_parallel_id()
     losses = []
     counts = []
+    if loader:
+        engine.set_dataloader([b for step in range(steps) for b in batches(step, replica, micro, gas, dp)[0]])
     for step in range(steps):
         data, _ = batches(step, replica, micro, gas, dp)
         before = _p2p_snapshot()
-        losses.append(float(engine.train_batch(iter(data))))
+        losses.append(float(engine.train_batch() if loader else engine.train_batch(iter(data))))
         counts.append(_p2p_delta(before))
     params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     meta = {"stage": engine.stage_id, "replica": replica, "parts": engine.module.parts,

@@ -95,6 +95,15 @@ def test_one_message_per_micro_batch_and_boundary():
             assert counts[0]["send"][0] == gas + 2   # the first step also sent the shapes (length, meta)
 
 
+def test_set_dataloader_feeds_train_batch():
+    by_iter = run_distributed(2, jobs.train, 2, 2, 2, 0, 2)
+    by_loader = run_distributed(2, jobs.train, 2, 2, 2, 0, 2, loader=True)
+    for (losses, params, _, _), (losses_l, params_l, _, _) in zip(by_iter, by_loader):
+        assert losses_l == losses
+        for name, value in params.items():
+            assert torch.equal(params_l[name], value), name   # same data, same order: same bits
+
+
 def test_eval_batch_equals_module_output():
     micro, gas, stages = 2, 2, 2
     results = run_distributed(4, jobs.evaluate, stages, micro, gas)

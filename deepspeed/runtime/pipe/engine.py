@@ -130,6 +130,12 @@ class PipelineEngine(DeepSpeedEngine):
         """Store an iterator to sample for training data."""
         self.data_iterator = iterator
 
+    def set_dataloader(self, loader: Any) -> None:
+        """Train from `loader` (an iterable of batches); only the first and last stages read data."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
     def set_batch_fn(self, fn: Callable) -> None:
         """Run `fn` on every batch read from the data iterator."""
         self.batch_fn = fn
