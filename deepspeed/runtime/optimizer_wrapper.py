@@ -87,6 +87,11 @@ class OptimizerWrapper(DeepSpeedOptimizer):
 
     cur_scale = loss_scale
 
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """Whether the loss scale moves (fp16 with loss_scale 0); upstream's attribute name."""
+        return bool(self.loss_scaler.dynamic)
+
     def needs_scaler(self) -> bool:
         """True when backward must scale the loss (fp16; seed 003's name)."""
         return self.loss_scaler.dynamic or self.loss_scaler.loss_scale != 1.0

@@ -179,3 +179,25 @@ def test_autocast_with_fp16_section_is_a_config_error() -> None:
     with pytest.raises(DeepSpeedConfigError, match="torch_autocast"):
         DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "torch_autocast": {"enabled": True},
                          "bf16": {"enabled": True}}, world_size=1)
+
+
+def scaler_attributes() -> list:
+    import deepspeed
+
+    out = []
+    for stage in (0, 1, 2, 3):
+        for fp16 in ({"enabled": True, "loss_scale": 138.0}, {"enabled": True}):
+            engine, opt, _, _ = deepspeed.initialize(model=make_model(), config=_config(
+                fp16=fp16, zero_optimization={"stage": stage}))
+            out.append((stage, fp16.get("loss_scale", 0.0), opt.dynamic_loss_scale, opt.loss_scaler.loss_scale))
+    return out
+
+
+def test_optimizer_reports_static_and_dynamic_loss_scale_as_upstream() -> None:
+    """`optimizer.dynamic_loss_scale` / `optimizer.loss_scaler.loss_scale` (upstream's names, read by
+    its tests and by frameworks logging the scale), at every stage."""
+    for stage, configured, dynamic, scale in run_distributed(1, scaler_attributes)[0]:
+        if configured:
+            assert (dynamic, scale) == (False, configured), stage
+        else:
+            assert dynamic and scale == 2.0 ** 16, stage   # initial_scale_power default 16
