@@ -59,7 +59,7 @@ TYPE_ERRORS = [
     ({"bf16": {"bf16_optimizer_states": True, "bf16_master_weights_and_grads": False}},
      "bf16.bf16_optimizer_states: requires bf16_master_weights_and_grads: true"),
     ({"communication_data_type": "fp8"}, 'communication_data_type: got "fp8"; expected one of "fp32", "float32"'),
-    ({"gradient_allreduce_op": "max"}, "gradient_allreduce_op: got \"max\"; expected one of 'mean', 'sum'"),
+    ({"gradient_allreduce_op": "max"}, "gradient_allreduce_op: Invalid gradient_allreduce_op 'max': expected 'mean' or 'sum'"),
     ({"checkpoint": {"tag_validation": "sometimes"}},
      "checkpoint.tag_validation: got \"SOMETIMES\"; expected one of 'IGNORE', 'WARN', 'FAIL'"),
     ({"checkpoint": {"parallel_write": {"pipeline_stage": "yes please"}}},

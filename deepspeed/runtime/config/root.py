@@ -56,6 +56,13 @@ def _lower(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
 
 
+def _allreduce_op(value: Any) -> Any:
+    value = _lower(value)
+    if value not in ("mean", "sum"):   # upstream's phrase, which callers match on
+        raise ValueError(f"Invalid gradient_allreduce_op {value!r}: expected 'mean' or 'sum'")
+    return value
+
+
 def _sequence_parallel(value: int) -> int:
     if value > 1:
         raise PydanticCustomError("ds_unsupported", "{m}", {"m": not_supported(
@@ -95,7 +102,7 @@ class RootConfig(UnsupportedSections):
     """Divide gradients by the world size before reduction instead of after."""
     gradient_predivide_factor: Float = Field(1.0, gt=0)
     """Divide gradients by this factor before reduction and by world/factor after."""
-    gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(_lower)] = "mean"
+    gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(_allreduce_op)] = "mean"
     """Average ("mean") or add ("sum", not with ZeRO-3) gradients across data-parallel ranks."""
     disable_allgather: bool = False
     """Legacy switch kept for compatibility."""
