@@ -93,7 +93,8 @@ def build_optimizer_for_engine(engine: Any, client_optimizer: Any, model_paramet
                             f"the model parameters, got {type(client_optimizer).__name__}")
         _check_offload_client_optimizer(engine, optimizer)
     elif config.optimizer is not None:
-        optimizer = build_optimizer(config.optimizer.type, dict(config.optimizer.params), params)
+        optimizer = build_optimizer(config.optimizer.type, dict(config.optimizer.params), params,
+                                    on_cpu_offload=engine.zero_cpu_offload())   # DeepSpeedCPU* as upstream
     else:
         return None
     optimizer.param_groups[:] = [g for g in optimizer.param_groups if len(g["params"]) > 0]

@@ -92,6 +92,11 @@ class OptimizerWrapper(DeepSpeedOptimizer):
         """Whether the loss scale moves (fp16 with loss_scale 0); upstream's attribute name."""
         return bool(self.loss_scaler.dynamic)
 
+    @property
+    def loss_scale_config(self) -> "_LossScaleView":
+        """Upstream's newer name for the scaler's state (cur_scale, cur_iter, scale_window, ...)."""
+        return _LossScaleView(self.loss_scaler)
+
     def needs_scaler(self) -> bool:
         """True when backward must scale the loss (fp16; seed 003's name)."""
         return self.loss_scaler.dynamic or self.loss_scaler.loss_scale != 1.0
@@ -124,3 +129,17 @@ class OptimizerWrapper(DeepSpeedOptimizer):
         log_dist(f"Overflow: gradients have inf/nan (first: {culprit}); skipping step, loss scale {scale} -> "
                  f"{self.loss_scaler.loss_scale}", ranks=[0], level=logging.WARNING)
         return False
+
+
+class _LossScaleView:
+    """Read-through view of a loss scaler under upstream's `loss_scale_config` names."""
+
+    def __init__(self, scaler: Any) -> None:
+        self._scaler = scaler
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return bool(self._scaler.dynamic)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._scaler, name)

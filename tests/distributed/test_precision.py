@@ -189,6 +189,8 @@ def scaler_attributes() -> list:
         for fp16 in ({"enabled": True, "loss_scale": 138.0}, {"enabled": True}):
             engine, opt, _, _ = deepspeed.initialize(model=make_model(), config=_config(
                 fp16=fp16, zero_optimization={"stage": stage}))
+            view = opt.loss_scale_config   # upstream's newer name for the same state
+            assert (view.dynamic_loss_scale, view.cur_scale) == (opt.dynamic_loss_scale, opt.loss_scaler.loss_scale)
             out.append((stage, fp16.get("loss_scale", 0.0), opt.dynamic_loss_scale, opt.loss_scaler.loss_scale))
     return out
 

@@ -155,3 +155,29 @@ def test_stage2_keeps_only_shards_between_backwards() -> None:
     assert one["peak"] <= one["largest"]
     for name, value in r["state"].items():
         assert torch.equal(one["state"][name], value), name
+
+
+def offload_optimizer_classes() -> list:
+    import deepspeed
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+
+    out = []
+    for zero in ({"stage": 2, "cpu_offload": True}, {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+                 {"stage": 2}):
+        for opt in ("Adam", "AdamW"):
+            cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
+                   "optimizer": {"type": opt, "params": {"lr": 1e-3, "adam_w_mode": False}}}
+            engine, *_ = deepspeed.initialize(model=make_model(), config=cfg)
+            base = engine.optimizer.optimizer
+            out.append((bool(zero.get("cpu_offload") or zero.get("offload_optimizer")), opt,
+                        isinstance(base, DeepSpeedCPUAdam), isinstance(base, FusedAdam), base.adam_w_mode))
+    return out
+
+
+def test_optimizer_offload_builds_deepspeed_cpu_adam_as_upstream() -> None:
+    """Upstream's rule (and its tests' isinstance checks): with offload_optimizer (or the legacy
+    cpu_offload) an Adam config builds DeepSpeedCPUAdam; AdamW is AdamW whatever adam_w_mode says."""
+    for offload, opt, cpu_adam, fused, w_mode in run_distributed(1, offload_optimizer_classes)[0]:
+        assert (cpu_adam, fused) == (offload, not offload), (offload, opt)
+        assert bool(w_mode) == (opt == "AdamW"), (offload, opt)
