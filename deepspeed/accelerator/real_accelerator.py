@@ -76,6 +76,11 @@ class _Accelerator:
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned() if torch.cuda.is_available() else False
 
+    def unpin_memory(self, tensor: torch.Tensor) -> None:
+        """Upstream's API for its native pinned allocator; memory pinned by torch is unpinned when
+        the tensor is freed, so there is nothing to do."""
+        return None
+
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == self._name
 

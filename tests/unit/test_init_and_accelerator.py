@@ -118,3 +118,14 @@ def test_dist_init_required_false_without_a_group_raises():
     with pytest.raises(RuntimeError, match="dist_init_required=False"):
         deepspeed.init_distributed(dist_init_required=False)
     assert not tdist.is_initialized()
+
+
+def test_accelerator_pin_memory_api_agrees_with_torch():
+    import torch
+
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    pinned = accel.pin_memory(torch.randn(4, 8))
+    assert accel.is_pinned(pinned) == pinned.is_pinned()
+    assert accel.unpin_memory(pinned) is None   # torch frees pinned memory with the tensor
