@@ -10,7 +10,8 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
 upstream="${UPSTREAM:?set UPSTREAM to a checkout of deepspeedai/DeepSpeed (its tests/ folder is used)}"
-select="${UPSTREAM_SELECT:-unit}"
+select="${UPSTREAM_SELECT:-}"
+[ -n "$select" ] || [ -n "${UPSTREAM_IDS:-}" ] || select=unit   # default: all of unit/
 jobs="${UPSTREAM_JOBS:-2}"
 timeout_s="${UPSTREAM_TIMEOUT:-600}"
 # UPSTREAM_VENV: an existing environment to run in instead (e.g. one with DeepSpeed itself installed,
