@@ -1,13 +1,15 @@
 """Pipeline parallelism: step time of our PipelineEngine, DeepSpeed 0.19.8's, and
 torch.distributed.pipelining's Schedule1F1B on one GPT-style model and batch (gloo, CPU).
 
-    python benchmarks/bench_pipeline.py                       # all configurations, side by side
+    python benchmarks/bench_pipeline.py --repeats 3           # all configurations, side by side
     python benchmarks/bench_pipeline.py --impl ours --stages 2 --world 2   # one run, JSON line
 
 Upstream runs under its own interpreter (`--upstream-python`, default /tmp/ds-venv/bin/python;
 see BENCHMARKS.md for the venv); our package is found through PYTHONPATH. The bubble fraction
 is measured as 1 - (this stage's forward+backward compute time) / (step time), averaged over
-stages, and printed beside the 1F1B formula (p - 1) / (m + p - 1).
+stages, and printed beside the 1F1B formula (p - 1) / (m + p - 1). "step / 1F1B bound" divides the step
+by (m + p - 1) / m times the busiest stage's compute: what any 1F1B run of the same stages needs at
+least (1.00 = no communication or scheduling cost at all).
 """
 
 from __future__ import annotations
@@ -130,9 +132,12 @@ def worker(rank, world, port, impl, stages, micro_batches, steps, out):
     if rank == 0:
         step_s = statistics.median(max(t[i][0] for t in gathered) for i in range(steps))
         bubble = statistics.mean(1 - statistics.median(t[i][1] for i in range(steps)) / step_s for t in gathered)
+        # No 1F1B run can beat (m + p - 1) micro-batch slots of the slowest stage's compute.
+        busiest = max(statistics.median(t[i][1] for i in range(steps)) for t in gathered)
+        bound = busiest * (micro_batches + stages - 1) / micro_batches
         with open(out, "w") as f:
             json.dump({"impl": impl, "stages": stages, "world": world, "micro_batches": micro_batches,
-                       "step_s": step_s, "bubble": bubble}, f)
+                       "step_s": step_s, "bubble": bubble, "bound_s": bound}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -184,41 +189,56 @@ def main():
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--upstream-python", default="/tmp/ds-venv/bin/python")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over all configurations, order rotated")
     args = parser.parse_args()
     if args.impl:
         return run_one(args)
-    rows = []
-    for stages, world in ((2, 2), (4, 4), (2, 4)):
-        for impl in ("ours", "upstream", "torch"):
-            if impl == "torch" and world != stages:
-                continue   # torch.distributed.pipelining has no data parallelism of its own
-            python = args.upstream_python if impl == "upstream" else sys.executable
-            env = dict(os.environ, TORCH_EXTENSIONS_DIR="/tmp/ds-ext-bench")
-            if impl == "upstream":
-                env.pop("PYTHONPATH", None)
-            else:
-                env["PYTHONPATH"] = ROOT
-            cmd = [python, os.path.abspath(__file__), "--impl", impl, "--stages", str(stages), "--world", str(world),
-                   "--micro-batches", str(args.micro_batches), "--steps", str(args.steps)]
-            result = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd="/tmp")
-            line = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
-            if result.returncode != 0 or not line:
-                print(f"{impl} {stages}x{world // stages}: failed\n{result.stderr[-2000:]}", file=sys.stderr)
-                continue
-            rows.append(json.loads(line[-1]))
-            for f in os.listdir("/dev/shm"):
-                if f.startswith("deepspeed_allreduce_buffer_"):
-                    os.remove(os.path.join("/dev/shm", f))
+    runs: dict[tuple, list[dict]] = {}
+    for repeat in range(args.repeats):
+        for stages, world in ((2, 2), (4, 4), (2, 4)):
+            impls = ["ours", "upstream", "torch"]
+            impls = impls[repeat % 3:] + impls[:repeat % 3]   # rotate the order: no impl always runs first
+            for impl in impls:
+                if impl == "torch" and world != stages:
+                    continue   # torch.distributed.pipelining has no data parallelism of its own
+                row = run_subprocess(args, impl, stages, world)
+                if row is not None:
+                    runs.setdefault((stages, world, impl), []).append(row)
     m = args.micro_batches
-    print(f"| layout (stages x dp) | impl | step (s) | vs upstream | bubble measured | 1F1B formula |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        p = row["stages"]
-        base = next((r["step_s"] for r in rows if r["impl"] == "upstream" and r["stages"] == p and
-                     r["world"] == row["world"]), None)
-        ratio = f"{row['step_s'] / base:.2f}x" if base else "-"
-        print(f"| {p} x {row['world'] // p} | {row['impl']} | {row['step_s']:.3f} | {ratio} | {row['bubble']:.2f} | "
-              f"{(p - 1) / (m + p - 1):.2f} |")
+    print(f"{args.repeats} repeat(s) of {args.steps} steps each; step = median over repeats (range)")
+    print("| layout (stages x dp) | impl | step (s) | range (s) | vs upstream | step / 1F1B bound | bubble measured "
+          "| 1F1B formula |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (p, world, impl), rows in runs.items():
+        step = statistics.median(r["step_s"] for r in rows)
+        base_rows = runs.get((p, world, "upstream"))
+        ratio = f"{step / statistics.median(r['step_s'] for r in base_rows):.2f}x" if base_rows else "-"
+        low, high = min(r["step_s"] for r in rows), max(r["step_s"] for r in rows)
+        bubble = statistics.median(r["bubble"] for r in rows)
+        over_bound = statistics.median(r["step_s"] / r["bound_s"] for r in rows)
+        print(f"| {p} x {world // p} | {impl} | {step:.3f} | {low:.3f}-{high:.3f} | {ratio} | {over_bound:.2f} | "
+              f"{bubble:.2f} | {(p - 1) / (m + p - 1):.2f} |")
+
+
+def run_subprocess(args, impl, stages, world):
+    """One configuration in a fresh interpreter (upstream's from its own venv); its JSON row."""
+    python = args.upstream_python if impl == "upstream" else sys.executable
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR="/tmp/ds-ext-bench")
+    if impl == "upstream":
+        env.pop("PYTHONPATH", None)
+    else:
+        env["PYTHONPATH"] = ROOT
+    cmd = [python, os.path.abspath(__file__), "--impl", impl, "--stages", str(stages), "--world", str(world),
+           "--micro-batches", str(args.micro_batches), "--steps", str(args.steps)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd="/tmp")
+    for f in os.listdir("/dev/shm"):
+        if f.startswith("deepspeed_allreduce_buffer_"):   # upstream's runs leave these behind
+            os.remove(os.path.join("/dev/shm", f))
+    line = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
+    if result.returncode != 0 or not line:
+        print(f"{impl} {stages}x{world // stages}: failed\n{result.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(line[-1])
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ from .dataloader import DeepSpeedDataLoader
 from .engine_accessors import EngineAccessors
 from .backward_hooks import (BackwardState, derived_outputs, in_autograd_backward, output_tensors,
                              queue_autograd_callback, under_function_transform)
-from .engine_setup import (broadcast_module_states, build_lr_scheduler, build_optimizer_for_engine,
-                           build_reducer, build_stage3_coordinator, check_supported, check_zero_layout,
+from .engine_setup import (assert_valid_mixed_precision_config, broadcast_module_states, build_lr_scheduler,
+                           build_optimizer_for_engine, build_reducer, build_stage3_coordinator, check_supported,
+                           check_zero_layout, cast_module_mixed_precision, mixed_precision_dtypes,
                            NotSupportedYet, prepare_module, resolve_device, wrap_optimizer)
 from .errors import UsageError
 from .grad_accum import is_boundary
@@ -40,6 +41,10 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
 
     The constructor keeps upstream's signature: frameworks subclass and call it that way.
     """
+
+    _mixed_precision_dtypes = mixed_precision_dtypes
+    _assert_valid_mixed_precision_config = assert_valid_mixed_precision_config
+    _cast_module_mixed_precision = cast_module_mixed_precision
 
     def __init__(self, args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
                  model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,

@@ -221,12 +221,13 @@ def _optimizer_route(engine: Any) -> str | None:
     return None
 
 
-def cast_module(module: torch.nn.Module, param_dtype: torch.dtype, buffer_dtype: torch.dtype | None,
+def cast_module(module: torch.nn.Module, param_dtype: torch.dtype | None, buffer_dtype: torch.dtype | None,
                 keep_in_fp32: Any = "auto") -> None:
-    """Floating parameters to `param_dtype`; buffers keep their dtype (a rotary `inv_freq` stays
-    fp32) unless `buffer_dtype` is given, and then buffers of modules named in `keep_in_fp32`
-    ("auto": the model's own `_keep_in_fp32_modules`, as Hugging Face models declare) still stay."""
-    for p in module.parameters():
+    """Floating parameters to `param_dtype` (None: left as they are); buffers keep their dtype (a
+    rotary `inv_freq` stays fp32) unless `buffer_dtype` is given, and then buffers of modules named
+    in `keep_in_fp32` ("auto": the model's own `_keep_in_fp32_modules`, as Hugging Face models
+    declare) still stay."""
+    for p in module.parameters() if param_dtype is not None else ():
         if p.is_floating_point() and p.dtype != param_dtype:
             p.data = p.data.to(param_dtype)
     if buffer_dtype is None:
@@ -240,6 +241,35 @@ def cast_module(module: torch.nn.Module, param_dtype: torch.dtype, buffer_dtype:
                 sub._buffers[key] = buf.to(buffer_dtype)
 
 
+# Upstream's engine exposes these three steps as methods (its unit tests call them on stand-ins
+# holding `_config`, `fp16_enabled`, `bfloat16_enabled`, `module`); DeepSpeedEngine binds them.
+def mixed_precision_dtypes(engine: Any) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(parameter dtype, buffer dtype): the fp16/bf16 flag's dtype (None in fp32) and the
+    `data_types.buffer_dtype` one (None: buffers keep their dtype)."""
+    config = engine._config
+    param_dtype = (torch.float16 if engine.fp16_enabled() else torch.bfloat16 if engine.bfloat16_enabled()
+                   else None)
+    if getattr(config, "param_dtype", None) is not None:
+        param_dtype = TORCH_DTYPES[config.param_dtype]
+    buffer_name = getattr(config, "buffer_dtype", None)
+    return param_dtype, (TORCH_DTYPES[buffer_name] if buffer_name is not None else None)
+
+
+def assert_valid_mixed_precision_config(engine: Any) -> None:
+    """`data_types.param_dtype`, when given, must name the training precision itself."""
+    mode = "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"
+    given = engine._config.param_dtype
+    if given is not None and given != mode:
+        raise UsageError(f"data_types.param_dtype={given!r} conflicts with the training precision {mode!r} "
+                         f"(from the fp16/bf16 enabled flags); omit it or make it match")
+
+
+def cast_module_mixed_precision(engine: Any, param_dtype: torch.dtype | None, buffer_dtype: torch.dtype | None,
+                                zero_init: bool, keep_in_fp32: Any = "auto") -> None:
+    """cast_module on the engine's module; under zero.Init the parameters' dtype is Init's own."""
+    cast_module(engine.module, None if zero_init else param_dtype, buffer_dtype, keep_in_fp32)
+
+
 def prepare_module(engine: Any) -> None:
     """Cast the module to the compute dtype and mark torch_autocast's lower-precision params.
     Below stage 3, parameters partitioned by zero.Init are made whole first."""
@@ -249,8 +279,8 @@ def prepare_module(engine: Any) -> None:
 
         materialize(engine.module)
     data_types = engine._config.model.data_types
-    cast_module(engine.module, policy.param_dtype, TORCH_DTYPES.get(data_types.buffer_dtype or ""),
-                data_types.keep_in_fp32_modules)
+    engine._cast_module_mixed_precision(policy.param_dtype, TORCH_DTYPES.get(data_types.buffer_dtype or ""),
+                                        False, data_types.keep_in_fp32_modules)
     if policy.autocast_dtype is not None:
         from .torch_autocast import init_autocast_params
 

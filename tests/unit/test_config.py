@@ -656,6 +656,32 @@ def test_cast_module_keeps_buffers_unless_buffer_dtype():
     assert m[1][0].table.dtype == torch.float32
 
 
+def test_engine_mixed_precision_methods_on_a_stand_in():
+    """Upstream's engine has these three steps as methods that its tests (and subclasses) call with
+    any object holding `_config`, the precision flags and `module`; ours are bound the same way."""
+    import types
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    def stand_in(param_dtype=None, buffer_dtype=None, fp16=False, bf16=False, module=None):
+        return types.SimpleNamespace(_config=types.SimpleNamespace(param_dtype=param_dtype, buffer_dtype=buffer_dtype),
+                                     fp16_enabled=lambda: fp16, bfloat16_enabled=lambda: bf16, module=module)
+
+    assert DeepSpeedEngine._mixed_precision_dtypes(stand_in(bf16=True)) == (torch.bfloat16, None)
+    assert DeepSpeedEngine._mixed_precision_dtypes(stand_in(fp16=True, buffer_dtype="fp32")) == (torch.float16,
+                                                                                               torch.float32)
+    assert DeepSpeedEngine._mixed_precision_dtypes(stand_in()) == (None, None)
+    DeepSpeedEngine._assert_valid_mixed_precision_config(stand_in(param_dtype="bf16", bf16=True))
+    with pytest.raises(AssertionError, match="param_dtype='fp32' conflicts with the training precision 'bf16'"):
+        DeepSpeedEngine._assert_valid_mixed_precision_config(stand_in(param_dtype="fp32", bf16=True))
+    m = torch.nn.Linear(2, 2)
+    m.register_buffer("inv_freq", torch.ones(2))
+    DeepSpeedEngine._cast_module_mixed_precision(stand_in(module=m), torch.bfloat16, None, True)   # zero.Init owns params
+    assert m.weight.dtype == torch.float32 and m.inv_freq.dtype == torch.float32
+    DeepSpeedEngine._cast_module_mixed_precision(stand_in(module=m), None, torch.bfloat16, False)
+    assert m.weight.dtype == torch.float32 and m.inv_freq.dtype == torch.bfloat16
+
+
 def test_data_types_read_through_upstream_attribute_names():
     cfg = DeepSpeedConfig({**BASE, "bf16": {"enabled": True},
                            "data_types": {"param_dtype": "bf16", "buffer_dtype": "fp32", "grad_accum_dtype": "fp32"}},
