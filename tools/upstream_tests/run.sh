@@ -26,7 +26,7 @@ if [ -z "${UPSTREAM_VENV:-}" ] && [ ! -f "$venv/.installed" ]; then
     "$venv/bin/pip" install -q "${TORCH:-torch==2.13.0}"
     "$venv/bin/pip" install -q -e "$here" "pytest==8.3.5" "pytest-forked==1.6.0" "pytest-xdist==3.6.1" \
         "pytest-timeout==2.3.1" numpy safetensors \
-        hjson py-cpuinfo msgpack einops tensorboard  # what upstream's tests import besides deepspeed
+        hjson py-cpuinfo msgpack einops tensorboard transformers  # what upstream's tests import besides deepspeed
     touch "$venv/.installed"
 fi
 mkdir -p "$out/chunks"

@@ -12,6 +12,22 @@ from .stage3.sharded_param import ZeroParamStatus
 from .stage3.tensor_ctors import ORIGINALS as _ORIGINALS
 from .stage3.tensor_ctors import zero_wrapper_for_fp_tensor_constructor  # noqa: F401
 
+# The shape of a partitioned parameter's `.data` between gathers (ours: an empty placeholder).
+partitioned_param_data_shape = [0]
+
+
+class MultipleAllGatherHandles:
+    """Several asynchronous gather handles waited on as one (upstream groups its per-call handles
+    this way; ours gathers whole units and has none of its own, but code that groups handles does)."""
+
+    def __init__(self, handles: list) -> None:
+        self.handles = handles
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)
+
+
 # Module globals that transformers patches or compares against while zero.Init is active; Init
 # reads them from here when it installs its wrappers (see [Note: patchable constructor wrapper]).
 _orig_torch_arange = _ORIGINALS["arange"]

@@ -1,0 +1,1 @@
+"""Upstream's `deepspeed.runtime.comm` path (coalesced collectives)."""

@@ -1,0 +1,47 @@
+# compat: upstream path deepspeed.runtime.comm.coalesced_collectives (DeepSpeed 0.19.8 names).
+"""Several tensors reduce-scattered in one collective, as upstream's ZeRO-3 reducer does.
+
+Each tensor is averaged over the group and cut into `world` equal chunks (the last ones shorter or
+empty when it does not divide); rank r gets chunk r of every tensor. One flat buffer holds, for
+each rank in turn, its padded chunk of every tensor, so a single reduce-scatter delivers them all.
+Our own ZeRO-3 reduces through its bucketed reducer (zero/stage3/reducer.py); this is for code that
+calls upstream's function directly."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ... import comm as dist
+from ..errors import NotSupportedYet
+
+
+def reduce_scatter_coalesced(tensors: list[torch.Tensor], group: Any = None) -> list[torch.Tensor]:
+    """This rank's chunk of the group mean of each tensor (views into one buffer)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = [math.ceil(t.numel() / world) for t in tensors]
+    per_rank = sum(chunks)
+    flat = tensors[0].new_zeros(per_rank * world)
+    for r in range(world):
+        offset = r * per_rank
+        for t, size in zip(tensors, chunks):
+            part = t.reshape(-1)[r * size:(r + 1) * size]
+            flat[offset:offset + part.numel()].copy_(part)
+            offset += size
+    flat.div_(world)   # pre-divide, as upstream: the sum of the divided values is the mean
+    mine = torch.empty(per_rank, dtype=flat.dtype, device=flat.device)
+    dist.reduce_scatter_tensor(mine, flat, group=group)
+    outputs, offset = [], 0
+    for t, size in zip(tensors, chunks):
+        length = max(0, min(size, t.numel() - rank * size))
+        outputs.append(mine.narrow(0, offset, length))
+        offset += size
+    return outputs
+
+
+def all_to_all_quant_reduce(tensors: list[torch.Tensor], groups: Any) -> list[torch.Tensor]:
+    """ZeRO++'s quantized gradient reduction (qgZ): not supported here."""
+    raise NotSupportedYet("all_to_all_quant_reduce: ZeRO++ quantized gradients (qgZ, zero_quantized_gradients) "
+                          "are not supported by this implementation")
