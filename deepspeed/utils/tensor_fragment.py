@@ -369,10 +369,18 @@ def _local(param: torch.Tensor) -> tuple[_Link, Any, Any, Any]:
     return link, optimizer, sb, frag
 
 
-def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
+def _untrained(param: torch.Tensor) -> bool:
+    """A frozen parameter, or a ZeRO-3 one no engine optimizer trains: the local getters give None
+    for it, as the full ones do (upstream's answer for frozen ZeRO-3 parameters)."""
+    return _lookup(param)[0] is None and (not param.requires_grad or hasattr(param, "ds_id"))
+
+
+def safe_get_local_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """This rank's part of the fp32 master weights: a flat copy (empty where this rank holds none
-    of the parameter; later steps do not change it). Concatenating every rank's part in rank
-    order gives the flattened full parameter."""
+    of the parameter; later steps do not change it; None for a frozen one). Concatenating every
+    rank's part in rank order gives the flattened full parameter."""
+    if _untrained(param):
+        return None
     _, _, sb, frag = _local(param)
     if frag is None:
         return torch.empty(0, dtype=sb.master.dtype, device=param.device)
@@ -389,8 +397,10 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
         target.copy_(value.reshape(-1))
 
 
-def safe_get_local_grad(param: torch.nn.Parameter) -> torch.Tensor:
+def safe_get_local_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """This rank's part of the averaged gradient, flat, in fp32 (a copy)."""
+    if _untrained(param):
+        return None
     _, _, sb, frag = _local(param)
     if frag is None:
         return torch.empty(0, dtype=torch.float32, device=param.device)
@@ -408,9 +418,11 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
         target.copy_(value.reshape(-1))
 
 
-def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor:
+def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
     """This rank's part of the optimizer state `optim_state_key`, flat, a copy (KeyError if the
     base optimizer keeps no such state, as upstream)."""
+    if _untrained(param):
+        return None
     _, optimizer, sb, frag = _local(param)
     if frag is None:
         return torch.empty(0, dtype=sb.master.dtype, device=param.device)

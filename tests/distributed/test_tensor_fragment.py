@@ -228,7 +228,7 @@ def test_local_parts_concatenate_to_full_and_straddle(stage: int) -> None:
 def stage0_and_unowned() -> dict:
     import deepspeed
     from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_local_fp32_param,
-                                 safe_set_full_fp32_param)
+                                 safe_get_local_grad, safe_get_local_optimizer_state, safe_set_full_fp32_param)
 
     model = make_model()
     model.fc1.bias.requires_grad_(False)  # frozen: no optimizer owns it
@@ -238,6 +238,9 @@ def stage0_and_unowned() -> dict:
            "frozen": (safe_get_full_fp32_param(model.fc1.bias), safe_get_full_grad(model.fc1.bias))}
     safe_set_full_fp32_param(stray, torch.zeros(3))  # no owner: a no-op, as upstream
     out["stray_value"] = stray.detach().clone()
+    bias = model.fc1.bias
+    out["frozen_local"] = (safe_get_local_fp32_param(bias), safe_get_local_grad(bias),
+                           safe_get_local_optimizer_state(bias, "exp_avg"))
     try:
         safe_get_local_fp32_param(model.fc1.weight)
         out["local"] = "no error"
@@ -249,5 +252,29 @@ def stage0_and_unowned() -> dict:
 def test_stage0_local_api_and_unowned_params() -> None:
     out = run_distributed(2, stage0_and_unowned)[0]
     assert out["stray"] == (None, None) and out["frozen"] == (None, None)
+    assert out["frozen_local"] == (None, None, None)   # frozen: None, as the full getters
     assert torch.equal(out["stray_value"], torch.ones(3))
     assert "only defined for ZeRO-partitioned parameters" in out["local"]
+
+
+def stage3_frozen_local() -> tuple:
+    import deepspeed
+    from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state
+
+    cfg = {**_config(micro=2), "zero_optimization": {"stage": 3}}
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = make_model()
+    model.fc1.bias.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    x = torch.randn(2, 16)
+    engine.backward(engine(x).float().pow(2).mean())
+    engine.step()
+    frozen = model.fc1.bias
+    trained = safe_get_local_fp32_param(model.fc1.weight)
+    return (safe_get_local_fp32_param(frozen), safe_get_local_grad(frozen),
+            safe_get_local_optimizer_state(frozen, "exp_avg"), trained is not None and trained.dim() == 1)
+
+
+def test_stage3_local_getters_give_none_for_a_frozen_parameter() -> None:
+    """Upstream's own tensor-fragment test expects None here (its frozen-weights cases)."""
+    assert run_distributed(2, stage3_frozen_local) == [(None, None, None, True)] * 2
