@@ -26,7 +26,7 @@ if [ -z "${UPSTREAM_VENV:-}" ] && [ ! -f "$venv/.installed" ]; then
     "$venv/bin/pip" install -q "${TORCH:-torch==2.13.0}"
     "$venv/bin/pip" install -q -e "$here" "pytest==8.3.5" "pytest-forked==1.6.0" "pytest-xdist==3.6.1" \
         "pytest-timeout==2.3.1" numpy safetensors \
-        hjson py-cpuinfo msgpack einops tensorboard transformers  # what upstream's tests import besides deepspeed
+        hjson py-cpuinfo msgpack einops tensorboard transformers accelerate  # what upstream's tests import besides deepspeed
     touch "$venv/.installed"
 fi
 mkdir -p "$out/chunks"
@@ -46,15 +46,30 @@ run_chunk() {
     # (to a file, not a pipe: a test's leftover worker processes would hold a pipe open after pytest exits)
     "$venv/bin/python" -m pytest --forked -p no:cacheprovider -q -o addopts="" --continue-on-collection-errors \
         --timeout="$timeout_s" --junitxml="$out/chunks/$name.xml" "@$1" > "$out/chunks/$name.log" 2>&1
-    local rc=$?
+    local rc=$? args="$1"
     if [ "$rc" = 4 ]; then   # a node id this environment does not collect (parametrized differently): whole file
+        args="$out/chunks/$name.whole"
+        head -n 1 "$1" | sed 's/::.*//' > "$args"
         "$venv/bin/python" -m pytest --forked -p no:cacheprovider -q -o addopts="" --continue-on-collection-errors \
-            --timeout="$timeout_s" --junitxml="$out/chunks/$name.xml" "$(head -n 1 "$1" | sed 's/::.*//')" \
-            > "$out/chunks/$name.log" 2>&1
+            --timeout="$timeout_s" --junitxml="$out/chunks/$name.xml" "@$args" > "$out/chunks/$name.log" 2>&1
         rc=$?
     fi
-    echo "$name: exit $rc ($(tail -n 1 "$out/chunks/$name.log" | sed 's/\x1b\[[0-9;]*m//g'))"
+    # exit 3: a timeout outside the forked test ended the file; run the rest without the hung test
+    local part=0 resumed="" last="$out/chunks/$name.log"
+    while [ "$rc" = 3 ] && [ "$part" -lt "${UPSTREAM_RESUMES:-8}" ]; do
+        part=$((part + 1))
+        local log="$out/chunks/$name.log"; [ "$part" -gt 1 ] && log="$out/chunks/$name.r$((part - 1)).log"
+        "$venv/bin/python" "$here/tools/upstream_tests/resume.py" "$args" "$out/chunks/$name.r$part.resume" \
+            "$out/chunks/$name.hung$part.xml" "$log" "$out/chunks/$name".*xml || break
+        "$venv/bin/python" -m pytest --forked -p no:cacheprovider -q -o addopts="" --continue-on-collection-errors \
+            --timeout="$timeout_s" --junitxml="$out/chunks/$name.r$part.xml" "@$out/chunks/$name.r$part.resume" \
+            > "$out/chunks/$name.r$part.log" 2>&1
+        rc=$?
+        resumed=" after $part resume(s)" last="$out/chunks/$name.r$part.log"
+    done
+    echo "$name: exit $rc$resumed ($(tail -n 1 "$last" | sed 's/\x1b\[[0-9;]*m//g'))"
 }
+export here
 export -f run_chunk
 set +e
 ls "$out"/chunks/*.args | xargs -d '\n' -n 1 -P "$jobs" bash -c 'run_chunk "$0"' | tee "$out/pytest.log"
