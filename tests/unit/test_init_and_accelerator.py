@@ -129,3 +129,20 @@ def test_accelerator_pin_memory_api_agrees_with_torch():
     pinned = accel.pin_memory(torch.randn(4, 8))
     assert accel.is_pinned(pinned) == pinned.is_pinned()
     assert accel.unpin_memory(pinned) is None   # torch frees pinned memory with the tensor
+
+
+def test_accelerator_classes_at_upstreams_module_paths() -> None:
+    """Upstream keeps one accelerator class per module (its own test walks them and expects exactly
+    one `*_Accelerator` name in each); code imports them from there."""
+    import importlib
+
+    from deepspeed.accelerator import get_accelerator
+
+    for module_name, class_name in (("cpu_accelerator", "CPU_Accelerator"), ("cuda_accelerator", "CUDA_Accelerator")):
+        module = importlib.import_module(f"deepspeed.accelerator.{module_name}")
+        assert [n for n in dir(module) if n.endswith("_Accelerator")] == [class_name]
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    expected = CUDA_Accelerator if get_accelerator().device_name() == "cuda" else CPU_Accelerator
+    assert isinstance(get_accelerator(), expected)
