@@ -61,10 +61,12 @@ def test_plan_includes_external_parameters() -> None:
     head = model.out[0]
     assert plan_units(model).module_units["out.0"] == (2,)
     deepspeed.zero.register_external_parameter(head, model.inp.weight)
+    assert model.inp.weight.is_external_param   # upstream's flag, as its lifecycle tests read it
     plan = plan_units(model)
     assert [u.owner for u in plan.units] == ["inp", "body", "out.0"]   # ownership unchanged
     assert plan.module_units["out.0"] == (2, 0)
     deepspeed.zero.unregister_external_parameter(head, model.inp.weight)
+    assert not model.inp.weight.is_external_param
     assert plan_units(model).module_units["out.0"] == (2,)
     with pytest.raises(RuntimeError, match="not a registered external parameter"):
         deepspeed.zero.unregister_external_parameter(head, model.inp.weight)
@@ -160,7 +162,7 @@ def automatic_external(steps: int, transposed: bool = False) -> dict:
         for r in range(world):
             (ref(idx[r]).square().mean() / world).backward()
         gathers.append(deepspeed.comm.comms_counter.summary()["all_gather_into_tensor"]["count"])
-        registered.append([p is model.embed.weight for p in external_parameters(model)])   # not body's
+        registered.append([p is model.embed.weight and p.is_external_param for p in external_parameters(model)])
         with torch.no_grad():
             torch.testing.assert_close(model(idx[rank]), ref(idx[rank]), rtol=1e-6, atol=1e-6)   # inference too
     grads = coord.full_state(grads=True)

@@ -81,6 +81,8 @@ def publish(param: Any, *, ds_id: int, shape: torch.Size, persist: bool, tensor:
     param.ds_status = status
     if "ds_active_sub_modules" not in param.__dict__:   # read (and cleared) by RL libraries; never filled
         param.ds_active_sub_modules = set()
+    if "is_external_param" not in param.__dict__:       # set by units.add_external_parameter
+        param.is_external_param = False
     param.partition_numel = _Constant(size)
     param.padding_size = _Constant(size * world - numel)
     param.aligned_size = _Constant(size * world)

@@ -78,12 +78,16 @@ _EXTERNAL: "weakref.WeakKeyDictionary[nn.Module, dict[nn.Parameter, None]]" = we
 
 def add_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
     _EXTERNAL.setdefault(module, {})[param] = None
+    param.is_external_param = True   # upstream's flag: some module reads it as an external parameter
 
 
 def remove_external_parameter(module: nn.Module, param: nn.Parameter) -> bool:
     """False when `param` was not registered on `module`."""
     found = _EXTERNAL.get(module, {})
-    return found.pop(param, False) is None
+    removed = found.pop(param, False) is None
+    if removed and not any(param in params for params in _EXTERNAL.values()):
+        param.is_external_param = False
+    return removed
 
 
 def external_parameters(module: nn.Module) -> list[nn.Parameter]:
