@@ -271,7 +271,8 @@ def read_after_initialize() -> dict:
             weight.add_(1.0)                 # no modifier_rank: dropped
     with deepspeed.zero.GatheredParameters(weight):
         again = weight.detach().clone()
-    return {"inside": inside, "again": again, "after": (weight.numel(), weight.ds_status)}
+        alias = weight.detach()   # no copy: upstream's tests (and users) read it after the block
+    return {"inside": inside, "again": again, "after": (weight.numel(), weight.ds_status), "alias": alias.clone()}
 
 
 def test_read_full_weight_after_initialize() -> None:
@@ -281,6 +282,7 @@ def test_read_full_weight_after_initialize() -> None:
     for r in run_distributed(2, read_after_initialize):
         torch.testing.assert_close(r["inside"][0], expected, rtol=0, atol=0)
         torch.testing.assert_close(r["again"], expected, rtol=0, atol=0)
+        torch.testing.assert_close(r["alias"], expected, rtol=0, atol=0)   # kept its values after the block
         assert r["inside"][1] is ZeroParamStatus.AVAILABLE
         assert r["after"] == (0, ZeroParamStatus.NOT_AVAILABLE)
 

@@ -72,7 +72,7 @@ class GatheredParameters:
                 if src is not None:
                     unit.scatter_from(src)
             finally:
-                unit.release()
+                unit.release(keep_aliases=True)
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:

@@ -241,29 +241,35 @@ class ShardedUnit:
             self._finish_prefetch()
             self._maybe_free()
 
-    def _free(self) -> None:
+    def _free(self, keep_aliases: bool = False) -> None:
         for p in self.params:
             if p.grad is not None:
                 raise RuntimeError(f"ZeRO-3: releasing '{self.spec.owner}' while a parameter still has a .grad")
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if keep_aliases:   # the buffer goes to whoever still references it; the next gather gets a new one
+            self.flat = torch.empty(self.flat.numel(), dtype=self.flat.dtype, device=self.flat.device)
+            self._views = [self.flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.spec.numels, self.shapes)]
         self.flat.untyped_storage().resize_(0)
         self._set_status(ZeroParamStatus.NOT_AVAILABLE)
 
-    def _maybe_free(self) -> None:
+    def _maybe_free(self, keep_aliases: bool = False) -> None:
         if self._refs == 0 and not self._held and not self.spec.persistent and self.available:
-            self._free()
+            self._free(keep_aliases)
 
     def acquire(self) -> None:
         """A forward use begins: gather if needed. Balanced by `release()`."""
         self._refs += 1
         self.gather()
 
-    def release(self) -> None:
-        """A forward use ends; the unit is freed once no forward use nor backward needs it."""
+    def release(self, keep_aliases: bool = False) -> None:
+        """A forward use ends; the unit is freed once no forward use nor backward needs it.
+        `keep_aliases` (the end of a GatheredParameters block): tensors the user took from the
+        parameters meanwhile (`p.detach()`) keep their values, as upstream's, instead of being
+        emptied with the buffer (see [Note: ZeRO-3 release and autograd's saved tensors])."""
         if self._refs <= 0:
             raise RuntimeError(f"ZeRO-3: unbalanced release of unit '{self.spec.owner}'")
         self._refs -= 1
-        self._maybe_free()
+        self._maybe_free(keep_aliases)
 
     @property
     def held(self) -> bool:
