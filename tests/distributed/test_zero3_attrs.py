@@ -90,8 +90,9 @@ def test_ds_tensor_is_the_parameters_own_partition(world: int, variant: str) -> 
     assert len(set(ids)) == len(ids)
 
 
-def _write_then_gather(offload: bool) -> dict:
-    """Every rank writes its piece of a known value into each ds_tensor, then gathers."""
+def _write_then_gather(offload: bool, how: str = "copy") -> dict:
+    """Every rank writes its piece of a known value into each ds_tensor (in place, or by
+    rebinding `ds_tensor.data` as upstream's partitioning tests do), then gathers."""
     import deepspeed
     import deepspeed.comm as dist
 
@@ -106,7 +107,10 @@ def _write_then_gather(offload: bool) -> dict:
         piece = torch.zeros(size)
         mine = value[rank * size:(rank + 1) * size]
         piece[:mine.numel()] = mine
-        p.ds_tensor.data.copy_(piece)
+        if how == "copy":
+            p.ds_tensor.data.copy_(piece)
+        else:
+            p.ds_tensor.data = piece.to(p.ds_tensor.dtype)
     seen = {}
     with deepspeed.zero.GatheredParameters(list(params.values())):
         for name, p in params.items():
@@ -122,9 +126,9 @@ def _write_then_gather(offload: bool) -> dict:
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("offload", [False, True])
-def test_writes_to_ds_tensor_are_seen_after_gather(world: int, offload: bool) -> None:
-    results = run_distributed(world, _write_then_gather, offload)
+@pytest.mark.parametrize("offload,how", [(False, "copy"), (True, "copy"), (False, "rebind"), (True, "rebind")])
+def test_writes_to_ds_tensor_are_seen_after_gather(world: int, offload: bool, how: str) -> None:
+    results = run_distributed(world, _write_then_gather, offload, how)
     reference = build("odd")
     with torch.no_grad():
         for name, p in reference.named_parameters():

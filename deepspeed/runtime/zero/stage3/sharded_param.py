@@ -178,6 +178,21 @@ class ShardedUnit:
         for p in self.params:
             p.ds_status = status
 
+    def take_rebound_pieces(self) -> None:
+        """`p.ds_tensor.data = t` (upstream's own tests set partitions that way) rebinds the view
+        to another tensor instead of writing the shard: take its values into the shard and point
+        `ds_tensor` back at its piece, as a write through the view would have done (neither
+        reaches the optimizer's fp32 masters, as upstream)."""
+        for i, p in enumerate(self.params):
+            tensor, piece = p.__dict__.get("ds_tensor"), self.layout.piece(self.shard, i)
+            if tensor is None or not piece.numel() or tensor.data_ptr() == piece.data_ptr():
+                continue
+            if tensor.shape != piece.shape:
+                raise RuntimeError(f"ZeRO-3: ds_tensor of a parameter of '{self.spec.owner}' was given shape "
+                                   f"{tuple(tensor.shape)}; this rank's partition has shape {tuple(piece.shape)}")
+            piece.copy_(tensor.detach())
+            tensor.data = piece
+
     # --- gather / release -------------------------------------------------------------------
     @property
     def available(self) -> bool:
@@ -199,6 +214,7 @@ class ShardedUnit:
     def _gather_buffer(self) -> torch.Tensor:
         """Re-allocate `flat` and return what the all-gather writes: `flat` itself where the
         layouts coincide, else a rank-major buffer that `_show_gathered` unpacks into it."""
+        self.take_rebound_pieces()
         self.flat.untyped_storage().resize_(self.flat.numel() * self.flat.element_size())
         if not self.layout.direct:
             self._received = torch.empty_like(self.flat)
@@ -393,6 +409,8 @@ class ShardedUnit:
     # --- whole-unit views -------------------------------------------------------------------
     def gather_full(self, shard: torch.Tensor) -> list[torch.Tensor]:
         """All-gather a shard laid out like this unit (params or grads) and split it per parameter."""
+        if shard is self.shard:
+            self.take_rebound_pieces()
         full = torch.empty(self.layout.padded_numel, dtype=shard.dtype, device=self.flat.device)
         if full.numel():
             watchdog.gather_or_copy(full, shard.to(self.flat.device), self.group, self.spec, "full-state")
