@@ -103,6 +103,8 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         self.basic_optimizer = build_optimizer_for_engine(self, optimizer, model_parameters)
         self._reducer = build_reducer(self)
         self.optimizer = wrap_optimizer(self)
+        if self._stage3 is not None and self.optimizer is None:
+            self._stage3.keep_for_backward(False)   # nothing trains: no step would give kept units back
         self.lr_scheduler = build_lr_scheduler(self, lr_scheduler)
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
             if training_data is not None else None

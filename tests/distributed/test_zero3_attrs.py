@@ -189,3 +189,30 @@ def test_zero_init_pieces_are_kept_and_checkpoints_move_nothing(tmp_path, world:
         saved = torch.load(tmp_path / "t" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt", weights_only=False)
         torch.testing.assert_close(saved["frozen_param_fragments"]["mix.weight"], r["before"]["mix.weight"],
                                    rtol=0, atol=0)
+
+
+def _grad_partitions() -> dict:
+    import deepspeed.comm as dist
+    from deepspeed.utils import safe_get_full_grad
+
+    engine = _engine()
+    x, y = torch.randn(2, 16, generator=torch.Generator().manual_seed(5 + dist.get_rank())), torch.tensor([1, 2])
+    engine.backward(engine(x, y))
+    parts = engine.optimizer.get_fp32_grad_partitions()
+    params = engine.optimizer.model_param_groups
+    full = {(g, i): safe_get_full_grad(p) for g, group in enumerate(params) for i, p in enumerate(group)}
+    return {"parts": parts, "full": full, "sizes": {(g, i): (p.partition_numel(), p.ds_numel)
+                                                    for g, group in enumerate(params) for i, p in enumerate(group)}}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fp32_grad_partitions_are_each_ranks_padded_piece_of_the_reduced_gradient(world: int) -> None:
+    """Upstream's `optimizer.get_fp32_grad_partitions()`: [group][index] -> this rank's fp32 piece
+    of the averaged gradient, ceil(numel/N) elements; the pieces in rank order are the gradient."""
+    results = run_distributed(world, _grad_partitions)
+    for key, (size, numel) in results[0]["sizes"].items():
+        pieces = [r["parts"][key[0]][key[1]] for r in results]
+        assert all(p.dtype == torch.float32 and p.numel() == size for p in pieces), key
+        joined = torch.cat(pieces)
+        torch.testing.assert_close(joined[:numel], results[0]["full"][key].reshape(-1).float(), rtol=0, atol=0)
+        assert not joined[numel:].any(), key   # the padding is zero

@@ -103,7 +103,8 @@ class Stage3Coordinator:
         `reduce_policy`, `comm_dtype`: prescale/predivide and communication_data_type (reducer.py)."""
         auto_external = external.enabled_by_env() if auto_external is None else auto_external
         self.module, self.shard_device = module, shard_device
-        self._keep_budget = min(max_reuse_distance, max_live_parameters)
+        self._keep_limit = min(max_reuse_distance, max_live_parameters)
+        self._keep_budget = self._keep_limit
         self._kept: list[ShardedUnit] = []   # gathered by a forward, held for its backward
         self._thresholds = (persistence_threshold, model_persistence_threshold)
         self.plan: UnitPlan = plan_units(module, *self._thresholds, numel_of=init_context.full_numel)
@@ -284,6 +285,11 @@ class Stage3Coordinator:
             self._calls_left[unit] = left
             if left == 0 and unit not in self._unhooked and unit.needs_reduce:
                 self.reducer.add(unit)
+
+    def keep_for_backward(self, enabled: bool) -> None:
+        """Turn [Note: keeping units for the backward] off (an engine without an optimizer: a
+        forward is not followed by a step that would give the kept units back) or on again."""
+        self._keep_budget = self._keep_limit if enabled else 0
 
     def _keep_for_backward(self, units: list[ShardedUnit]) -> None:
         """[Note: keeping units for the backward]

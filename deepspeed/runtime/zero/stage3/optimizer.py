@@ -122,6 +122,22 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
             self._offload_view = ParameterOffloadView(self.coordinator)
         return self._offload_view
 
+    def get_fp32_grad_partitions(self) -> dict[int, dict[int, torch.Tensor]]:
+        """Upstream's view of the reduced gradients after backward: [param group][index in the
+        group] -> this rank's partition of that parameter's gradient in fp32, ceil(numel/N)
+        elements (zero-padded at the end, as upstream's per-parameter partitions)."""
+        where = {id(p): (um, i) for um in self.units for i, p in enumerate(um.params)}
+        partitions: dict[int, dict[int, torch.Tensor]] = {}
+        for g, params in enumerate(self.model_param_groups):
+            partitions[g] = {}
+            for i, p in enumerate(params):
+                um, index = where[id(p)]
+                piece = um.unit.layout.piece(um.grad_source, index)
+                padded = torch.zeros(p.partition_numel(), dtype=torch.float32, device=piece.device)
+                padded[:piece.numel()] = piece
+                partitions[g][i] = padded
+        return partitions
+
     @property
     def fp32_partitioned_groups_flat(self) -> list[torch.Tensor]:
         """This rank's fp32 master shards (one per gather unit; upstream: one per param group),
