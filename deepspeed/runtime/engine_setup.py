@@ -12,6 +12,7 @@ from .. import comm as ds_comm
 from ..accelerator import get_accelerator
 from ..utils.logging import log_dist, logger
 from .config.sections.base import TORCH_DTYPES
+from .config.sections.precision import param_dtype_conflict
 from .errors import NotSupportedYet, UsageError  # NotSupportedYet re-exported: engine.py imports it here
 from .grad_reducer import GradBucketReducer, ReducePolicy
 
@@ -257,11 +258,9 @@ def mixed_precision_dtypes(engine: Any) -> tuple[torch.dtype | None, torch.dtype
 
 def assert_valid_mixed_precision_config(engine: Any) -> None:
     """`data_types.param_dtype`, when given, must name the training precision itself."""
-    mode = "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"
-    given = engine._config.param_dtype
-    if given is not None and given != mode:
-        raise UsageError(f"data_types.param_dtype={given!r} conflicts with the training precision {mode!r} "
-                         f"(from the fp16/bf16 enabled flags); omit it or make it match")
+    conflict = param_dtype_conflict(engine._config.param_dtype, engine.fp16_enabled(), engine.bfloat16_enabled())
+    if conflict:
+        raise UsageError(f"data_types.param_dtype={conflict}")
 
 
 def cast_module_mixed_precision(engine: Any, param_dtype: torch.dtype | None, buffer_dtype: torch.dtype | None,

@@ -361,27 +361,27 @@ def safe_update_full_grad_vectorized(param_list: List[torch.nn.Parameter], updat
 
 
 # --- local API (this rank's partition, flat) --------------------------------------------------
-def _local(param: torch.Tensor) -> tuple[_Link, Any, Any, Any]:
+def _local(param: torch.Tensor, frozen_ok: bool = False) -> Optional[tuple[_Link, Any, Any, Any]]:
+    """(link, optimizer, bucket or unit master, this rank's Fragment). With `frozen_ok` (the
+    getters): None for a frozen parameter or a ZeRO-3 one no engine optimizer trains, as the full
+    getters answer (upstream's answer for frozen ZeRO-3 parameters)."""
     link, optimizer = _lookup(param)
+    if link is None and frozen_ok and (not param.requires_grad or hasattr(param, "ds_id")):
+        return None
     if link is None or not link.sharded:
         raise AssertionError(_LOCAL_ONLY)
     sb, frag = _fragment(link, optimizer)
     return link, optimizer, sb, frag
 
 
-def _untrained(param: torch.Tensor) -> bool:
-    """A frozen parameter, or a ZeRO-3 one no engine optimizer trains: the local getters give None
-    for it, as the full ones do (upstream's answer for frozen ZeRO-3 parameters)."""
-    return _lookup(param)[0] is None and (not param.requires_grad or hasattr(param, "ds_id"))
-
-
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """This rank's part of the fp32 master weights: a flat copy (empty where this rank holds none
     of the parameter; later steps do not change it; None for a frozen one). Concatenating every
     rank's part in rank order gives the flattened full parameter."""
-    if _untrained(param):
+    local = _local(param, frozen_ok=True)
+    if local is None:
         return None
-    _, _, sb, frag = _local(param)
+    _, _, sb, frag = local
     if frag is None:
         return torch.empty(0, dtype=sb.master.dtype, device=param.device)
     return sb.master[frag.shard_start:frag.shard_start + frag.numel].to(param.device, copy=True)
@@ -399,9 +399,10 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
 
 def safe_get_local_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """This rank's part of the averaged gradient, flat, in fp32 (a copy)."""
-    if _untrained(param):
+    local = _local(param, frozen_ok=True)
+    if local is None:
         return None
-    _, _, sb, frag = _local(param)
+    _, _, sb, frag = local
     if frag is None:
         return torch.empty(0, dtype=torch.float32, device=param.device)
     return sb.grad_source[frag.shard_start:frag.shard_start + frag.numel].to(device=param.device,
@@ -421,9 +422,10 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
 def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
     """This rank's part of the optimizer state `optim_state_key`, flat, a copy (KeyError if the
     base optimizer keeps no such state, as upstream)."""
-    if _untrained(param):
+    local = _local(param, frozen_ok=True)
+    if local is None:
         return None
-    _, optimizer, sb, frag = _local(param)
+    _, optimizer, sb, frag = local
     if frag is None:
         return torch.empty(0, dtype=sb.master.dtype, device=param.device)
     state = _local_state(param, optimizer, optim_state_key)

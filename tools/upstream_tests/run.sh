@@ -41,17 +41,19 @@ export PATH="$venv/bin:$PATH" LOCAL_SIZE="${UPSTREAM_LOCAL_SIZE:-4}" DS_ACCELERA
     TORCH_EXTENSIONS_DIR="$out/torch_extensions" venv out timeout_s
 # LOCAL_SIZE: how many CPU "devices" the accelerator reports (upstream's harness skips world sizes above
 # it; without it, the NUMA node count, usually 1): a 4-device node, as upstream's tests expect.
-run_chunk() {
-    local name; name="$(basename "$1" .args)"
+run_pytest() {   # ARGFILE JUNIT LOG
     # (to a file, not a pipe: a test's leftover worker processes would hold a pipe open after pytest exits)
     "$venv/bin/python" -m pytest --forked -p no:cacheprovider -q -o addopts="" --continue-on-collection-errors \
-        --timeout="$timeout_s" --junitxml="$out/chunks/$name.xml" "@$1" > "$out/chunks/$name.log" 2>&1
+        --timeout="$timeout_s" --junitxml="$2" "@$1" > "$3" 2>&1
+}
+run_chunk() {
+    local name; name="$(basename "$1" .args)"
+    run_pytest "$1" "$out/chunks/$name.xml" "$out/chunks/$name.log"
     local rc=$? args="$1"
     if [ "$rc" = 4 ]; then   # a node id this environment does not collect (parametrized differently): whole file
         args="$out/chunks/$name.whole"
         head -n 1 "$1" | sed 's/::.*//' > "$args"
-        "$venv/bin/python" -m pytest --forked -p no:cacheprovider -q -o addopts="" --continue-on-collection-errors \
-            --timeout="$timeout_s" --junitxml="$out/chunks/$name.xml" "@$args" > "$out/chunks/$name.log" 2>&1
+        run_pytest "$args" "$out/chunks/$name.xml" "$out/chunks/$name.log"
         rc=$?
     fi
     # exit 3: a timeout outside the forked test ended the file; run the rest without the hung test
@@ -61,16 +63,14 @@ run_chunk() {
         local log="$out/chunks/$name.log"; [ "$part" -gt 1 ] && log="$out/chunks/$name.r$((part - 1)).log"
         "$venv/bin/python" "$here/tools/upstream_tests/resume.py" "$args" "$out/chunks/$name.r$part.resume" \
             "$out/chunks/$name.hung$part.xml" "$log" "$out/chunks/$name".*xml || break
-        "$venv/bin/python" -m pytest --forked -p no:cacheprovider -q -o addopts="" --continue-on-collection-errors \
-            --timeout="$timeout_s" --junitxml="$out/chunks/$name.r$part.xml" "@$out/chunks/$name.r$part.resume" \
-            > "$out/chunks/$name.r$part.log" 2>&1
+        run_pytest "$out/chunks/$name.r$part.resume" "$out/chunks/$name.r$part.xml" "$out/chunks/$name.r$part.log"
         rc=$?
         resumed=" after $part resume(s)" last="$out/chunks/$name.r$part.log"
     done
     echo "$name: exit $rc$resumed ($(tail -n 1 "$last" | sed 's/\x1b\[[0-9;]*m//g'))"
 }
 export here
-export -f run_chunk
+export -f run_pytest run_chunk
 set +e
 ls "$out"/chunks/*.args | xargs -d '\n' -n 1 -P "$jobs" bash -c 'run_chunk "$0"' | tee "$out/pytest.log"
 set -e

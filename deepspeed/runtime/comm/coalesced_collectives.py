@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from ... import comm as dist
+from ... import comm as ds_comm
 from ..errors import NotSupportedYet
 
 
 def reduce_scatter_coalesced(tensors: list[torch.Tensor], group: Any = None) -> list[torch.Tensor]:
     """This rank's chunk of the group mean of each tensor (views into one buffer)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = ds_comm.get_world_size(group), ds_comm.get_rank(group)
     chunks = [math.ceil(t.numel() / world) for t in tensors]
     per_rank = sum(chunks)
     flat = tensors[0].new_zeros(per_rank * world)
@@ -32,7 +32,7 @@ def reduce_scatter_coalesced(tensors: list[torch.Tensor], group: Any = None) -> 
             offset += size
     flat.div_(world)   # pre-divide, as upstream: the sum of the divided values is the mean
     mine = torch.empty(per_rank, dtype=flat.dtype, device=flat.device)
-    dist.reduce_scatter_tensor(mine, flat, group=group)
+    ds_comm.reduce_scatter_tensor(mine, flat, group=group)
     outputs, offset = [], 0
     for t, size in zip(tensors, chunks):
         length = max(0, min(size, t.numel() - rank * size))

@@ -29,7 +29,7 @@ from .sections.misc import AioConfig, FlopsProfilerConfig, TimersConfig
 from .sections.monitor import CometConfig, CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from .sections.optimizer import OptimizerConfig, SchedulerConfig
 from .sections.pipeline import PipelineConfig
-from .sections.precision import BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig
+from .sections.precision import BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig, param_dtype_conflict
 from .sections.unsupported import UNSUPPORTED_SECTIONS, UnsupportedSections
 from .sections.zero import ZeroConfig
 
@@ -179,10 +179,9 @@ class RootConfig(UnsupportedSections):
             which = "fp16" if self.fp16.enabled else "bf16"
             yield "torch_autocast.enabled", (f"cannot be combined with {which}.enabled: torch_autocast keeps "
                                              f"fp32 parameters; use one or the other")
-        mode = "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32"
-        if self.data_types.param_dtype is not None and self.data_types.param_dtype != mode:
-            yield "data_types.param_dtype", (f"{self.data_types.param_dtype!r} conflicts with the training precision "
-                                             f"({mode!r}, from the fp16/bf16 enabled flags); omit it or make it match")
+        conflict = param_dtype_conflict(self.data_types.param_dtype, self.fp16.enabled, self.bf16.enabled)
+        if conflict:
+            yield "data_types.param_dtype", conflict
         stage = self.zero_optimization.stage
         for key in ("fp16.fp16_master_weights_and_grads", "bf16.bf16_master_weights_and_grads",
                     "bf16.bf16_optimizer_states"):

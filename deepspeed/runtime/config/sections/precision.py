@@ -107,6 +107,15 @@ class TorchAutocastConfig(DSModel):
         return None if value is None else str(value).replace("torch.", "")
 
 
+def param_dtype_conflict(param_dtype: Optional[str], fp16: bool, bf16: bool) -> Optional[str]:
+    """Why `data_types.param_dtype` contradicts the fp16/bf16 flags (None when it does not)."""
+    mode = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+    if param_dtype is None or param_dtype == mode:
+        return None
+    return (f"{param_dtype!r} conflicts with the training precision {mode!r} (from the fp16/bf16 enabled "
+            f"flags); omit it or make it match")
+
+
 class DataTypesConfig(DSModel):
     """`data_types`: dtypes that differ from the training precision."""
 

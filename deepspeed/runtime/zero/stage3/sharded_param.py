@@ -120,8 +120,7 @@ class ShardedUnit:
         self.offsets = self.layout.offsets
         self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
         first = params[0]
-        self.flat = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device)
-        self._views = [self.flat[o:o + n].view(s) for o, n, s in zip(self.offsets, spec.numels, self.shapes)]
+        self._new_flat(torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device))
         # Flatten the unit and keep our pieces: a full parameter is copied; a zero.Init one keeps
         # its slice, which is already our piece (partitioned over the same ranks; else it is
         # all-gathered into place). The full model never exists in one process.
@@ -178,15 +177,22 @@ class ShardedUnit:
         for p in self.params:
             p.ds_status = status
 
+    def _new_flat(self, flat: torch.Tensor) -> None:
+        """`flat` becomes the gather buffer; the parameters' views are cut from it."""
+        self.flat = flat
+        self._views = [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.spec.numels, self.shapes)]
+
     def take_rebound_pieces(self) -> None:
         """`p.ds_tensor.data = t` (upstream's own tests set partitions that way) rebinds the view
         to another tensor instead of writing the shard: take its values into the shard and point
         `ds_tensor` back at its piece, as a write through the view would have done (neither
         reaches the optimizer's fp32 masters, as upstream)."""
+        base, item = self.shard.data_ptr(), self.shard.element_size()
         for i, p in enumerate(self.params):
-            tensor, piece = p.__dict__.get("ds_tensor"), self.layout.piece(self.shard, i)
-            if tensor is None or not piece.numel() or tensor.data_ptr() == piece.data_ptr():
+            tensor = p.__dict__.get("ds_tensor")
+            if tensor is None or not self.layout.sizes[i] or tensor.data_ptr() == base + item * self.layout.starts[i]:
                 continue
+            piece = self.layout.piece(self.shard, i)
             if tensor.shape != piece.shape:
                 raise RuntimeError(f"ZeRO-3: ds_tensor of a parameter of '{self.spec.owner}' was given shape "
                                    f"{tuple(tensor.shape)}; this rank's partition has shape {tuple(piece.shape)}")
@@ -263,8 +269,7 @@ class ShardedUnit:
                 raise RuntimeError(f"ZeRO-3: releasing '{self.spec.owner}' while a parameter still has a .grad")
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         if keep_aliases:   # the buffer goes to whoever still references it; the next gather gets a new one
-            self.flat = torch.empty(self.flat.numel(), dtype=self.flat.dtype, device=self.flat.device)
-            self._views = [self.flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.spec.numels, self.shapes)]
+            self._new_flat(torch.empty_like(self.flat))
         self.flat.untyped_storage().resize_(0)
         self._set_status(ZeroParamStatus.NOT_AVAILABLE)
 
