@@ -115,20 +115,27 @@ def worker(rank, world, port, impl, stages, micro_batches, steps, out):
         engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
         for layer in engine.module.forward_funcs:
             timed(layer, busy)
+        instr = time_instructions(type(engine))
 
         def step():
             engine.train_batch(iter(batches))
-    times = []
+    times, per_instr = [], []
     for i in range(steps + 2):
         busy[0] = 0.0
+        if impl != "torch":
+            instr.clear()
         start = time.perf_counter()
         step()
         if i >= 2:
             times.append((time.perf_counter() - start, busy[0]))
+            if impl != "torch":
+                per_instr.append(dict(instr))
     import torch.distributed as dist
 
     gathered = [None] * world
     dist.all_gather_object(gathered, times)
+    instr_gathered = [None] * world
+    dist.all_gather_object(instr_gathered, per_instr)
     if rank == 0:
         step_s = statistics.median(max(t[i][0] for t in gathered) for i in range(steps))
         bubble = statistics.mean(1 - statistics.median(t[i][1] for i in range(steps)) / step_s for t in gathered)
@@ -136,10 +143,30 @@ def worker(rank, world, port, impl, stages, micro_batches, steps, out):
         busiest = max(statistics.median(t[i][1] for i in range(steps)) for t in gathered)
         bound = busiest * (micro_batches + stages - 1) / micro_batches
         with open(out, "w") as f:
+            # Per rank, the median over steps of the time in each schedule instruction (ours, upstream).
+            instr_s = [{name: statistics.median(s.get(name, 0.0) for s in steps_of_rank)
+                        for name in sorted({n for s in steps_of_rank for n in s})}
+                       for steps_of_rank in instr_gathered] if impl != "torch" else None
             json.dump({"impl": impl, "stages": stages, "world": world, "micro_batches": micro_batches,
-                       "step_s": step_s, "bubble": bubble, "bound_s": bound}, f)
+                       "step_s": step_s, "bubble": bubble, "bound_s": bound, "instr_s": instr_s}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def time_instructions(engine_class):
+    """Time every schedule instruction the engine executes; returns {instruction: seconds this
+    step}. Ours and upstream's PipelineEngine both dispatch through `_INSTRUCTION_MAP`."""
+    spent = {}
+    table = engine_class._INSTRUCTION_MAP
+    for cls, handler in list(table.items()):
+        def timed_handler(self, *args, _handler=handler, _name=cls.__name__, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _handler(self, *args, **kwargs)
+            finally:
+                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - start
+        table[cls] = timed_handler
+    return spent
 
 
 def timed(module, busy):
@@ -218,6 +245,39 @@ def main():
         over_bound = statistics.median(r["step_s"] / r["bound_s"] for r in rows)
         print(f"| {p} x {world // p} | {impl} | {step:.3f} | {low:.3f}-{high:.3f} | {ratio} | {over_bound:.2f} | "
               f"{bubble:.2f} | {(p - 1) / (m + p - 1):.2f} |")
+    print_breakdown(runs)
+
+
+_GROUPS = {"compute (F+B)": ("ForwardPass", "BackwardPass"), "recv wait": ("RecvActivation", "RecvGrad"),
+           "send": ("SendActivation", "SendGrad"), "reduce": ("ReduceGrads", "ReduceTiedGrads"),
+           "optimizer step": ("OptimizerStep",), "load": ("LoadMicroBatch",)}
+
+
+def print_breakdown(runs):
+    """Where each engine's step goes, per schedule instruction (ours and upstream). "floor" is
+    the busiest stage's compute alone: a step with no bubble and free communication; divided by
+    upstream's step it is the least ratio any schedule of these stages could reach."""
+    print("\nPer instruction, ms per step (busiest stage's compute; the rest averaged over ranks):")
+    print("| layout | impl | step | " + " | ".join(_GROUPS) + " | floor / upstream step |")
+    print("|---|---|---|" + "---|" * len(_GROUPS) + "---|")
+    for (p, world, impl), rows in runs.items():
+        rows = [r for r in rows if r.get("instr_s")]
+        base = runs.get((p, world, "upstream"))
+        if not rows or not base:
+            continue
+        cells, floors = [], []
+        for name, members in _GROUPS.items():
+            per_run = []
+            for r in rows:
+                per_rank = [sum(ranks.get(k, 0.0) for k in members) for ranks in r["instr_s"]]
+                per_run.append(max(per_rank) if name == "compute (F+B)" else statistics.mean(per_rank))
+                if name == "compute (F+B)":
+                    floors.append(max(per_rank))
+            cells.append(f"{statistics.median(per_run) * 1e3:.0f}")
+        upstream_step = statistics.median(r["step_s"] for r in base)
+        step = statistics.median(r["step_s"] for r in rows)
+        print(f"| {p} x {world // p} | {impl} | {step * 1e3:.0f} | " + " | ".join(cells) +
+              f" | {statistics.median(floors) / upstream_step:.2f} |")
 
 
 def run_subprocess(args, impl, stages, world):

@@ -134,10 +134,21 @@ def _loopback_tx() -> int:
     raise RuntimeError("no loopback interface in /proc/net/dev")
 
 
+def _loopback_mark() -> int:
+    """Rank 0's reading of the loopback counter while every rank waits: a barrier before (all
+    earlier traffic is done) and one after (no rank sends counted traffic before the reading;
+    with a single barrier the other ranks may start sending while rank 0 still reads, and those
+    bytes are missed). The second barrier's few bytes are counted; they are negligible."""
+    dist.barrier()
+    mark = _loopback_tx() if dist.get_rank() == 0 else 0
+    dist.barrier()
+    return mark
+
+
 def _sent_bytes(op: str, numel: int, reps: int) -> float:
     """Loopback bytes all ranks together sent per call of `op`, over `reps` calls of a `numel`
     fp32 input (reduce-scatter) or output (all-gather). Rank 0 reads the host-wide counter
-    between barriers (a barrier's bytes are negligible next to the payload)."""
+    while every rank waits (`_loopback_mark`)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     whole = torch.ones(numel)
     part = torch.empty(numel // world)
@@ -147,12 +158,11 @@ def _sent_bytes(op: str, numel: int, reps: int) -> float:
         "ours all_gather": lambda: ds_comm.all_gather_into_tensor(whole, part),
     }
     calls[op]()  # connections and buffers set up outside the count
-    dist.barrier()
-    start = _loopback_tx() if rank == 0 else 0
+    start = _loopback_mark()
     for _ in range(reps):
         calls[op]()
-    dist.barrier()
-    return (_loopback_tx() - start) / reps if rank == 0 else 0.0
+    end = _loopback_mark()   # on every rank: it is a collective
+    return (end - start) / reps if rank == 0 else 0.0
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -190,12 +200,11 @@ def _zero_step_sent_bytes(stage: int) -> tuple[float, int]:
         engine.step()
 
     step()  # connections set up outside the count
-    dist.barrier()
-    start = _loopback_tx() if dist.get_rank() == 0 else 0
+    start = _loopback_mark()
     for _ in range(2):
         step()
-    dist.barrier()
-    sent = (_loopback_tx() - start) / 2 if dist.get_rank() == 0 else 0.0
+    end = _loopback_mark()   # on every rank: it is a collective
+    sent = (end - start) / 2 if dist.get_rank() == 0 else 0.0
     return sent, sum(p.numel() for p in model.parameters())
 
 
