@@ -33,10 +33,11 @@ from .grad_accum import is_boundary
 from .optimizer_wrapper import clip_sharded_grads, counted_in_norm
 from .observer import EngineObserver
 from .precision.policy import PrecisionPolicy
+from .zero.offload_states import OffloadStates
 from .zero.stages import STAGES
 
 
-class DeepSpeedEngine(EngineAccessors, nn.Module):
+class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
     """Wraps a model for data-parallel training with DeepSpeed's API.
 
     The constructor keeps upstream's signature: frameworks subclass and call it that way.
@@ -140,6 +141,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         """
         if self._bstate.active and not in_autograd_backward():
             self._abort_backward()   # the last backward raised before its epilogue
+        self._refuse_if_offloaded("forward")
         self._obs.before_forward()
         inputs, kwargs = self.precision.cast_input(inputs), self.precision.cast_input(kwargs)
         with self.precision.forward_context(self.device.type), \
@@ -185,6 +187,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward(loss): loss must be a scalar tensor; for non-scalar outputs call "
                              "output.backward(gradient) directly")
+        self._refuse_if_offloaded("backward")
         self._losses.append(loss.detach())
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         if self._bstate.begin():
@@ -215,6 +218,7 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
                 and (self.stage.shard_gradients or (self._managed and self.is_gradient_accumulation_boundary())))
 
     def _backward_prologue(self) -> None:
+        self._refuse_if_offloaded("backward")
         self._obs.before_backward()
         self._backwards_since_step += 1
         if self._reduce_now():
@@ -356,15 +360,18 @@ class DeepSpeedEngine(EngineAccessors, nn.Module):
         if self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: pass `optimizer` or an `optimizer` "
                                "section in the config to deepspeed.initialize")
+        boundary = self.is_gradient_accumulation_boundary() if self._managed else True
+        if boundary:
+            self._refuse_if_offloaded("step")
         self._obs.before_step()
         self._step_applied = False
-        boundary = self.is_gradient_accumulation_boundary() if self._managed else True
         if boundary:
             self._take_model_step(lr_kwargs)
         self._obs.after_step(boundary)
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
+        self._refuse_if_offloaded("step")
         if not self._reduced_this_boundary and not self.inside_no_sync_ctxt:
             self.allreduce_gradients()  # backward ran outside engine.backward: reduce now
         if self.stage.shard_optimizer_state and not self.stage.shard_parameters:

@@ -338,6 +338,16 @@ class GradBucketReducer:
             raise RuntimeError("reduced_grad of a sharded parameter needs a bucket of its own (solo)")
         return self.shard_grad_of(bucket)
 
+    def rebind_flat(self, bucket: _Bucket, flat: torch.Tensor) -> None:
+        """Make `flat` the bucket's gradient buffer (moved by engine.offload_states): views and
+        bound `.grad`s are cut from it again."""
+        bucket.flat, bucket.views, offset = flat, [], 0
+        for p in bucket.params:
+            bucket.views.append(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+            if self._bound(flat, p) and p.grad is not None:
+                p.grad = bucket.views[-1]
+
     def flat_buffers(self) -> list[torch.Tensor]:
         return [bucket.flat for bucket in self.buckets]
 

@@ -21,8 +21,7 @@ class OffloadDeviceEnum(str, Enum):
 
 
 class OffloadStateTypeEnum(str, Enum):
-    """Kinds of training state upstream's `engine.offload_states(include=...)` moves (that API is
-    not provided here; see docs/compatibility.md)."""
+    """Kinds of training state `engine.offload_states(include=...)` moves (see offload_states.py)."""
 
     optim_states = "optim_states"
     hp_params = "hp_params"

@@ -102,7 +102,34 @@ def step_on_shards(wrapper: Any, shards: list[Any], culprit: str, comm_device: t
     return applied
 
 
-class _ShardedBucket:
+class MasterShard:
+    """The optimizer side of one shard (a bucket at stages 1-2, a unit at stage 3): the fp32
+    `master` slice, the fragment masters the base optimizer steps (views of it) and, with offload
+    or another dtype, a master-side copy of the gradient slice (`_master_grad`). The rebinds
+    move them (engine.offload_states) without leaving a view on the old storage."""
+
+    master: torch.Tensor
+    fragment_masters: list[tuple[torch.Tensor, Any]]
+    pointed_grad: torch.Tensor | None
+    _master_grad: torch.Tensor | None
+
+    def rebind_master(self, master: torch.Tensor) -> None:
+        self.master = master
+        for fragment_master, f in self.fragment_masters:
+            fragment_master.data = master[f.shard_start:f.shard_start + f.numel]
+            fragment_master.grad = None
+        self.pointed_grad = None   # the next step points the gradients again
+
+    @property
+    def master_grad_copy(self) -> torch.Tensor | None:
+        return self._master_grad
+
+    def rebind_master_grad(self, grad: torch.Tensor) -> None:
+        self._master_grad = grad
+        self.pointed_grad = None
+
+
+class _ShardedBucket(MasterShard):
     """One bucket's parameter buffer, this rank's master slice and gradient slice.
 
     The gradient slice is the reducer's shard of the bucket, which exists from the first
@@ -129,6 +156,12 @@ class _ShardedBucket:
         self.fragments = self.partition.fragments(rank)
         self.fragment_masters: list[tuple[torch.Tensor, Any]] = []
         self.pointed_grad: torch.Tensor | None = None
+
+    def rebind_param_flat(self, flat: torch.Tensor) -> None:
+        """Make `flat` the bucket's parameter buffer; the parameters become views of it again."""
+        self.param_flat = flat
+        for p, start in zip(self.params, self.partition.offsets()):
+            p.data = flat[start:start + p.numel()].view_as(p)
 
     @property
     def grad_source(self) -> torch.Tensor:

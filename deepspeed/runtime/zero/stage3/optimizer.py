@@ -24,12 +24,12 @@ from ....utils.timer import OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_STEP_TIMER, tim
 from ...base_optimizer import ZeROOptimizer
 from ...optimizer_wrapper import OptimizerWrapper
 from ...precision.policy import PrecisionPolicy
-from ..optimizer import PartitionedStateDict, attach_fragment_masters, step_on_shards
+from ..optimizer import MasterShard, PartitionedStateDict, attach_fragment_masters, step_on_shards
 from .coordinator import Stage3Coordinator
 from .sharded_param import ShardedUnit
 
 
-class _UnitMaster:
+class _UnitMaster(MasterShard):
     """One unit's fp32 master slice and the gradient slice the base optimizer reads."""
 
     def __init__(self, unit: ShardedUnit, master_dtype: torch.dtype, master_device: torch.device) -> None:

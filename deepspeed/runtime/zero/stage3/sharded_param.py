@@ -182,6 +182,28 @@ class ShardedUnit:
         self.flat = flat
         self._views = [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.spec.numels, self.shapes)]
 
+    def rebind_shard(self, shard: torch.Tensor) -> None:
+        """Make `shard` this rank's slice (moved by engine.offload_states); `ds_tensor` views it
+        again. Where shards are kept between uses (`shard_device`) does not change."""
+        self.take_rebound_pieces()
+        self.shard = shard
+        for i, p in enumerate(self.params):
+            p.ds_tensor.data = self.layout.piece(shard, i)
+
+    def rebind_flat(self, flat: torch.Tensor) -> None:
+        """Make `flat` the gathered buffer of an available unit; the parameters view it again."""
+        self._new_flat(flat)
+        if self.available:
+            for view, p in zip(self._views, self.params):
+                p.data = view
+
+    @property
+    def grad_shard_if_any(self) -> torch.Tensor | None:
+        return self._grad_shard
+
+    def rebind_grad_shard(self, grad: torch.Tensor) -> None:
+        self._grad_shard = grad
+
     def take_rebound_pieces(self) -> None:
         """`p.ds_tensor.data = t` (upstream's own tests set partitions that way) rebinds the view
         to another tensor instead of writing the shard: take its values into the shard and point
