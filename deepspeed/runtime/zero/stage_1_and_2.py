@@ -8,8 +8,11 @@ through `deepspeed.initialize`. Per-parameter access to its fp32 master weights,
 optimizer state goes through `deepspeed.utils.safe_get_full_fp32_param` and friends.
 """
 
+from .memory_estimators import (estimate_zero2_model_states_mem_needs, estimate_zero2_model_states_mem_needs_all_cold,
+                                estimate_zero2_model_states_mem_needs_all_live)
 from .optimizer import ZeroOptimizer
 
 DeepSpeedZeroOptimizer = ZeroOptimizer
 
-__all__ = ["DeepSpeedZeroOptimizer"]
+__all__ = ["DeepSpeedZeroOptimizer", "estimate_zero2_model_states_mem_needs",
+           "estimate_zero2_model_states_mem_needs_all_cold", "estimate_zero2_model_states_mem_needs_all_live"]

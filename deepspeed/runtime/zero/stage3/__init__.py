@@ -6,6 +6,8 @@ Before initialize, init_context.py (zero.Init) partitions parameters as modules 
 gathered.py (GatheredParameters, external parameters) is the user API over both states;
 watchdog.py bounds every unit collective in time and checks that ranks run the same schedule."""
 
+from ..memory_estimators import (estimate_zero3_model_states_mem_needs, estimate_zero3_model_states_mem_needs_all_cold,
+                                 estimate_zero3_model_states_mem_needs_all_live)
 from .coordinator import Stage3Coordinator
 from .optimizer import Stage3Optimizer
 from .sharded_param import ShardedUnit, ZeroParamStatus
@@ -17,7 +19,8 @@ from .watchdog import ZeRO3DivergenceError
 DeepSpeedZeroOptimizer_Stage3 = Stage3Optimizer
 
 __all__ = ["Stage3Coordinator", "Stage3Optimizer", "DeepSpeedZeroOptimizer_Stage3", "ShardedUnit", "ZeroParamStatus",
-           "UnitPlan", "UnitSpec", "plan_units", "ZeRO3DivergenceError"]
+           "UnitPlan", "UnitSpec", "plan_units", "ZeRO3DivergenceError", "estimate_zero3_model_states_mem_needs",
+           "estimate_zero3_model_states_mem_needs_all_cold", "estimate_zero3_model_states_mem_needs_all_live"]
 
 # compat: `deepspeed.<pkg>.<submodule>` chains resolve after `import deepspeed` (upstream imports eagerly).
 from ...._lazy import submodule_getattr  # noqa: E402
