@@ -35,8 +35,10 @@ class Net(nn.Module):
         return F.cross_entropy(self.fc2(torch.tanh(self.frozen(torch.relu(self.fc1(x))))), y)
 
 
-def _config(stage: int, offload_optimizer: bool, bf16: bool) -> dict:
+def _config(stage: int, offload_optimizer: bool, bf16: bool, persistent: bool = True) -> dict:
     zero: dict = {"stage": stage}
+    if not persistent:   # every ZeRO-3 unit released between uses (Net's are below the default threshold)
+        zero["stage3_param_persistence_threshold"] = 0
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "steps_per_print": 1000,
@@ -93,13 +95,32 @@ def _round_trip(engine, when: str) -> None:
     del before
 
 
-def train(stage: int, offload_optimizer: bool, bf16: bool, offload: bool) -> dict:
+class forced_copies:
+    """Every move copies (see the module docstring); undone on exit (the worker pool is reused)."""
+
+    def __enter__(self) -> None:
+        from deepspeed.runtime.zero import offload_states
+
+        self.saved = offload_states._already_there
+        offload_states._already_there = lambda tensor, device, pin: False
+
+    def __exit__(self, *exc: object) -> None:
+        from deepspeed.runtime.zero import offload_states
+
+        offload_states._already_there = self.saved
+
+
+def train(stage: int, offload_optimizer: bool, bf16: bool, persistent: bool, offload: bool) -> dict:
+    if not offload:
+        return _train(stage, offload_optimizer, bf16, persistent, False)
+    with forced_copies():
+        return _train(stage, offload_optimizer, bf16, persistent, True)
+
+
+def _train(stage: int, offload_optimizer: bool, bf16: bool, persistent: bool, offload: bool) -> dict:
     import deepspeed
     import deepspeed.comm as dist
-    from deepspeed.runtime.zero import offload_states
 
-    if offload:   # see the module docstring: every move copies
-        offload_states._already_there = lambda tensor, device, pin: False
     rank = dist.get_rank()
     torch.manual_seed(0)
     net = Net()
@@ -107,7 +128,7 @@ def train(stage: int, offload_optimizer: bool, bf16: bool, offload: bool) -> dic
               {"params": [p for n, p in net.named_parameters() if "bias" in n and p.requires_grad],
                "weight_decay": 0.0}]
     engine, *_ = deepspeed.initialize(model=net, model_parameters=groups,
-                                      config=_config(stage, offload_optimizer, bf16))
+                                      config=_config(stage, offload_optimizer, bf16, persistent))
     dtype = torch.bfloat16 if bf16 else torch.float32
     gen = torch.Generator().manual_seed(100 + rank)
     losses = []
@@ -130,15 +151,17 @@ def train(stage: int, offload_optimizer: bool, bf16: bool, offload: bool) -> dic
     return {"losses": losses, "masters": masters}
 
 
-@pytest.mark.parametrize("stage,offload_optimizer,bf16", [(1, False, False), (2, False, True), (2, True, False),
-                                                           (3, False, False), (3, True, True)])
-def test_round_trip_leaves_training_unchanged(stage: int, offload_optimizer: bool, bf16: bool) -> None:
+@pytest.mark.parametrize("stage,offload_optimizer,bf16,persistent", [
+    (1, False, False, True), (2, False, True, True), (2, True, False, True),
+    (3, False, False, False), (3, True, True, True), (3, True, False, False)])
+def test_round_trip_leaves_training_unchanged(stage: int, offload_optimizer: bool, bf16: bool,
+                                              persistent: bool) -> None:
     """Offloading and reloading at every point of a run (mid-accumulation, before and after
     the step) gives exactly the losses and master weights of the run that never offloaded: the
     round trip copies values, and the same kernels run in the same order."""
     world = 2
-    plain = run_distributed(world, train, stage, offload_optimizer, bf16, False)
-    moved = run_distributed(world, train, stage, offload_optimizer, bf16, True)
+    plain = run_distributed(world, train, stage, offload_optimizer, bf16, persistent, False)
+    moved = run_distributed(world, train, stage, offload_optimizer, bf16, persistent, True)
     for rank in range(world):
         assert moved[rank]["losses"] == plain[rank]["losses"]
         for a, b in zip(moved[rank]["masters"], plain[rank]["masters"]):
@@ -146,13 +169,22 @@ def test_round_trip_leaves_training_unchanged(stage: int, offload_optimizer: boo
 
 
 def guarded(stage: int) -> dict:
+    with forced_copies():
+        return _guarded(stage)
+
+
+def _guarded(stage: int) -> dict:
     """What an offloaded engine refuses, and what it still does."""
     import deepspeed
+    from deepspeed.runtime.zero import offload_states
 
     torch.manual_seed(0)
-    engine, *_ = deepspeed.initialize(model=Net(), config=_config(stage, False, False))
+    engine, *_ = deepspeed.initialize(model=Net(), config=_config(stage, False, False, persistent=False))
     x, y = torch.randn(2, 15), torch.randint(0, 5, (2,))
     messages = {}
+    for _ in range(GAS):                # one optimizer step: the optimizer state exists
+        engine.backward(engine(x, y))
+        engine.step()
     engine.backward(engine(x, y))
     engine.step()                       # micro-step 1 of 2: no optimizer step
     engine.offload_states(include=["optim_states"])
@@ -175,6 +207,37 @@ def guarded(stage: int) -> dict:
         engine.backward(engine(x, y))
         engine.step()
     messages["global_steps_end"] = engine.global_steps
+    # After a step there are no gradients: offloading them moves nothing and refuses nothing.
+    engine.offload_states(include=["lp_grads"])
+    messages["nothing_to_move"] = engine.offloaded_state_kinds()
+    # A reload that fails half-way (an out-of-memory on the device, say) keeps the record: the
+    # guards stay on and a second reload finishes the job.
+    engine.offload_states(include=["optim_states"])
+    moves, real_move = [0], offload_states._move
+
+    def failing_move(*args, **kwargs):
+        moves[0] += 1
+        if moves[0] == 2:
+            raise MemoryError("injected")
+        return real_move(*args, **kwargs)
+
+    offload_states._move = failing_move
+    try:
+        engine.reload_states()
+    except MemoryError:
+        messages["after_failed_reload"] = engine.offloaded_state_kinds()
+    finally:
+        offload_states._move = real_move
+    engine.backward(engine(x, y))
+    engine.step()                       # micro-step 1 of 2 (no optimizer step: not refused)
+    engine.backward(engine(x, y))
+    try:
+        engine.step()
+    except RuntimeError as error:
+        messages["step_after_failed_reload"] = str(error)
+    engine.reload_states()
+    engine.step()
+    messages["global_steps_retry"] = engine.global_steps
     for bad in ({"include": ["bogus"]}, {"device": "nvme"}):
         try:
             engine.offload_states(**bad)
@@ -189,7 +252,10 @@ def guarded(stage: int) -> dict:
 def test_offloaded_state_is_refused_with_a_clear_error(stage: int) -> None:
     messages = run_distributed(2, guarded, stage)[0]
     assert "reload_states()" in messages["step"] and "optim_states" in messages["step"]
-    assert (messages["global_steps"], messages["global_steps_end"]) == (1, 2)
+    assert (messages["global_steps"], messages["global_steps_end"], messages["global_steps_retry"]) == (2, 3, 4)
+    assert messages["nothing_to_move"] == []
+    assert [k.value for k in messages["after_failed_reload"]] == ["optim_states"]
+    assert "optim_states" in messages["step_after_failed_reload"]
     if stage == 3:   # a ZeRO-3 gather copies the shard to the device: forward works
         assert "forward" not in messages and "forward_output" in messages
     else:

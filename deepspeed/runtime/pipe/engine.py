@@ -169,6 +169,7 @@ class PipelineEngine(DeepSpeedEngine):
         iterator set before) and step. Returns the batch's mean loss on every rank."""
         if not torch.is_grad_enabled():
             raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
+        self._refuse_if_offloaded("train_batch")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
@@ -194,6 +195,7 @@ class PipelineEngine(DeepSpeedEngine):
         `bcast_loss`); with `return_logits`, also the last stage's outputs (None elsewhere)."""
         if reduce_output not in ("avg", None):
             raise NotImplementedError(f"eval_batch reduce_output={reduce_output!r}: use 'avg' or None")
+        self._refuse_if_offloaded("eval_batch")
         self.eval_return_logits = return_logits
         self.module.eval()
         self._compute_loss = compute_loss

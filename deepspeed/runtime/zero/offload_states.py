@@ -14,7 +14,8 @@ from (and whether it was pinned) is remembered for `reload_states()`.
     hp_params               the fp32 master shards
     lp_params               the model's parameters: stages 1-2 their bucket buffers (and
                             parameters outside buckets, e.g. frozen); stage 3 the shards
-                            (`ds_tensor`) and the buffers of units kept gathered (persistent)
+                            (`ds_tensor`); units gathered at the time (persistent ones, those
+                            inside GatheredParameters) keep their full parameters on the device
     lp_grads                the reduced gradient shards (they exist from a backward's reduction
                             to the step) and their master-side copies
     contiguous_grad_buffer  stages 1-2: the full-size gradient buckets that hold accumulated
@@ -42,7 +43,8 @@ class Slot:
 
 
 def _already_there(tensor: torch.Tensor, device: torch.device, pin: bool) -> bool:
-    return tensor.device == device and (not pin or tensor.is_pinned())
+    """State already on the target device stays as it is (pinning applies to what moves)."""
+    return tensor.device == device
 
 
 def _move(tensor: torch.Tensor, device: torch.device, pin: bool, non_blocking: bool) -> torch.Tensor:
@@ -96,8 +98,7 @@ def _stage12_slots(optimizer: Any, module: torch.nn.Module, kind: OffloadStateTy
 def _stage3_slots(optimizer: Any, kind: OffloadStateTypeEnum) -> list[Slot]:
     units = optimizer.coordinator.units
     if kind is OffloadStateTypeEnum.lp_params:
-        return [Slot(lambda u=u: u.shard, u.rebind_shard) for u in units] + \
-               [Slot(lambda u=u: u.flat if u.available else None, u.rebind_flat) for u in units]
+        return [Slot(lambda u=u: u.shard, u.rebind_shard) for u in units]
     if kind is OffloadStateTypeEnum.lp_grads:
         return [Slot(lambda u=u: u.grad_shard_if_any, u.rebind_grad_shard) for u in units] + \
                _master_grad_slots(optimizer.units)
@@ -146,7 +147,8 @@ def _kinds(include: Any) -> list[OffloadStateTypeEnum]:
     return kinds
 
 
-_NEEDED_BY = {"forward": set(), "step": set(OffloadStateTypeEnum),
+_NEEDED_BY = {"forward": set(), "eval_batch": set(), "step": set(OffloadStateTypeEnum),
+              "train_batch": set(OffloadStateTypeEnum),   # the PipelineEngine's forward, backward and step
               "backward": {OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_buffer}}
 
 
@@ -168,28 +170,35 @@ class OffloadStates:
         for kind in kinds:
             if kind in offloaded:
                 continue
-            record = []
+            # Recorded before it moves: if a move fails half-way, what moved is known (the guards
+            # stay on and reload_states() brings it back).
+            record = offloaded[kind] = []
             for slot in slots[kind]:
                 tensor = slot.get()
-                if tensor is None:
+                if tensor is None or _already_there(tensor, target, pin_memory):
                     continue
                 record.append((slot, tensor.device, tensor.is_pinned()))
                 slot.put(_move(tensor, target, pin_memory, non_blocking))
-            offloaded[kind] = record
+            if not record:   # nothing of this kind to move: nothing to refuse or bring back
+                del offloaded[kind]
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Move everything `offload_states()` moved back where it was."""
         offloaded = self.__dict__.get("_offloaded_states") or {}
         for kind in list(offloaded):
-            for slot, device, pinned in offloaded.pop(kind):
+            for slot, device, pinned in offloaded[kind]:
                 tensor = slot.get()
                 if tensor is not None:   # (gradients dropped by a zero_grad() meanwhile stay dropped)
-                    slot.put(_move(tensor, device, pinned, non_blocking))
+                    slot.put(_move(tensor, device, pinned, non_blocking))   # (a no-op for what is back)
+            del offloaded[kind]   # only once all of it is back: a failed reload can be retried
 
     def offloaded_state_kinds(self) -> list[OffloadStateTypeEnum]:
         return list(self.__dict__.get("_offloaded_states") or {})
 
     def _refuse_offload_mid_pass(self) -> None:
+        if self.inside_no_sync_ctxt:
+            raise RuntimeError("offload_states() inside no_sync()/coalesce_grad_reduction(): gradients held back "
+                               "there are not moved; leave the block first")
         if self._stage3 is not None:
             self._stage3.release_cache()   # raises inside a forward or backward
         elif self._reducer is not None and self._reducer.armed:
@@ -197,9 +206,9 @@ class OffloadStates:
                                "or after step)")
 
     def _refuse_if_offloaded(self, action: str) -> None:
-        """Raise if state that `action` ("forward", "backward", "step") needs is offloaded: a step
-        needs all of it; a backward the gradient state (and, at stages 1-2, the parameters); a
-        forward at stages 1-2 the parameters (a ZeRO-3 gather copies the shard to the device)."""
+        """Raise if state that `action` (a key of _NEEDED_BY) needs is offloaded: a step (and a
+        pipeline's train_batch) needs all of it; a backward the gradient state; at stages 1-2 every
+        action also needs the parameters (a ZeRO-3 gather copies the shard to the device)."""
         offloaded = self.__dict__.get("_offloaded_states")
         if not offloaded:
             return

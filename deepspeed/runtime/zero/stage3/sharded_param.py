@@ -190,13 +190,6 @@ class ShardedUnit:
         for i, p in enumerate(self.params):
             p.ds_tensor.data = self.layout.piece(shard, i)
 
-    def rebind_flat(self, flat: torch.Tensor) -> None:
-        """Make `flat` the gathered buffer of an available unit; the parameters view it again."""
-        self._new_flat(flat)
-        if self.available:
-            for view, p in zip(self._views, self.params):
-                p.data = view
-
     @property
     def grad_shard_if_any(self) -> torch.Tensor | None:
         return self._grad_shard
@@ -349,7 +342,7 @@ class ShardedUnit:
                 p.data = view
         if self.world > 1 and self.flat.numel():
             ds_comm.broadcast(self.flat, src=ds_comm.get_global_rank(self.group, src), group=self.group)
-        new = self.layout.row(self.flat, self.rank).to(self.shard_device)
+        new = self.layout.row(self.flat, self.rank).to(self.shard.device)   # (offload_states may have moved it)
         changed = new != self.shard
         if bool(changed.any()):
             self.shard.copy_(new)
