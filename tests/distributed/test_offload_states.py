@@ -187,12 +187,16 @@ def _guarded(stage: int) -> dict:
         engine.step()
     engine.backward(engine(x, y))
     engine.step()                       # micro-step 1 of 2: no optimizer step
-    engine.offload_states(include=["optim_states"])
+    engine.optimizer.offload_states(include=["optim_states"])   # RLHF code calls it there (OpenRLHF)
     engine.backward(engine(x, y))       # forward and backward need no optimizer state
     try:
         engine.step()                   # the boundary: refused before anything changes
     except RuntimeError as error:
         messages["step"] = str(error)
+    try:
+        engine.optimizer.step()         # stepped directly, as Lightning Fabric does
+    except RuntimeError as error:
+        messages["optimizer_step"] = str(error)
     engine.reload_states()
     engine.step()                       # the same step, now taken
     messages["global_steps"] = engine.global_steps
@@ -252,6 +256,7 @@ def _guarded(stage: int) -> dict:
 def test_offloaded_state_is_refused_with_a_clear_error(stage: int) -> None:
     messages = run_distributed(2, guarded, stage)[0]
     assert "reload_states()" in messages["step"] and "optim_states" in messages["step"]
+    assert "optim_states" in messages["optimizer_step"]
     assert (messages["global_steps"], messages["global_steps_end"], messages["global_steps_retry"]) == (2, 3, 4)
     assert messages["nothing_to_move"] == []
     assert [k.value for k in messages["after_failed_reload"]] == ["optim_states"]

@@ -175,20 +175,39 @@ class _ShardedBucket(MasterShard):
 
 
 class PartitionedStateDict:
-    """`state_dict()` of the ZeRO optimizers (stages 1-3), as DeepSpeed's: this rank's partition in
-    the layout of its `*_optim_states.pt` file (`optimizer_state_dict` there). Lightning's Trainer
-    calls it on every rank when it builds a checkpoint, then drops the result and saves through
-    `engine.save_checkpoint`. Collective here (the pieces are re-cut to DeepSpeed's layout), so
-    every rank must call it, as Lightning does."""
+    """What the ZeRO optimizers (stages 1-3) hand over to their engine, which owns it (a higher layer).
+
+    `state_dict()`, as DeepSpeed's: this rank's partition in the layout of its `*_optim_states.pt`
+    file (`optimizer_state_dict` there). Lightning's Trainer calls it on every rank when it builds a
+    checkpoint, then drops the result and saves through `engine.save_checkpoint`. Collective here
+    (the pieces are re-cut to DeepSpeed's layout), so every rank must call it, as Lightning does.
+    `offload_states()` / `reload_states()`: upstream's optimizers have them too, and RLHF code calls
+    them there (OpenRLHF: `engine.optimizer.offload_states(...)`, then `engine.reload_states()`)."""
 
     _engine_ref: Any = None   # weakref to the engine, set by engine_setup.wrap_optimizer
     step_consumes_grads = True   # step() ends with zero_grad() (see step_on_shards); the engine skips its own
 
-    def state_dict(self) -> dict:
+    def _engine(self, what: str) -> Any:
         engine = self._engine_ref() if self._engine_ref is not None else None
         if engine is None:
-            raise RuntimeError(f"{type(self).__name__}.state_dict(): the optimizer's engine is gone")
-        return engine._optimizer_partition_state()   # the engine owns checkpoint I/O (a higher layer)
+            raise RuntimeError(f"{type(self).__name__}.{what}(): the optimizer's engine is gone")
+        return engine
+
+    def state_dict(self) -> dict:
+        return self._engine("state_dict")._optimizer_partition_state()
+
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        self._engine("offload_states").offload_states(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        self._engine("reload_states").reload_states(non_blocking)
+
+    def _refuse_step_if_offloaded(self) -> None:
+        """A client that steps the optimizer itself (Lightning Fabric) meets the engine's guard too."""
+        engine = self._engine_ref() if self._engine_ref is not None else None
+        if engine is not None:
+            engine._refuse_if_offloaded("step")
 
     def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(f"{type(self).__name__}.load_state_dict: load ZeRO optimizer state with "
@@ -229,6 +248,7 @@ class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
 
     # --- the step ---------------------------------------------------------------------------
     def step(self, closure: Any = None) -> bool:
+        self._refuse_step_if_offloaded()
         comm_device = self.buckets[0].param_flat.device if self.buckets else torch.device("cpu")
         with timed(self, OPTIMIZER_STEP_TIMER):   # wall_clock_breakdown (engine observer)
             applied = step_on_shards(self, self.buckets, "a gradient shard", comm_device)

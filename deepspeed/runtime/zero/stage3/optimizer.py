@@ -96,6 +96,7 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
 
     # --- the step ---------------------------------------------------------------------------
     def step(self, closure: Any = None) -> bool:
+        self._refuse_step_if_offloaded()
         with timed(self, OPTIMIZER_STEP_TIMER):   # wall_clock_breakdown (engine observer)
             applied = step_on_shards(self, self.units, "a ZeRO-3 gradient shard", self._comm_device)
         if not applied:
