@@ -371,7 +371,6 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
-        self._refuse_if_offloaded("step")
         if not self._reduced_this_boundary and not self.inside_no_sync_ctxt:
             self.allreduce_gradients()  # backward ran outside engine.backward: reduce now
         if self.stage.shard_optimizer_state and not self.stage.shard_parameters:

@@ -102,7 +102,7 @@ class forced_copies:
         from deepspeed.runtime.zero import offload_states
 
         self.saved = offload_states._already_there
-        offload_states._already_there = lambda tensor, device, pin: False
+        offload_states._already_there = lambda tensor, device: False
 
     def __exit__(self, *exc: object) -> None:
         from deepspeed.runtime.zero import offload_states

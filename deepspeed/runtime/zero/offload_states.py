@@ -42,13 +42,13 @@ class Slot:
     put: Callable[[torch.Tensor], None]
 
 
-def _already_there(tensor: torch.Tensor, device: torch.device, pin: bool) -> bool:
+def _already_there(tensor: torch.Tensor, device: torch.device) -> bool:
     """State already on the target device stays as it is (pinning applies to what moves)."""
     return tensor.device == device
 
 
 def _move(tensor: torch.Tensor, device: torch.device, pin: bool, non_blocking: bool) -> torch.Tensor:
-    if _already_there(tensor, device, pin):
+    if _already_there(tensor, device):
         return tensor
     pin = pin and device.type == "cpu" and torch.cuda.is_available()   # pinning needs an accelerator runtime
     moved = torch.empty(tensor.shape, dtype=tensor.dtype, device=device, pin_memory=pin)
@@ -175,7 +175,7 @@ class OffloadStates:
             record = offloaded[kind] = []
             for slot in slots[kind]:
                 tensor = slot.get()
-                if tensor is None or _already_there(tensor, target, pin_memory):
+                if tensor is None or _already_there(tensor, target):
                     continue
                 record.append((slot, tensor.device, tensor.is_pinned()))
                 slot.put(_move(tensor, target, pin_memory, non_blocking))

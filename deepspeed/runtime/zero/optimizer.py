@@ -187,8 +187,11 @@ class PartitionedStateDict:
     _engine_ref: Any = None   # weakref to the engine, set by engine_setup.wrap_optimizer
     step_consumes_grads = True   # step() ends with zero_grad() (see step_on_shards); the engine skips its own
 
+    def _live_engine(self) -> Any:
+        return self._engine_ref() if self._engine_ref is not None else None
+
     def _engine(self, what: str) -> Any:
-        engine = self._engine_ref() if self._engine_ref is not None else None
+        engine = self._live_engine()
         if engine is None:
             raise RuntimeError(f"{type(self).__name__}.{what}(): the optimizer's engine is gone")
         return engine
@@ -204,8 +207,9 @@ class PartitionedStateDict:
         self._engine("reload_states").reload_states(non_blocking)
 
     def _refuse_step_if_offloaded(self) -> None:
-        """A client that steps the optimizer itself (Lightning Fabric) meets the engine's guard too."""
-        engine = self._engine_ref() if self._engine_ref is not None else None
+        """A client that steps the optimizer itself (Lightning Fabric) meets the engine's guard too
+        (a step through the engine was checked there already: this is a dict lookup)."""
+        engine = self._live_engine()
         if engine is not None:
             engine._refuse_if_offloaded("step")
 
