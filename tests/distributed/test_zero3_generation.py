@@ -1,6 +1,6 @@
 """Generation between training steps at ZeRO-3: `deepspeed.runtime.zero.unwrap_model_for_generation`
-and the hand-written equivalent RL libraries (TRL's remove_hooks/add_hooks) run through upstream's
-`optimizer.parameter_offload`. Inside: every parameter whole, no ZeRO-3 hook left, a forward issues no
+and the hand-written equivalent RL libraries (TRL's remove_hooks/add_hooks, before and since TRL 1.16)
+run through upstream's `optimizer.parameter_offload`. Inside: every parameter whole, no ZeRO-3 hook left, a forward issues no
 all-gather; after: training goes on exactly as plain PyTorch's."""
 
 from __future__ import annotations
@@ -32,8 +32,20 @@ def _trl_remove_hooks(engine) -> None:
 
 
 def _trl_add_hooks(engine) -> None:
+    """TRL < 1.16 (and its copies, e.g. LLaMA-Factory's pinned TRL) with DeepSpeed < 0.16.4."""
     offload = engine.optimizer.parameter_offload
     offload._register_hooks_recursively(offload.module)
+
+
+def _trl_116_add_hooks(engine) -> None:
+    """TRL 1.16.0's add_hooks, verbatim in what it reads (trl/models/utils.py)."""
+    offload = engine.optimizer.parameter_offload
+    if hasattr(offload, "param_coordinator"):
+        coordinator = offload.param_coordinator
+        if not coordinator.is_invalid_trace():
+            coordinator._invalidate_trace()
+        assert coordinator.is_invalid_trace()
+    offload._register_deepspeed_module(offload.module)
 
 
 def _hooks(module: torch.nn.Module) -> int:
@@ -41,9 +53,9 @@ def _hooks(module: torch.nn.Module) -> int:
 
 
 def generate_between_steps(model, step: int) -> None:
-    """Step 1: unwrap_model_for_generation; step 2: TRL's by-hand version. The plain model (the
-    reference run) goes through the same context as a no-op."""
-    if step not in (1, 2):
+    """Step 1: unwrap_model_for_generation; step 2: TRL's by-hand version, step 3 TRL 1.16's. The plain
+    model (the reference run) goes through the same context as a no-op."""
+    if step not in (1, 2, 3):
         return
     module = getattr(model, "module", model)
     x = torch.randn(5, 16, generator=torch.Generator().manual_seed(step))
@@ -70,7 +82,7 @@ def generate_between_steps(model, step: int) -> None:
                 assert _hooks(module) == 0
                 with torch.no_grad():
                     out = module(x)
-                _trl_add_hooks(model)
+                (_trl_add_hooks if step == 2 else _trl_116_add_hooks)(model)
     assert out.shape == (5, 4) and torch.isfinite(out).all()
     assert _hooks(module) == hooked
     if engine is not None:
@@ -79,8 +91,8 @@ def generate_between_steps(model, step: int) -> None:
 
 def test_generation_between_steps_then_training_matches_plain_pytorch() -> None:
     config = _config(micro=1, gas=2, zero_optimization=_z3())
-    results = run_distributed(2, train_engine, config, 4, "engine", TinyMLP, generate_between_steps)
-    ref_losses, ref_state, _ = reference_training(config, 4, 2, edit=generate_between_steps)
+    results = run_distributed(2, train_engine, config, 5, "engine", TinyMLP, generate_between_steps)
+    ref_losses, ref_state, _ = reference_training(config, 5, 2, edit=generate_between_steps)
     _assert_close_to(results, ref_losses, ref_state)
 
 

@@ -6,8 +6,10 @@ back on and the parameters are released. Other stages need nothing: the module i
 
 RL libraries (TRL and its copies) do the same by hand through upstream's internals:
 ``engine.optimizer.parameter_offload`` with ``forward_hooks``/``backward_hooks`` lists they empty,
-``_register_hooks_recursively(module)`` to restore, ``param.ds_active_sub_modules.clear()`` and
-``module.ds_external_parameters()``. `ParameterOffloadView` maps those names onto our coordinator.
+``_register_deepspeed_module(module)`` (DeepSpeed >= 0.16.4; ``_register_hooks_recursively`` before)
+to restore, ``param_coordinator.is_invalid_trace()``/``_invalidate_trace()`` around it,
+``param.ds_active_sub_modules.clear()`` and ``module.ds_external_parameters()``.
+`ParameterOffloadView` maps those names onto our coordinator (docs/client_surface.md).
 """
 
 from __future__ import annotations
@@ -46,9 +48,23 @@ class ParameterOffloadView:
             handle.remove()
         self.forward_hooks = []
 
+    @property
+    def param_coordinator(self) -> Any:
+        """Upstream's PartitionedParameterCoordinator; here the prefetcher, whose recorded trace is
+        what upstream's `is_invalid_trace()`/`_invalidate_trace()` ask about."""
+        return self._coordinator.prefetcher
+
     def _register_hooks_recursively(self, module: nn.Module | None = None, count: Any = None) -> None:
-        """Put the forward hooks back (all of them: `module` is always the engine's model here)."""
+        """Put the forward hooks back: all of the engine's model's (installing them again
+        replaces them, so a second call adds none). Only the engine's model is accepted: our
+        hooks are per model, not per submodule."""
+        if module is not None and module is not self.module:
+            raise ValueError(f"parameter_offload._register_deepspeed_module: got a {type(module).__name__} that "
+                             f"is not the engine's model ({type(self.module).__name__}); ZeRO-3 hooks are "
+                             "installed for the whole model: pass parameter_offload.module")
         self._coordinator._install_forward_hooks()
+
+    _register_deepspeed_module = _register_hooks_recursively   # DeepSpeed >= 0.16.4's name (TRL >= 0.16)
 
 
 class _ExternalParameters:
