@@ -84,10 +84,8 @@ class _ExternalParameters:
 def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
     """Yield `model` (an engine or module) with every ZeRO-3 parameter gathered and no ZeRO-3 hooks;
     a collective at ZeRO-3 (every rank enters it). Training may resume right after the block."""
-    offload = getattr(getattr(model, "optimizer", None), "parameter_offload", None)
-    coordinator = getattr(model, "_stage3", None)   # ZeRO-3 without an optimizer (inference)
-    if offload is None and coordinator is not None:
-        offload = ParameterOffloadView(coordinator)
+    optimizer = getattr(model, "optimizer", None)   # at ZeRO-3 without an optimizer: the view itself
+    offload = optimizer if isinstance(optimizer, ParameterOffloadView) else getattr(optimizer, "parameter_offload", None)
     if offload is None:
         yield model
         return
