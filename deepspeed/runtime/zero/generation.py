@@ -25,7 +25,9 @@ from .stage3.units import external_parameters
 class ParameterOffloadView:
     """Upstream's ``DeepSpeedZeRoOffload`` surface over a Stage3Coordinator. `forward_hooks` are the
     coordinator's module hooks (removing them and emptying the list leaves the module unhooked);
-    our backward hooks are armed by the forward hooks, so `backward_hooks` is always empty."""
+    our backward hooks are armed by the forward hooks, so `backward_hooks` is always empty. It is
+    `optimizer.parameter_offload` of a training engine and, as upstream, `engine.optimizer` itself
+    of a ZeRO-3 engine built without an optimizer."""
 
     def __init__(self, coordinator: Any) -> None:
         self._coordinator = coordinator
@@ -59,12 +61,12 @@ class ParameterOffloadView:
         replaces them, so a second call adds none). Only the engine's model is accepted: our
         hooks are per model, not per submodule."""
         if module is not None and module is not self.module:
-            raise ValueError(f"parameter_offload._register_deepspeed_module: got a {type(module).__name__} that "
-                             f"is not the engine's model ({type(self.module).__name__}); ZeRO-3 hooks are "
+            raise ValueError(f"parameter_offload: re-registering ZeRO-3 hooks on a {type(module).__name__} that "
+                             f"is not the engine's model ({type(self.module).__name__}); the hooks are "
                              "installed for the whole model: pass parameter_offload.module")
         self._coordinator._install_forward_hooks()
 
-    _register_deepspeed_module = _register_hooks_recursively   # DeepSpeed >= 0.16.4's name (TRL >= 0.16)
+    _register_deepspeed_module = _register_hooks_recursively   # DeepSpeed >= 0.16.4's name, which TRL calls
 
 
 class _ExternalParameters:
