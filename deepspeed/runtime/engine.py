@@ -33,6 +33,7 @@ from .grad_accum import is_boundary
 from .optimizer_wrapper import clip_sharded_grads, counted_in_norm
 from .observer import EngineObserver
 from .precision.policy import PrecisionPolicy
+from .zero.generation import ParameterOffloadView
 from .zero.offload_states import OffloadStates
 from .zero.stages import STAGES
 
@@ -104,8 +105,10 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         self.basic_optimizer = build_optimizer_for_engine(self, optimizer, model_parameters)
         self._reducer = build_reducer(self)
         self.optimizer = wrap_optimizer(self)
+        self._has_optimizer = self.optimizer is not None   # `optimizer` is not None at ZeRO-3 inference (below)
         if self._stage3 is not None and self.optimizer is None:
             self._stage3.keep_for_backward(False)   # nothing trains: no step would give kept units back
+            self.optimizer = ParameterOffloadView(self._stage3)   # upstream's DeepSpeedZeRoOffload (RL clients)
         self.lr_scheduler = build_lr_scheduler(self, lr_scheduler)
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn) \
             if training_data is not None else None
@@ -147,7 +150,7 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         with self.precision.forward_context(self.device.type), \
                 activation_checkpointing.activated(self._activation_checkpointing):
             output = self.module(*inputs, **kwargs)
-        if self.optimizer is not None and torch.is_grad_enabled() and not under_function_transform():
+        if self._has_optimizer and torch.is_grad_enabled() and not under_function_transform():
             tensors = output_tensors(output)
             sources = derived_outputs(tensors)
             tokens = [next(self._output_tokens) for _ in tensors]  # unique, unlike id() of freed tensors
@@ -181,7 +184,7 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         At an accumulation boundary the gradients are averaged across data-parallel ranks,
         bucket by bucket while backward still runs. Returns the scaled loss.
         """
-        if self.optimizer is None:
+        if not self._has_optimizer:
             raise RuntimeError("engine.backward() needs an optimizer: pass `optimizer` or an `optimizer` "
                                "section in the config to deepspeed.initialize")
         if not torch.is_tensor(loss) or loss.numel() != 1:
@@ -254,7 +257,7 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """Apply the loss scale for a manual `scale(loss).backward()` (upstream API); the output
         hooks then still divide by gradient_accumulation_steps but do not scale again."""
-        if self.optimizer is None:
+        if not self._has_optimizer:
             raise RuntimeError("engine.scale() needs an optimizer")
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise UsageError(f"engine.scale(loss): loss must be a scalar tensor, got "
@@ -357,7 +360,7 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         if self.inside_no_sync_ctxt:
             raise UsageError("It is illegal to call Engine.step() inside no_sync context manager (or "
                              "coalesce_grad_reduction): leave the block first (its backward passes only accumulate)")
-        if self.optimizer is None:
+        if not self._has_optimizer:
             raise RuntimeError("engine.step() needs an optimizer: pass `optimizer` or an `optimizer` "
                                "section in the config to deepspeed.initialize")
         boundary = self.is_gradient_accumulation_boundary() if self._managed else True
@@ -429,9 +432,7 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
 
     # --- accessors ----------------------------------------------------------------------------
     def _get_optimizer_param(self, name: str) -> list:
-        if self.optimizer is None:
-            return []
-        return [group[name] for group in self.optimizer.param_groups if name in group]
+        return [g[name] for g in self.optimizer.param_groups if name in g] if self._has_optimizer else []
 
     def get_lr(self) -> list[float]:
         return self._get_optimizer_param("lr")

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from chains import resolve_after_bare_import
 
 MODULES = [
     "deepspeed.comm", "deepspeed.runtime.lr_schedules", "deepspeed.runtime.engine", "deepspeed.runtime.zero",
@@ -45,24 +44,8 @@ CHAINS = [
     "deepspeed.accelerator.get_accelerator",
 ]
 
-_PROBE = """
-import json, sys
-import deepspeed
-lazy = [m for m in ("deepspeed.runtime.engine", "deepspeed.runtime.lr_schedules", "pydantic") if m in sys.modules]
-bad = {}
-for chain in json.loads(sys.argv[1]):
-    try:
-        eval(chain)
-    except Exception as e:
-        bad[chain] = repr(e)
-print(json.dumps({"bad": bad, "eager": lazy, "zero_alias": deepspeed.zero is deepspeed.runtime.zero}))
-"""
-
-
 def test_attribute_chains_resolve_after_bare_import() -> None:
-    out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(CHAINS)], capture_output=True, text=True,
-                         check=True).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+    result = resolve_after_bare_import(CHAINS)
     assert result["bad"] == {}
     assert result["eager"] == []          # resolved on first use, not by `import deepspeed`
     assert result["zero_alias"] is True

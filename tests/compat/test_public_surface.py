@@ -76,6 +76,10 @@ SURFACE = [
     "deepspeed.checkpointing.CheckpointFunction", "deepspeed.checkpointing.non_reentrant_checkpoint",
     "deepspeed.runtime.activation_checkpointing.checkpointing.checkpoint",
     "deepspeed.runtime.activation_checkpointing.checkpointing.non_reentrant_checkpoint",
+    # RL and fine-tuning clients (docs/client_surface.md; behaviour in test_client_surface.py)
+    "deepspeed.zero.GatheredParameters", "deepspeed.checkpoint.utils.clone_tensors_for_torch_save",
+    "deepspeed.runtime.zero.offload_config.OffloadDeviceEnum",
+    "deepspeed.runtime.zero.offload_config.OffloadStateTypeEnum", "deepspeed.tp_model_init",
 ]
 
 

@@ -32,7 +32,7 @@ _ALL_RANKS = ("all ranks must call save_checkpoint/load_checkpoint (not only ran
 
 def _partitioned(engine: Any) -> bool:
     """True when the optimizer state goes to per-rank files (ZeRO, or stage-0 mixed precision)."""
-    return engine.optimizer is not None and (engine.zero_optimization_stage() > 0 or engine.precision.is_mixed)
+    return engine._has_optimizer and (engine.zero_optimization_stage() > 0 or engine.precision.is_mixed)
 
 
 def _validate_tag(engine: Any, tag: str) -> str:
@@ -64,7 +64,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
 
     def begin() -> tuple[str, HpState | None]:
         checked = _checked_tag(engine, save_dir, tag)
-        hp = HpState(engine) if engine.optimizer is not None else None
+        hp = HpState(engine) if engine._has_optimizer else None
         if rank == 0:
             files.prepare_staging(save_dir, checked)
         return checked, hp

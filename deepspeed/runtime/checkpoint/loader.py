@@ -63,7 +63,7 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
             return None
     reader = engine._checkpoint_reader(load_dir, str(tag)) if hasattr(engine, "_checkpoint_reader") \
         else CheckpointReader(load_dir, str(tag))
-    hp = HpState(engine) if engine.optimizer is not None else None
+    hp = HpState(engine) if engine._has_optimizer else None
     if hp is not None:
         trainable = {n for g in hp.groups for n, _ in g}
         reader.bind_replicated_names(hp.optimizer_names, trainable, strict=strict)

@@ -6,8 +6,10 @@ back on and the parameters are released. Other stages need nothing: the module i
 
 RL libraries (TRL and its copies) do the same by hand through upstream's internals:
 ``engine.optimizer.parameter_offload`` with ``forward_hooks``/``backward_hooks`` lists they empty,
-``_register_hooks_recursively(module)`` to restore, ``param.ds_active_sub_modules.clear()`` and
-``module.ds_external_parameters()``. `ParameterOffloadView` maps those names onto our coordinator.
+``_register_deepspeed_module(module)`` (DeepSpeed >= 0.16.4; ``_register_hooks_recursively`` before)
+to restore, ``param_coordinator.is_invalid_trace()``/``_invalidate_trace()`` around it,
+``param.ds_active_sub_modules.clear()`` and ``module.ds_external_parameters()``.
+`ParameterOffloadView` maps those names onto our coordinator (docs/client_surface.md).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from .stage3.units import external_parameters
 class ParameterOffloadView:
     """Upstream's ``DeepSpeedZeRoOffload`` surface over a Stage3Coordinator. `forward_hooks` are the
     coordinator's module hooks (removing them and emptying the list leaves the module unhooked);
-    our backward hooks are armed by the forward hooks, so `backward_hooks` is always empty."""
+    our backward hooks are armed by the forward hooks, so `backward_hooks` is always empty. It is
+    `optimizer.parameter_offload` of a training engine and, as upstream, `engine.optimizer` itself
+    of a ZeRO-3 engine built without an optimizer."""
 
     def __init__(self, coordinator: Any) -> None:
         self._coordinator = coordinator
@@ -46,9 +50,23 @@ class ParameterOffloadView:
             handle.remove()
         self.forward_hooks = []
 
+    @property
+    def param_coordinator(self) -> Any:
+        """Upstream's PartitionedParameterCoordinator; here the prefetcher, whose recorded trace is
+        what upstream's `is_invalid_trace()`/`_invalidate_trace()` ask about."""
+        return self._coordinator.prefetcher
+
     def _register_hooks_recursively(self, module: nn.Module | None = None, count: Any = None) -> None:
-        """Put the forward hooks back (all of them: `module` is always the engine's model here)."""
+        """Put the forward hooks back: all of the engine's model's (installing them again
+        replaces them, so a second call adds none). Only the engine's model is accepted: our
+        hooks are per model, not per submodule."""
+        if module is not None and module is not self.module:
+            raise ValueError(f"parameter_offload: re-registering ZeRO-3 hooks on a {type(module).__name__} that "
+                             f"is not the engine's model ({type(self.module).__name__}); the hooks are "
+                             "installed for the whole model: pass parameter_offload.module")
         self._coordinator._install_forward_hooks()
+
+    _register_deepspeed_module = _register_hooks_recursively   # DeepSpeed >= 0.16.4's name, which TRL calls
 
 
 class _ExternalParameters:
@@ -68,10 +86,8 @@ class _ExternalParameters:
 def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
     """Yield `model` (an engine or module) with every ZeRO-3 parameter gathered and no ZeRO-3 hooks;
     a collective at ZeRO-3 (every rank enters it). Training may resume right after the block."""
-    offload = getattr(getattr(model, "optimizer", None), "parameter_offload", None)
-    coordinator = getattr(model, "_stage3", None)   # ZeRO-3 without an optimizer (inference)
-    if offload is None and coordinator is not None:
-        offload = ParameterOffloadView(coordinator)
+    optimizer = getattr(model, "optimizer", None)   # at ZeRO-3 without an optimizer: the view itself
+    offload = optimizer if isinstance(optimizer, ParameterOffloadView) else getattr(optimizer, "parameter_offload", None)
     if offload is None:
         yield model
         return

@@ -124,7 +124,7 @@ def state_slots(engine: Any, kind: OffloadStateTypeEnum) -> list[Slot]:
     stage = engine.zero_optimization_stage()
     raise NotImplementedError(f"offload_states() needs ZeRO stage 1, 2 or 3 with an optimizer; this engine has "
                               f"zero_optimization.stage={stage}"
-                              f"{'' if optimizer is not None else ' and no optimizer'}")
+                              f"{'' if engine._has_optimizer else ' and no optimizer'}")
 
 
 def get_state_devices(model: Any, state: OffloadStateTypeEnum) -> set[torch.device]:

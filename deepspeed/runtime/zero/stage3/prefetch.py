@@ -56,6 +56,19 @@ class Prefetcher:
     def enabled(self) -> bool:
         return self.bucket > 0
 
+    # Upstream's PartitionedParameterCoordinator names, which TRL calls (through
+    # `optimizer.parameter_offload.param_coordinator`) after generating without the hooks.
+    def is_invalid_trace(self) -> bool:
+        """No pass kind has a trace to follow (nothing recorded yet, or dropped)."""
+        return all(p.trace is None for p in self.passes.values())
+
+    def _invalidate_trace(self) -> None:
+        """Forget the traces: the next pass of each kind records its order anew (no prefetch in it).
+        Not counted in `invalidations`, which counts mismatches the check found."""
+        for p in self.passes.values():
+            p.trace = None
+        self._drop_in_flight()
+
     def begin(self, kind: str) -> None:
         p = self.passes[kind]
         p.active, p.cursor, p.ahead = True, 0, 0
