@@ -1,12 +1,15 @@
 """A job whose ranks read different config files: `--config DIR` makes rank r load DIR/rank{r}.json
 (as a per-node config generator or a stale copy on one node would). Trains `--steps` steps of a
-tiny model through `args.deepspeed_config` and prints "trained N steps" on each rank.
+tiny model through `args.deepspeed_config` and prints "trained N steps" on each rank. The
+launcher's SIGTERM (sent once the first rank exits) is ignored, so each rank's log shows how that
+rank itself ended; the launcher's SIGKILL after its grace period still ends a rank that hangs.
 
     config_per_rank.py --config DIR --steps N
 """
 
 import argparse
 import os
+import signal
 
 import torch
 
@@ -19,6 +22,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--local_rank", type=int, default=-1)
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rank = int(os.environ["RANK"])
     args.deepspeed_config = os.path.join(args.config, f"rank{rank}.json")
     deepspeed.init_distributed(dist_backend="gloo")
