@@ -141,8 +141,8 @@ def agree_config(config: Any, what: str, group: Any = None, view: Callable[[Any]
         error = e
     outcome = vote(error is not None, digest=digest(mine) if mine is not None else 0, group=group)
     if outcome.failed:
-        raise_agreed(what, describe(error, DeepSpeedConfigError) if error is not None else None, error,
-                     DeepSpeedConfigError, prefix="failed to load or validate the config on some ranks", group=group)
+        raise_agreed(f"{what}:", describe(error, DeepSpeedConfigError) if error is not None else None, error,
+                     DeepSpeedConfigError, prefix="the config failed to load or validate", group=group)
     if outcome.differ:
         diff = differences(gather(mine, group))
         raise ConfigMismatchError(what, describe_diff(diff), diff)
