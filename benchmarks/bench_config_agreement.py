@@ -6,6 +6,7 @@
 Per rank, milliseconds, median over `reps` (the slowest rank's median is reported), with the
 config of examples/gpt/ds_config.json (ZeRO-2, AdamW, WarmupDecayLR):
 
+* ``all_reduce alone``  deepspeed.comm.all_reduce of 5 int64 (MAX), for reference
 * ``validate``          DeepSpeedConfig(...): loading and validation, which initialize did before too
 * ``view + digest``     the agreement's local work: resolved values, canonical view, sha256
 * ``agree (match)``     agree_config of a built config: view + digest + the one all-reduce (5 int64);
@@ -73,7 +74,9 @@ def _rank_main(rank: int, world: int, port: int, reps: int, init_reps: int, queu
         deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     results = {}
-    variants = {"validate": (lambda: DeepSpeedConfig(config, world_size=world), reps),
+    five = torch.zeros(5, dtype=torch.int64)
+    variants = {"all_reduce alone": (lambda: ds_comm.all_reduce(five, op=ds_comm.ReduceOp.MAX), reps),
+                "validate": (lambda: DeepSpeedConfig(config, world_size=world), reps),
                 "view + digest": (lambda: digest(agreement_view(resolved_config(built))), reps),
                 "agree (match)": (lambda: agree_config(built, "bench", group=world_group), reps),
                 "agree (mismatch)": (mismatch, reps),
