@@ -204,6 +204,31 @@ def test_zero_init_agrees_its_settings():
     assert [r["type"] for r in run_distributed(2, zero_init_job, [pinned, unpinned])] == ["ok", "ok"]
 
 
+def checkpointing_job(partition: tuple) -> dict:
+    import deepspeed
+    from deepspeed import comm as ds_comm
+    from test_activation_checkpointing_ranks import GroupMpu
+
+    from deepspeed.runtime.activation_checkpointing import state
+
+    config = {"activation_checkpointing": {"partition_activations": partition[ds_comm.get_rank()]}}
+    owner = state.PROCESS
+    saved = (owner.settings, owner.mpu, owner.configured, owner.buffer)
+    try:
+        return _outcome(lambda: deepspeed.checkpointing.configure(GroupMpu(), deepspeed_config=config))
+    finally:   # the workers persist across tests: leave the process-wide settings as they were
+        owner.settings, owner.mpu, owner.configured, owner.buffer = saved
+
+
+def test_checkpointing_configure_agrees_over_the_model_parallel_group():
+    results = run_distributed(2, checkpointing_job, (True, False))
+    for r in results:
+        assert r["type"] == "ConfigMismatchError", r
+        assert r["message"].startswith("deepspeed.checkpointing.configure") and \
+            "partition_activations: rank 0 = true, rank 1 = false" in r["message"], r["message"]
+    assert [r["type"] for r in run_distributed(2, checkpointing_job, (True, True))] == ["ok", "ok"]
+
+
 # --- through the launcher: a config file per rank ---------------------------------------------------
 JOB = os.path.join(os.path.dirname(__file__), "launcher_jobs", "config_per_rank.py")
 
