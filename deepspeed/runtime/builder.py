@@ -55,9 +55,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     Returns `(engine, optimizer, training_dataloader, lr_scheduler)`: the engine wraps `model`;
     `optimizer` is the client's or the config's (None when neither), `training_dataloader` is a
     DeepSpeedDataLoader over `training_data` (or None), `lr_scheduler` the client's or the
-    config's (or None). The config is validated on every rank before any collective.
+    config's (or None). The config is validated on every rank, and agreed across ranks, before any
+    collective that depends on it.
     """
     from .. import comm as ds_comm
+    from .agreement import agree_config
     from .config import DeepSpeedConfig, load_config_dict
     from .engine import DeepSpeedEngine
 
@@ -76,12 +78,20 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             raise ValueError("deepspeed.initialize: do not pass `mpu` with a PipelineModule (its topology "
                              "defines the groups)")
         mpu, engine_class = model.mpu(), PipelineEngine
-    raw = load_config_dict(_config_from_args(args, config, config_params))
-    # Validate before the process group exists: a bad config fails alike on every rank, no hang.
-    world_size = mpu.get_data_parallel_world_size() if mpu is not None else ds_comm.get_world_size()
-    config_class = DeepSpeedConfig(raw, world_size=world_size)
+
+    def build() -> Any:
+        raw = load_config_dict(_config_from_args(args, config, config_params))
+        world_size = mpu.get_data_parallel_world_size() if mpu is not None else ds_comm.get_world_size()
+        return DeepSpeedConfig(raw, world_size=world_size)
+
+    # No process group yet: validate first, so a bad config raises before the rendezvous. With one,
+    # loading and validating run inside the agreement: a bad file on one rank fails every rank.
+    config_or_build = build if ds_comm.is_initialized() else build()
     ds_comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required,
                           verbose=False)
+    # Every rank the same resolved config, or every rank the same error ([Note: cross-rank config agreement]).
+    config_class = agree_config(config_or_build, "deepspeed.initialize")
+    raw = config_class.raw
     log_dist(f"DeepSpeed info: version={__version__} (pure-Python)", ranks=[0])
     engine = engine_class(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                           training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,

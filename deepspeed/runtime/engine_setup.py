@@ -11,6 +11,7 @@ from torch import nn
 from .. import comm as ds_comm
 from ..accelerator import get_accelerator
 from ..utils.logging import log_dist, logger
+from .agreement import agree_config
 from .config.sections.base import TORCH_DTYPES
 from .config.sections.precision import param_dtype_conflict
 from .errors import NotSupportedYet, UsageError  # NotSupportedYet re-exported: engine.py imports it here
@@ -22,8 +23,10 @@ _DEFAULT_DP_BUCKET_BYTES = 25 * 2**20
 _FIRST_BUCKET_BYTES = 1 * 2**20
 
 
-def check_supported(config: Any) -> None:
-    """Fail early, on every rank, for config features the engine does not run yet."""
+def check_supported(config: Any, what: str = "DeepSpeedEngine") -> None:
+    """Agree the config across ranks (a no-op after deepspeed.initialize, which did), then fail
+    early, on every rank, for config features the engine does not run yet."""
+    agree_config(config, what)   # before any collective: [Note: cross-rank config agreement]
     model = config.model
     unsupported = []
     if model.fp16.fp16_master_weights_and_grads:

@@ -32,7 +32,23 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: Op
     overrides = {"partition_activations": partition_activations, "contiguous_checkpointing": contiguous_checkpointing,
                  "num_checkpoints": num_checkpoints, "checkpoint_in_cpu": checkpoint_in_cpu,
                  "synchronize": synchronize, "profile": profile}
-    _state.PROCESS.configure(mpu_, _state.settings_from(deepspeed_config, overrides))
+
+    def resolve() -> CheckpointingSettings:
+        return _state.settings_from(deepspeed_config, overrides)
+
+    group = getattr(mpu_, "get_model_parallel_group", None)
+    if deepspeed_config is None or group is None:
+        _state.PROCESS.configure(mpu_, resolve())
+        return
+    from ..agreement import agree_config
+
+    # The model-parallel ranks gather each other's activation partitions: the same settings on all
+    # of them, or the same error ([Note: cross-rank config agreement]). `synchronize` and `profile`
+    # may differ: a device synchronisation and timing, local to the rank.
+    settings = agree_config(resolve, "deepspeed.checkpointing.configure", group=group(), view=lambda s: {
+        name: getattr(s, name) for name in ("partition_activations", "contiguous_checkpointing",
+                                            "num_checkpoints", "checkpoint_in_cpu")})
+    _state.PROCESS.configure(mpu_, settings)
 
 
 def is_configured() -> bool:

@@ -6,7 +6,7 @@ directory that rank 0 publishes only after every rank succeeded ([Note: crash-sa
 checkpoint/files.py), inline or in a background thread ([Note: background save] in
 save_job.py). Load: any layout, world size and stage ([Note: resume anywhere] in
 checkpoint/reader.py); each rank reads only the slices it owns (loader.py). Every local phase
-of both is agreed across ranks before the next collective ([Note: agreed checkpoint errors]).
+of both is agreed across ranks before the next collective ([Note: agreed errors]).
 """
 
 from __future__ import annotations

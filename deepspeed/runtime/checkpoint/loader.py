@@ -3,7 +3,7 @@
 `read_plan` opens the tag, checks names and shapes and reads every value this rank will write
 (its slices of the fp32 masters and optimizer state, buffers, frozen parameters, counters, RNG)
 into a `LoadPlan`, touching nothing in the engine; `apply_plan` copies the plan into the engine.
-Each local phase runs under an agreement ([Note: agreed checkpoint errors] in agree.py), so a
+Each local phase runs under an agreement ([Note: agreed errors] in runtime/agreement.py), so a
 missing or corrupt file that one rank sees raises on every rank, and a failed read leaves the
 engine untouched. Only then do the collectives run (re-gathering parameters from the masters).
 

@@ -10,7 +10,7 @@ the tag (rename, then `latest`) only after every rank's `done` marker appeared
 ([Note: crash-safe save] in checkpoint/files.py). A rank killed mid-write leaves no marker, so
 the tag is never published and `latest` keeps naming the previous one. The next
 save_checkpoint, load_checkpoint and engine.wait_for_checkpoint() join the thread and agree on
-its outcome across ranks on the main thread ([Note: agreed checkpoint errors]), so a failed
+its outcome across ranks on the main thread ([Note: agreed errors]), so a failed
 background write raises on every rank; engine.destroy() and interpreter exit wait for it too.
 """
 

@@ -11,13 +11,14 @@ from ..constants import (ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, DEE
                          MUSGD_OPTIMIZER, ONEBIT_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER)
 from .batch import BatchSizes, resolve_batch
 from .ds_config import DeepSpeedConfig, data_parallel_world_size
-from .errors import DeepSpeedConfigError
+from .errors import ConfigMismatchError, DeepSpeedConfigError
 from .getters import *  # noqa: F401,F403  (upstream's get_<key>(param_dict) readers)
 from .loader import load_config_dict
 from .root import RootConfig
 
 __all__ = [
     "BatchSizes",
+    "ConfigMismatchError",
     "DeepSpeedConfig",
     "DeepSpeedConfigError",
     "RootConfig",

@@ -35,6 +35,20 @@ class BatchConfigError(DeepSpeedConfigError):
     (upstream asserts there, and callers catch AssertionError)."""
 
 
+class ConfigMismatchError(DeepSpeedConfigError):
+    """The ranks resolved different configs ([Note: cross-rank config agreement] in agreement.py).
+    `errors` holds one line per differing key; `differences` is {dotted key: {rank: value}}."""
+
+    def __init__(self, what: str, lines: list[str], differences: dict[str, dict[int, Any]]):
+        self.errors = list(lines)
+        self.differences = differences
+        ValueError.__init__(self, (
+            f"{what}: the ranks were started with different DeepSpeed configs; every rank must run the same one. "
+            "The resolved configs differ in:\n" + "\n".join(f"  {line}" for line in lines) + "\n"
+            "(compared after validation, with \"auto\" values and batch sizes resolved; keys that may differ per "
+            "rank are not compared: docs/config.md, \"Cross-rank agreement\")"))
+
+
 # ------------------------------------------------------------------------------ suggestions
 def edit_distance(a: str, b: str) -> int:
     """Optimal-string-alignment distance: one per insertion, deletion, substitution, swap."""

@@ -28,6 +28,7 @@ import torch
 from ... import comm as ds_comm
 from ...comm.bounded import break_group
 from ..activation_checkpointing import state as activation_checkpointing
+from ..agreement import agree_config
 from ..engine import DeepSpeedEngine
 from ..errors import NotSupportedYet, UsageError
 from ..optimizer_wrapper import OptimizerWrapper, SplitModel
@@ -55,6 +56,8 @@ class PipelineEngine(DeepSpeedEngine):
         if not isinstance(model, PipelineModule):
             raise TypeError(f"PipelineEngine needs a deepspeed.pipe.PipelineModule, got {type(model).__name__}")
         config_class = super_kwargs.get("config_class")
+        if config_class is not None:   # before the config decides anything ([Note: cross-rank config agreement])
+            agree_config(config_class, "PipelineEngine")
         if config_class is not None and config_class.model.zero_optimization.stage >= 3:
             raise NotSupportedYet("pipeline parallelism with zero_optimization.stage=3 is not supported (parameters "
                                   "would be gathered per stage by every micro-batch); use stage 1 or 2, which "

@@ -317,6 +317,26 @@ def _config_settings(config: Any) -> tuple[torch.dtype | None, str | None, bool 
     return dtype, device.lower() if isinstance(device, str) else None, offload.get("pin_memory")
 
 
+def _settings(config: Any, remote_device: Any, dtype: torch.dtype | None,
+              group: Any) -> tuple[torch.dtype | None, str | None, bool | None]:
+    """(config dtype, offload device, config pin_memory) from the config and the arguments. With a
+    config, agreed across `group` first: every rank must partition alike, and a rank whose config
+    does not load makes every rank raise ([Note: cross-rank config agreement])."""
+    def resolve() -> tuple[torch.dtype | None, str | None, bool | None]:
+        config_dtype, config_device, config_pin = _config_settings(config) if config is not None \
+            else (None, None, None)
+        device = getattr(remote_device, "value", remote_device)
+        return config_dtype, str(device).lower() if device is not None else config_device, config_pin
+
+    if config is None:
+        return resolve()
+    from ...agreement import agree_config
+
+    # pin_memory is not compared: page-locked or not, the shard holds the same values on that rank only
+    return agree_config(resolve, "deepspeed.zero.Init", group=group, view=lambda s: {
+        "dtype": str(dtype if dtype is not None else s[0]), "remote_device": s[1] or "none"})
+
+
 def contradicting_single_rank_group(dp_world_size: int, explicit_process_group: Any, env: Any) -> str | None:
     """The error for a one-rank group under a multi-process launcher (None when all is well).
 
@@ -364,11 +384,6 @@ class Init:
         if param_swapper is not None:
             raise _not_supported("param_swapper (NVMe parameter offload)")
         config = config_dict_or_path if config_dict_or_path is not None else config
-        config_dtype, config_device, config_pin = _config_settings(config) if config is not None else (None, None, None)
-        device = getattr(remote_device, "value", remote_device)
-        device = str(device).lower() if device is not None else config_device
-        if device not in (None, "none", "cpu"):
-            raise _not_supported(f"remote_device={device!r} (only None or \"cpu\")")
         if not ds_comm.is_initialized():
             ds_comm.init_distributed()   # as upstream (and deepspeed.initialize): even a single process
         if sequence_data_parallel_group is not None:
@@ -381,6 +396,9 @@ class Init:
         message = contradicting_single_rank_group(ds_comm.get_world_size(self.group), explicit, os.environ)
         if message is not None:
             raise RuntimeError(message)
+        config_dtype, device, config_pin = _settings(config, remote_device, dtype, self.group)
+        if device not in (None, "none", "cpu"):
+            raise _not_supported(f"remote_device={device!r} (only None or \"cpu\")")
         from ....accelerator import get_accelerator
 
         self.device = torch.device(get_accelerator().current_device_name())
