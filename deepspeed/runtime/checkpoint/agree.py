@@ -79,7 +79,7 @@ def _raise(what: str, mine: str | None, error: BaseException | None, cleanup: Ca
     if _distributed():  # only on failure: every rank learns what went wrong where
         texts = [None] * ds_comm.get_world_size()
         ds_comm.all_gather_object(texts, mine)
-    if cleanup is not None and rank == 0:
+    if cleanup is not None:  # on every rank: no partial file stays behind on node-local storage either
         try:
             cleanup()
         except Exception:  # noqa: BLE001 - the original error matters more

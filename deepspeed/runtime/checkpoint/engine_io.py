@@ -3,7 +3,7 @@
 Save: every rank must call it ([Note: arrival check] in comm/rendezvous.py turns a rank-0-only
 call into an error instead of a hang); tags are validated across ranks; files go to a staging
 directory that rank 0 publishes only after every rank succeeded ([Note: crash-safe save] in
-checkpoint/files.py), inline or in a background thread ([Note: background save] in
+checkpoint/files.py), in a background thread by default or inline ([Note: background save] in
 save_job.py). Load: any layout, world size and stage ([Note: resume anywhere] in
 checkpoint/reader.py); each rank reads only the slices it owns (loader.py). Every local phase
 of both is agreed across ranks before the next collective ([Note: agreed checkpoint errors]).
@@ -23,7 +23,7 @@ from . import zero3_io
 from .agree import agreed, describe, raise_if_any
 from .hp_state import HpState
 from .loader import DEEPSPEED_KEYS, apply_plan, read_plan
-from .save_job import PeerFailed, PendingSave, SaveJob
+from .save_job import PeerFailed, PendingSave, SaveJob, wait_all_local
 from .writer import dp_rank, model_states, mp_rank, partitioned_optimizer_state, rng_state
 
 _ALL_RANKS = ("all ranks must call save_checkpoint/load_checkpoint (not only rank 0): every rank saves its "
@@ -105,17 +105,24 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
 
     def written() -> SaveJob:
         job = snapshot()
-        job.write()
+        try:
+            job.write()
+        except BaseException:
+            job.close()
+            raise
         return job
 
     discard = lambda: files.discard_staging(save_dir, tag)  # noqa: E731
     if background:  # [Note: background save]
-        job = agreed(f"{what}: snapshot of {save_dir}/{tag} failed", snapshot, cleanup=discard)
+        job = agreed(f"{what}: snapshot of {save_dir}/{tag}", snapshot, cleanup=discard)
         engine._pending_checkpoint = PendingSave(job)
         log_dist(f"Saving checkpoint {os.path.join(save_dir, tag)} in the background", ranks=[0])
         return True
-    job = agreed(f"{what}: writing {save_dir}/{tag} failed", written, cleanup=discard)
-    agreed(f"{what}: publishing {save_dir}/{tag} failed", lambda: job.publish() if rank == 0 else None)
+    job = agreed(f"{what}: writing {save_dir}/{tag}", written, cleanup=discard)
+    try:
+        agreed(f"{what}: publishing {save_dir}/{tag}", lambda: job.publish() if rank == 0 else None)
+    finally:
+        job.close()
     log_dist(f"Saved checkpoint {os.path.join(save_dir, tag)}", ranks=[0])
     return True
 
@@ -145,8 +152,11 @@ def wait_for_checkpoint(engine: Any) -> None:
     error = pending.join()
     if isinstance(error, PeerFailed):  # not this rank's failure: the failing rank reports its own
         error = None
-    raise_if_any(error, f"save_checkpoint of {pending.job.tag} (written in the background)",
-                 cleanup=pending.job.discard)
+    try:
+        raise_if_any(error, f"save_checkpoint: writing {pending.job.save_dir}/{pending.job.tag} (in the background)",
+                     cleanup=pending.job.discard)
+    finally:
+        pending.job.close()
 
 
 def wait_local(engine: Any) -> None:
@@ -154,6 +164,8 @@ def wait_local(engine: Any) -> None:
     pending = getattr(engine, "_pending_checkpoint", None)
     engine._pending_checkpoint = None
     if pending is not None and pending.join() is not None:
+        pending.job.discard()
+        pending.job.close()
         raise files.CheckpointError(f"background save_checkpoint of {pending.job.tag} failed on this rank: "
                                     f"{describe(pending.error)}") from pending.error
 
@@ -170,6 +182,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
                     load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
     ds_comm.arrive_and_wait("load_checkpoint", hint=_ALL_RANKS)
     wait_for_checkpoint(engine)
+    wait_all_local()  # another engine of this process may still be writing what is read here
     plan = agreed("load_checkpoint", lambda: read_plan(engine, load_dir, tag, load_module_strict,
                                                        load_optimizer_states, load_lr_scheduler_states,
                                                        load_module_only), none_ok=True)
