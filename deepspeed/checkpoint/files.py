@@ -204,7 +204,18 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def wait_for_background_saves() -> None:
+    """Finish this process's background checkpoint saves (runtime/checkpoint/save_job.py; no
+    collective) before reading a checkpoint: one may still be writing the files read here."""
+    import sys
+
+    save_job = sys.modules.get("deepspeed.runtime.checkpoint.save_job")
+    if save_job is not None:
+        save_job.wait_all_local()
+
+
 def read_latest(load_dir: str, name: str = LATEST) -> str | None:
+    wait_for_background_saves()
     path = os.path.join(load_dir, name)
     if not os.path.isfile(path):
         return None

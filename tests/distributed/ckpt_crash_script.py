@@ -1,9 +1,10 @@
 """Run under the launcher with two ranks (test_checkpoint_crash.py): train, save checkpoint A,
 train one more step, then save checkpoint B while rank 1 SIGKILLs itself half-way through
-writing its optimizer-state file. Usage: ckpt_crash_script.py SAVE_DIR RECORD_FILE sync|async|exit.
+writing its optimizer-state file. Usage: ckpt_crash_script.py SAVE_DIR RECORD_FILE sync|async|publish|exit.
 `sync`: checkpoint.async_save false (the kill hits save_checkpoint itself). `async`: the default
 background save: B's files are written by a thread (the kill hits that thread's write, after
-save_checkpoint returned and training went on). `exit`: nobody is killed; the script ends right
+save_checkpoint returned and training went on). `publish`: rank 0's background thread is killed
+after renaming B into place, before it writes `latest`. `exit`: nobody is killed; the script ends right
 after save_checkpoint(B) returns, while B's (slowed) background write still runs."""
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ def die_while_writing_optimizer_file(real_save_file):
     return save_file
 
 
+def die_while_publishing_latest(real_write_text):
+    """Rank 0's background thread is killed after B's rename into place, before `latest` names it."""
+    def write_text(path, text, dir_fd=None, mode=0o644):
+        if path == files.LATEST and text == "B":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_write_text(path, text, dir_fd=dir_fd, mode=mode)
+
+    return write_text
+
+
 def slow(real_save_file):
     """The background write is surely still running when the script goes on (and exits)."""
     def save_file(obj, path, dir_fd=None, shown=None):
@@ -72,12 +83,15 @@ def main() -> None:
         if rank == 0:
             torch.save({"snap": snap, "global_steps": engine.global_steps}, record + ".B")
         files.save_file = slow(files.save_file)
+    elif mode == "publish":
+        if rank == 0:
+            files.write_text = die_while_publishing_latest(files.write_text)
     elif rank == 1:
         files.save_file = die_while_writing_optimizer_file(files.save_file)
     engine.save_checkpoint(save_dir, tag="B")
     sys.stdout.write(f"rank {rank}: save of B returned\n")
     sys.stdout.flush()
-    if mode == "async":
+    if mode in ("async", "publish"):
         J.train(engine, data[2:])  # training goes on while the thread writes (and dies)
         engine.wait_for_checkpoint()
         sys.stdout.write(f"rank {rank}: background save of B finished\n")

@@ -51,7 +51,8 @@ def _launch(tmp_path, mode: str):
 def _crash(tmp_path, mode: str):
     save_dir, record, result, elapsed = _launch(tmp_path, mode)
     assert result.returncode != 0, result.stderr[-3000:]
-    assert "killed by SIGKILL" in result.stderr and "rank 1" in result.stderr, result.stderr[-3000:]
+    victim = "rank 0" if mode == "publish" else "rank 1"
+    assert "killed by SIGKILL" in result.stderr and victim in result.stderr, result.stderr[-3000:]
     assert elapsed < 150, elapsed
     return save_dir, record, result
 
@@ -74,6 +75,20 @@ def test_sigkill_during_background_write_keeps_previous_checkpoint(tmp_path):
     assert (staging / ".rank0.done").exists() and (staging / optim_file(0)).exists(), os.listdir(staging)
     assert not (staging / ".rank1.done").exists()
     _check_previous_checkpoint_survives(save_dir, record)
+
+
+def test_sigkill_while_publishing_in_the_background_keeps_latest(tmp_path):
+    """Rank 0's background thread dies after renaming B into place and before writing `latest`:
+    `latest` still names A, which loads; B is complete (every file fsynced before the rename)."""
+    save_dir, record, result = _crash(tmp_path, "publish")
+    assert "rank 0: save of B returned" in result.stdout, result.stdout[-2000:]
+    assert (save_dir / "latest").read_text() == "A"
+    assert sorted(os.listdir(save_dir / "A")) == COMPLETE
+    assert sorted(f for f in os.listdir(save_dir / "B") if not f.startswith(".")) == COMPLETE
+    recorded = torch.load(record, weights_only=True)
+    b = run_distributed(2, J.load_job, J.config(2, 2), str(save_dir), pre=2, post=1)[0]
+    assert b["path"] == str(save_dir / "A" / MODEL_FILE) and b["state"]["global_steps"] == 2
+    assert_snap_equal(recorded["snap"], b["snap"])
 
 
 def test_exit_right_after_a_background_save_publishes_it(tmp_path):

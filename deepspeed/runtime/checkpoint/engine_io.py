@@ -78,10 +78,11 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         raise
     partitioned = _partitioned(engine)
     optimizer_state, zero3 = None, engine._stage3 is not None
+    later: list = []  # the re-cut's local finishing work: on the writer's thread (HpState.recut_fields)
     # collectives, on every rank alike: re-cutting the partitions, gathering frozen ZeRO-3 pieces
     if partitioned:
         cut = zero3_io.optimizer_state if zero3 else partitioned_optimizer_state
-        optimizer_state = cut(engine, hp, dp_rank(engine), engine.dp_world_size)
+        optimizer_state = cut(engine, hp, dp_rank(engine), engine.dp_world_size, later=later)
     frozen = zero3_io.frozen_fragments(engine, dp_rank(engine), engine.dp_world_size) \
         if zero3 and not exclude_frozen_parameters else None
 
@@ -101,7 +102,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
                             {"optimizer_state_dict": optimizer_state, "ds_config": engine.config,
                              "ds_version": state_version()}))
         entries.append((f"rng_state_{rank}.pt", rng_state()))
-        return SaveJob(save_dir, tag, rank, ds_comm.get_world_size(), entries, save_latest)
+        return SaveJob(save_dir, tag, rank, ds_comm.get_world_size(), entries, save_latest, prepare=later)
 
     def written() -> SaveJob:
         job = snapshot()

@@ -49,9 +49,10 @@ class SaveJob:
     `tmp-checkpoint-N` -> `checkpoint-N`) while the job runs changes nothing."""
 
     def __init__(self, save_dir: str, tag: str, rank: int, world: int, entries: list[tuple[str, Any]],
-                 save_latest: bool) -> None:
+                 save_latest: bool, prepare: list | None = None) -> None:
         self.save_dir, self.tag, self.rank, self.world = save_dir, tag, rank, world
         self.entries, self.save_latest = entries, save_latest
+        self.prepare = list(prepare or [])  # local work completing the entries' tensors (on the writer's thread)
         self.staging = files.staging_dir(save_dir, tag)
         self.save_fd = files.open_dir(save_dir)
         try:
@@ -64,6 +65,9 @@ class SaveJob:
     def write(self) -> None:
         """This rank's files into the staging directory, each complete (fsynced) before its rename,
         then one fsync of the directory so the renames are durable too."""
+        for finish in self.prepare:
+            finish()
+        self.prepare = []
         for name, obj in self.entries:
             files.save_file(obj, name, dir_fd=self.stage_fd, shown=os.path.join(self.staging, name))
         self.entries = []  # release the snapshot as soon as it is on disk
