@@ -54,6 +54,28 @@ def agreed(what: str, fn: Callable[[], T], cleanup: Callable[[], Any] | None = N
     return result
 
 
+def agreed_gather(what: str, fn: Callable[[], tuple[T, Any]], cleanup: Callable[[], Any] | None = None
+                  ) -> tuple[T, list[Any]]:
+    """`agreed` for a local phase that also shares something: `fn` returns (its result, a small
+    picklable value for every rank). One all_gather_object carries each rank's error text or
+    value, so the agreement and the exchange cost one collective (save_checkpoint's first phase
+    shares its tag and optimizer fields this way). Returns (the result, every rank's value)."""
+    result: Any = _NONE
+    error: BaseException | None = None
+    try:
+        result, shared = fn()
+        mine: tuple = (None, shared)
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        error, mine = e, (describe(e), None)
+    everyone = [mine]
+    if _distributed():
+        everyone = [None] * ds_comm.get_world_size()
+        ds_comm.all_gather_object(everyone, mine)
+    if any(text is not None for text, _ in everyone):
+        _raise(what, mine[0], error, cleanup, texts=[text for text, _ in everyone])
+    return result, [value for _, value in everyone]
+
+
 def raise_if_any(error: BaseException | None, what: str, cleanup: Callable[[], Any] | None = None) -> None:
     """The agreement of `agreed` for an error caught by the caller (None: this rank succeeded)."""
     failed, _ = _all_sum([1.0 if error is not None else 0.0, 0.0])
@@ -73,12 +95,13 @@ def _all_sum(values: list[float]) -> tuple[float, float]:
 
 
 def _raise(what: str, mine: str | None, error: BaseException | None, cleanup: Callable[[], Any] | None,
-           prefix: str = "failed") -> None:
+           prefix: str = "failed", texts: list[Any] | None = None) -> None:
     rank = ds_comm.get_rank() if _distributed() else 0
-    texts: list[Any] = [mine]
-    if _distributed():  # only on failure: every rank learns what went wrong where
-        texts = [None] * ds_comm.get_world_size()
-        ds_comm.all_gather_object(texts, mine)
+    if texts is None:  # not yet exchanged (agreed_gather has): only on failure, every rank learns what went wrong where
+        texts = [mine]
+        if _distributed():
+            texts = [None] * ds_comm.get_world_size()
+            ds_comm.all_gather_object(texts, mine)
     if cleanup is not None:  # on every rank: no partial file stays behind on node-local storage either
         try:
             cleanup()

@@ -20,8 +20,8 @@ from ...checkpoint import files
 from ...utils.logging import log_dist, logger
 from ..errors import ArgumentError
 from . import zero3_io
-from .agree import agreed, describe, raise_if_any
-from .hp_state import HpState
+from .agree import agreed, agreed_gather, describe, raise_if_any
+from .hp_state import HpState, combine_fields
 from .loader import DEEPSPEED_KEYS, apply_plan, read_plan
 from .save_job import PeerFailed, PendingSave, SaveJob, wait_all_local
 from .writer import dp_rank, model_states, mp_rank, partitioned_optimizer_state, rng_state
@@ -35,17 +35,14 @@ def _partitioned(engine: Any) -> bool:
     return engine.optimizer is not None and (engine.zero_optimization_stage() > 0 or engine.precision.is_mixed)
 
 
-def _validate_tag(engine: Any, tag: str) -> str:
-    """The tag every rank saves under: rank 0's. Tags that differ across ranks raise with
-    tag_validation FAIL (also an AssertionError, as upstream's assert); with WARN (warned) or IGNORE
-    every rank uses rank 0's tag, so the ranks still write one complete, loadable checkpoint
-    (upstream lets each rank write into its own tag's folder: no folder holds a whole checkpoint)."""
-    if ds_comm.get_world_size() == 1:
-        return tag
-    mode = engine._config.model.checkpoint.tag_validation
-    tags: list[Any] = [None] * ds_comm.get_world_size()
-    ds_comm.all_gather_object(tags, tag)
+def _validate_tag(engine: Any, tags: list[str]) -> str:
+    """The tag every rank saves under: rank 0's (`tags`: every rank's). Tags that differ across
+    ranks raise with tag_validation FAIL (also an AssertionError, as upstream's assert); with WARN
+    (warned) or IGNORE every rank uses rank 0's tag, so the ranks still write one complete, loadable
+    checkpoint (upstream lets each rank write into its own tag's folder: no folder holds a whole
+    checkpoint)."""
     if len(set(tags)) > 1:
+        mode = engine._config.model.checkpoint.tag_validation
         message = f"checkpoint tag differs across ranks: {tags} (checkpoint.tag_validation={mode})"
         if mode == "FAIL":
             raise ArgumentError(message)
@@ -62,27 +59,36 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     rank = engine.global_rank
     background = bool(engine._config.model.checkpoint.async_save)
 
-    def begin() -> tuple[str, HpState | None]:
+    partitioned = _partitioned(engine)
+
+    def begin() -> tuple[HpState | None, tuple]:
+        """Local: check the tag, read the optimizer's layout, (rank 0) make the staging directory;
+        shared with every rank in the same collective as the agreement: the tag and the fields."""
         checked = _checked_tag(engine, save_dir, tag)
         hp = HpState(engine) if engine.optimizer is not None else None
         if rank == 0:
             files.prepare_staging(save_dir, checked)
-        return checked, hp
+        return hp, (checked, hp.local_fields() if partitioned and hp.zero else None)
 
-    tag, hp = agreed(what, begin, cleanup=lambda: files.discard_staging(save_dir, _checked_tag(engine, save_dir, tag)))
+    hp, shared = agreed_gather(what, begin, cleanup=lambda: files.discard_staging(save_dir, _checked_tag(
+        engine, save_dir, tag)))
     try:
-        tag = _validate_tag(engine, tag)  # collective; every rank sees the same tags and raises alike
+        tag = _validate_tag(engine, [t for t, _ in shared])  # every rank sees the same tags and raises alike
     except ValueError:
         if rank == 0:
-            files.discard_staging(save_dir, tag)
+            files.discard_staging(save_dir, shared[0][0])
         raise
-    partitioned = _partitioned(engine)
+    fields_step = None
+    if partitioned and hp.zero:  # the data-parallel group's optimizer fields, from what was gathered
+        group = engine.data_parallel_group
+        fields_step = combine_fields([shared[ds_comm.get_global_rank(group, r)][1]
+                                      for r in range(ds_comm.get_world_size(group))])
     optimizer_state, zero3 = None, engine._stage3 is not None
     later: list = []  # the re-cut's local finishing work: on the writer's thread (HpState.recut_fields)
     # collectives, on every rank alike: re-cutting the partitions, gathering frozen ZeRO-3 pieces
     if partitioned:
         cut = zero3_io.optimizer_state if zero3 else partitioned_optimizer_state
-        optimizer_state = cut(engine, hp, dp_rank(engine), engine.dp_world_size, later=later)
+        optimizer_state = cut(engine, hp, dp_rank(engine), engine.dp_world_size, later=later, fields_step=fields_step)
     frozen = zero3_io.frozen_fragments(engine, dp_rank(engine), engine.dp_world_size) \
         if zero3 and not exclude_frozen_parameters else None
 

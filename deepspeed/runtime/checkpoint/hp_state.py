@@ -99,9 +99,7 @@ class HpState:
             return mine
         everyone: list[Any] = [None] * ds_comm.get_world_size(group)
         ds_comm.all_gather_object(everyone, mine, group=group)
-        fields = sorted({f for fs, _ in everyone for f in fs})
-        steps = {s for _, s in everyone if s is not None}
-        return fields, (steps.pop() if steps else None)
+        return combine_fields(everyone)
 
     def local_values(self, field: str) -> Iterator[tuple[str, int, torch.Tensor]]:
         """(name, offset in the flattened parameter, fp32 values) of each piece this rank holds,
@@ -248,3 +246,11 @@ def upstream_scaler(scaler: Any) -> Any:
     copy = cls.__new__(cls)
     copy.__dict__.update({k: v for k, v in vars(scaler).items() if not callable(v)})
     return copy
+
+
+def combine_fields(everyone: list[tuple[list[str], Any]]) -> tuple[list[str], Any]:
+    """The fields and step of a group from each rank's `local_fields()`."""
+    fields = sorted({f for fs, _ in everyone for f in fs})
+    steps = {s for _, s in everyone if s is not None}
+    return fields, (steps.pop() if steps else None)
+
