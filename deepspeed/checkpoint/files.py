@@ -169,7 +169,7 @@ def write_text(path: str, text: str, dir_fd: int | None = None, mode: int = 0o64
         os.close(fd)
         _unlink(tmp, dir_fd)
         if isinstance(error, OSError) and error.errno in _FULL:
-            raise disk_full(error, path, len(text), dir_fd) from error
+            raise disk_full(error, path, len(text), os.path.dirname(path) if dir_fd is None else dir_fd) from error
         raise
     os.close(fd)
     os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
