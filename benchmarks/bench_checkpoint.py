@@ -21,7 +21,9 @@ In each job:
    "training blocked" is the time save_checkpoint takes to return; "until published" adds
    ``engine.wait_for_checkpoint()`` (ours: until every file is fsynced and rank 0 has renamed
    the tag and written ``latest``; the same as blocked without a background save; DeepSpeed has
-   no wait and does not fsync). ``ours-async`` is ours with ``checkpoint.async_save: true``;
+   no wait and does not fsync). "CPU s" beside each: the process's CPU seconds over the same
+   span (every thread, the background writer's too; the slowest rank). ``ours`` is the default
+   (background save), ``ours-sync`` ours with ``checkpoint.async_save: false``;
 3. the sizes of the files of the last tag directory (``rng_state_*.pt`` listed separately;
    ``latest`` and ours' copy of ``zero_to_fp32.py`` lie in the save dir, not in the tag);
 4. the saving engine trains on batch 2 and computes the loss of batch 3 (reference losses);
@@ -53,7 +55,7 @@ import time
 import bench_zero as bz
 
 DTYPES = bz.DTYPES
-IMPLS = ("ours", "ours-async", "deepspeed")  # ours-async: ours with checkpoint.async_save
+IMPLS = ("ours", "ours-sync", "deepspeed")  # ours-sync: ours with checkpoint.async_save false
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--job-timeout", type=int, default=900)
     p.add_argument("--json", default=None)
     p.add_argument("--worker", choices=bz.IMPLS, help=argparse.SUPPRESS)
-    p.add_argument("--async-save", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--sync-save", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, help=argparse.SUPPRESS)
     p.add_argument("--dtype", choices=DTYPES, help=argparse.SUPPRESS)
     p.add_argument("--result-dir", help=argparse.SUPPRESS)
@@ -113,8 +115,8 @@ def run_worker(args) -> int:
 
     batches = bz.make_batches(args, rank, world)
     config = bz.ds_config(args)
-    if args.async_save:
-        config["checkpoint"] = {"async_save": True}
+    if args.sync_save:
+        config["checkpoint"] = {"async_save": False}
 
     def build(seed):
         torch.manual_seed(seed)
@@ -151,13 +153,16 @@ def run_worker(args) -> int:
     for i in range(args.train_steps):
         step(engine, i)
     save_dir = os.path.join(args.result_dir, "ckpt")
-    save_times, durable_times = [], []
+    save_times, durable_times, save_cpu, durable_cpu = [], [], [], []
     wait = getattr(engine, "wait_for_checkpoint", lambda: None)  # ours: the background write, published
     for i in range(args.repeats):
+        c0 = time.process_time()  # this process's CPU seconds, every thread (the writer's too)
         save_times.append(timed(lambda: engine.save_checkpoint(save_dir, tag=f"t{i}")))
+        save_cpu.append(time.process_time() - c0)
         t0 = time.perf_counter()
         wait()
         durable_times.append(save_times[-1] + time.perf_counter() - t0)
+        durable_cpu.append(time.process_time() - c0)
         tdist.barrier()
         if rank == 0 and i > 0:
             shutil.rmtree(os.path.join(save_dir, f"t{i - 1}"))
@@ -187,6 +192,7 @@ def run_worker(args) -> int:
     with open(os.path.join(args.result_dir, f"rank{rank}.json"), "w") as f:
         json.dump(dict(rank=rank, ds_file=ds_file, ds_version=deepspeed.__version__, params=n_params,
                        save_times=save_times, durable_times=durable_times, load_times=load_times,
+                       save_cpu=save_cpu, durable_cpu=durable_cpu,
                        files=files, outside=outside,
                        ref=ref, got=got, prof_save=prof_save, prof_load=prof_load), f)
     tdist.barrier()
@@ -209,8 +215,8 @@ def worker_argv(args, impl: str, stage: int, dtype: str, out: str) -> list[str]:
 
 
 def launch(args, impl: str, stage: int, dtype: str) -> dict:
-    real = "ours" if impl == "ours-async" else impl
-    extra = ["--async-save"] if impl == "ours-async" else []
+    real = "ours" if impl == "ours-sync" else impl
+    extra = ["--sync-save"] if impl == "ours-sync" else []
     return bz.launch(args, real, stage, dtype, script=os.path.abspath(__file__),
                      argv_of=lambda *a: worker_argv(*a) + extra)
 
@@ -241,6 +247,7 @@ def aggregate(cell: tuple, jobs: list[dict]) -> dict:
     files = r0["files"]
     rng = {f: s for f, s in files.items() if os.path.basename(f).startswith("rng_state")}
     row.update(save=slowest("save_times"), durable=slowest("durable_times"), load=slowest("load_times"),
+               save_cpu=slowest("save_cpu"), durable_cpu=slowest("durable_cpu"),
                files=files, rng=rng,
                total=sum(files.values()), params=r0["params"], outside=r0["outside"],
                ds=f"{r0['ds_version']} `{r0['ds_file']}`", prof=(r0["prof_save"], r0["prof_load"]),
@@ -250,16 +257,17 @@ def aggregate(cell: tuple, jobs: list[dict]) -> dict:
 
 
 def print_tables(rows: list[dict]) -> None:
-    print("| impl | stage | dtype | save: training blocked s (median) | save: until published s (median) "
-          "| load s (median) | tag bytes | bytes / theoretical | next-step loss diff (weights / after +1 step) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| impl | stage | dtype | save: training blocked s (median) | CPU s | save: until published s (median) "
+          "| CPU s | load s (median) | tag bytes | bytes / theoretical | next-step loss diff (weights / after +1 step) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         head = f"| {r['impl']} | {r['stage']} | {r['dtype']} "
         if "error" in r:
             print(head + f"| FAILED: {r['error'].strip().splitlines()[-1][:160]} | | | | | |")
             continue
         rng = f" (of which rng_state: {len(r['rng'])} x {size(max(r['rng'].values()))})" if r["rng"] else ""
-        print(head + f"| {statistics.median(r['save']):.3f} | {statistics.median(r['durable']):.3f} "
+        print(head + f"| {statistics.median(r['save']):.3f} | {statistics.median(r['save_cpu']):.3f} "
+              f"| {statistics.median(r['durable']):.3f} | {statistics.median(r['durable_cpu']):.3f} "
               f"| {statistics.median(r['load']):.3f} "
               f"| {r['total']:,} B{rng} | {r['total'] / theoretical(r['params'], r['stage'], r['dtype']):.3f} "
               f"| {r['diff'][0]:.3g} / {r['diff'][1]:.3g} |")

@@ -17,6 +17,7 @@ same import paths and allows exactly those, so DeepSpeed-written checkpoints loa
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from typing import Any
@@ -73,33 +74,122 @@ def load_file(path: str, mmap: bool = True) -> Any:
 # fsync makes a published checkpoint survive a power loss or kernel crash too (renames alone
 # already protect against a killed process); it costs about 0.1 s per 230 MB on this project's disk.
 FSYNC = os.environ.get("DEEPSPEED_CHECKPOINT_FSYNC", "1") != "0"
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_write = os.write  # the one place bytes go to a checkpoint file (tests inject faults here)
 
 
-def save_file(obj: Any, path: str) -> None:
-    """torch.save to `path` through a temporary name (and fsync), so `path` is complete or absent.
+class _Sink:
+    """The file object torch.save writes through: every byte goes through `_write` on a descriptor
+    we own, so an OSError keeps its errno ([Note: disk full]). After a failed write it only counts
+    (torch.save then completes, and the count is the size the file would have had)."""
 
-    torch.save is given the file name, not a Python file object: its C++ writer then writes the
-    records directly (10-20% faster than through `handle.write`); the fsync goes through a
-    second descriptor, which flushes the same inode."""
+    def __init__(self, fd: int) -> None:
+        self.fd, self.size, self.error = fd, 0, None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        self.size += n
+        while view and self.error is None:
+            try:
+                view = view[_write(self.fd, view):]
+            except OSError as error:
+                self.error = error
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def save_file(obj: Any, path: str, dir_fd: int | None = None, shown: str | None = None) -> None:
+    """torch.save to `path` through `<path>.tmp`, fsync, rename: `path` is complete or absent, and
+    a failed write leaves nothing behind. With `dir_fd`, `path` is a name in that directory (the
+    directory may be renamed meanwhile: [Note: background save] in runtime/checkpoint/save_job.py);
+    `shown` is the path errors name.
+
+    [Note: disk full]
+    torch.save given a file name hides the errno behind its C++ writer ("unexpected pos 36416 vs
+    36304"), so the bytes go through a file object of ours: an ENOSPC/EDQUOT (from a write or the
+    fsync) becomes `OSError(ENOSPC, "No space left on device (the file needs N bytes, F bytes free
+    ...)", path)`, measured once the partial file is removed."""
+    shown = shown or path
     tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    if FSYNC:
-        fd = os.open(tmp, os.O_RDONLY)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=dir_fd)
+    sink = _Sink(fd)
+    try:
         try:
+            torch.save(obj, sink)
+        except Exception:
+            if sink.error is None:
+                raise
+        if sink.error is not None:
+            raise sink.error
+        if FSYNC:
             os.fsync(fd)
-        finally:
-            os.close(fd)
-    os.replace(tmp, path)
+    except BaseException as error:
+        os.close(fd)
+        _unlink(tmp, dir_fd)
+        if isinstance(error, OSError) and error.errno in _FULL:
+            raise disk_full(error, shown, sink.size, os.path.dirname(shown) if dir_fd is None else dir_fd) from error
+        raise
+    os.close(fd)
+    os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
-def write_text(path: str, text: str) -> None:
+def disk_full(error: OSError, path: str, needed: int | None, where: Any) -> OSError:
+    """ENOSPC/EDQUOT with the path and the bytes: needed (when known) and free on that file system."""
+    try:
+        st = os.fstatvfs(where) if isinstance(where, int) else os.statvfs(where or ".")
+        free = f", {st.f_bavail * st.f_frsize:,} bytes free on that file system"
+    except OSError:
+        free = ""
+    needs = f"the file needs {needed:,} bytes" if needed else "size unknown"
+    what = "Disk quota exceeded" if error.errno == errno.EDQUOT else "No space left on device"
+    return OSError(error.errno, f"{what} ({needs}{free})", path)
+
+
+def _unlink(path: str, dir_fd: int | None) -> None:
+    try:
+        os.unlink(path, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+def write_text(path: str, text: str, dir_fd: int | None = None, mode: int = 0o644) -> None:
+    """`path` (a name in `dir_fd` when given) replaced atomically by `text`, durable."""
     tmp = path + ".tmp"
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode, dir_fd=dir_fd)
+    try:
+        os.fchmod(fd, mode)  # not masked by the umask
+        data = memoryview(text.encode())
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    except BaseException as error:
+        os.close(fd)
+        _unlink(tmp, dir_fd)
+        if isinstance(error, OSError) and error.errno in _FULL:
+            raise disk_full(error, path, len(text), os.path.dirname(path) if dir_fd is None else dir_fd) from error
+        raise
+    os.close(fd)
+    os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    if dir_fd is None:
+        fsync_dir(os.path.dirname(path) or ".")
+    else:
+        fsync_fd(dir_fd)
+
+
+def open_dir(path: str, dir_fd: int | None = None) -> int:
+    """A descriptor of the directory `path`: names opened relative to it stay valid when the
+    directory (or one above it) is renamed."""
+    return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0), dir_fd=dir_fd)
+
+
+def fsync_fd(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
 
 
 def fsync_dir(path: str) -> None:
@@ -109,14 +199,23 @@ def fsync_dir(path: str) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        fsync_fd(fd)
     finally:
         os.close(fd)
 
 
+def wait_for_background_saves() -> None:
+    """Finish this process's background checkpoint saves (runtime/checkpoint/save_job.py; no
+    collective) before reading a checkpoint: one may still be writing the files read here."""
+    import sys
+
+    save_job = sys.modules.get("deepspeed.runtime.checkpoint.save_job")
+    if save_job is not None:
+        save_job.wait_all_local()
+
+
 def read_latest(load_dir: str, name: str = LATEST) -> str | None:
+    wait_for_background_saves()
     path = os.path.join(load_dir, name)
     if not os.path.isfile(path):
         return None
@@ -137,22 +236,61 @@ def prepare_staging(save_dir: str, tag: str) -> str:
     return path
 
 
-def commit_staging(save_dir: str, tag: str) -> str:
-    """Rank 0, after every rank wrote its files: publish `.<tag>.partial` as `<tag>`."""
-    final, old = os.path.join(save_dir, tag), os.path.join(save_dir, f".{tag}.old")
-    if not os.path.exists(final) and os.path.isdir(old):
-        os.replace(old, final)  # a crash interrupted the previous commit: restore before replacing
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(final):
-        os.replace(final, old)
-    os.replace(staging_dir(save_dir, tag), final)
-    fsync_dir(save_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    return final
+def exists_at(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
 
 
-def discard_staging(save_dir: str, tag: str) -> None:
-    shutil.rmtree(staging_dir(save_dir, tag), ignore_errors=True)
+def remove_tree(name: str, dir_fd: int) -> None:
+    """shutil.rmtree(name) relative to `dir_fd` (shutil's dir_fd needs Python 3.11); errors ignored."""
+    try:
+        fd = open_dir(name, dir_fd)
+    except OSError:
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except OSError:
+            pass
+        return
+    try:
+        for entry in os.listdir(fd):
+            remove_tree(entry, fd)
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
+def commit_staging(save_dir: str, tag: str, dir_fd: int | None = None) -> str:
+    """Rank 0, after every rank wrote its files: publish `.<tag>.partial` as `<tag>` (names in
+    `dir_fd`, the save directory's descriptor, when given: it may have been renamed)."""
+    own = dir_fd is None
+    fd = open_dir(save_dir) if own else dir_fd
+    try:
+        final, old = tag, f".{tag}.old"
+        if not exists_at(final, fd) and exists_at(old, fd):
+            os.replace(old, final, src_dir_fd=fd, dst_dir_fd=fd)  # a crash interrupted the previous commit
+        remove_tree(old, fd)
+        if exists_at(final, fd):
+            os.replace(final, old, src_dir_fd=fd, dst_dir_fd=fd)
+        os.replace(os.path.basename(staging_dir(save_dir, tag)), final, src_dir_fd=fd, dst_dir_fd=fd)
+        fsync_fd(fd)
+        remove_tree(old, fd)
+    finally:
+        if own:
+            os.close(fd)
+    return os.path.join(save_dir, tag)
+
+
+def discard_staging(save_dir: str, tag: str, dir_fd: int | None = None) -> None:
+    if dir_fd is None:
+        shutil.rmtree(staging_dir(save_dir, tag), ignore_errors=True)
+    else:
+        remove_tree(os.path.basename(staging_dir(save_dir, tag)), dir_fd)
 
 
 def tag_dir(load_dir: str, tag: str) -> str | None:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..runtime.zero.partition import BucketPartition, ParamwisePartition
-from .files import CheckpointError, load_file, model_file, tag_dir
+from .files import CheckpointError, load_file, model_file, tag_dir, wait_for_background_saves
 
 ALIGNMENT = 2  # DeepSpeed pads each ZeRO-1/2 param group to a multiple of 2 * world size
 
@@ -31,6 +31,7 @@ class CheckpointReader:
     """One tag of a checkpoint directory; see [Note: resume anywhere]."""
 
     def __init__(self, load_dir: str, tag: str, mp_rank: int = 0, module_state: dict | None = None) -> None:
+        wait_for_background_saves()
         path = tag_dir(load_dir, tag)
         if path is None:
             raise CheckpointError(f"checkpoint tag {tag!r} not found in {load_dir} (no directory {tag})")

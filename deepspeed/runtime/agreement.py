@@ -90,12 +90,15 @@ def agreed(what: str, fn: Callable[[], T], error_type: type, cleanup: Callable[[
 
 
 def raise_agreed(what: str, mine: str | None, error: BaseException | None, error_type: type,
-                 cleanup: Callable[[], Any] | None = None, prefix: str = "failed", group: Any = None) -> NoReturn:
+                 cleanup: Callable[[], Any] | None = None, prefix: str = "failed", group: Any = None,
+                 texts: dict[int, Any] | None = None) -> NoReturn:
     """The error every rank raises once a vote found a failure: `mine` is this rank's message
-    (None: this rank succeeded); every rank's message is gathered and named by rank."""
+    (None: this rank succeeded); every rank's message is gathered (unless `texts` has them
+    already) and named by rank. `cleanup` runs on every rank: no partial file stays behind on
+    node-local storage either."""
     rank = ds_comm.get_rank() if distributed(group) else 0
-    texts = gather(mine, group)
-    if cleanup is not None and rank == 0:
+    texts = gather(mine, group) if texts is None else texts
+    if cleanup is not None:
         try:
             cleanup()
         except Exception:  # noqa: BLE001 - the original error matters more

@@ -70,6 +70,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if mesh_param is not None:
         raise NotImplementedError("deepspeed.initialize: mesh_param (sequence/data-parallel meshes) is not "
                                   "supported by this implementation")
+    from .checkpoint.save_job import wait_all_local
+
+    wait_all_local()  # an earlier engine's background save: its files are complete before a new engine reads any
     engine_class = DeepSpeedEngine
     if _is_pipeline_module(model):
         from .pipe.engine import PipelineEngine

@@ -501,7 +501,9 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
 
         Every rank must call it (each writes its optimizer partition); a call on some ranks only
         fails with an error on the ranks that called it. The previous checkpoint and `latest`
-        stay intact until the new one is complete.
+        stay intact until the new one is complete. By default the files are written and published
+        by a background thread after the call returns (checkpoint.async_save; renaming `save_dir`
+        meanwhile is safe); the next save or load, wait_for_checkpoint() and process exit wait for it.
         """
         from .checkpoint.engine_io import save_checkpoint
 
@@ -518,7 +520,7 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
                                load_lr_scheduler_states, load_module_only, custom_load_fn)
 
     def wait_for_checkpoint(self) -> None:
-        """Wait until a background save (`checkpoint.async_save`) is written and published; raises on
+        """Wait until a background save (`checkpoint.async_save`, the default) is written and published; raises on
         every rank if it failed on any. Every rank must call it. A no-op without a pending save."""
         from .checkpoint.engine_io import wait_for_checkpoint
 

@@ -369,7 +369,16 @@ def _is_tag_dir(path):
     return any(n.endswith("_optim_states.pt") or n.endswith("_model_states.pt") for n in names)
 
 
+def _wait_for_background_saves():
+    """In a process that trained with this package, its background checkpoint saves finish before
+    a checkpoint is read (standalone, without deepspeed imported, there is nothing to wait for)."""
+    save_job = sys.modules.get("deepspeed.runtime.checkpoint.save_job")
+    if save_job is not None and hasattr(save_job, "wait_all_local"):
+        save_job.wait_all_local()
+
+
 def _resolve_tag_dir(checkpoint_dir, tag):
+    _wait_for_background_saves()
     checkpoint_dir = os.fspath(checkpoint_dir)
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"Checkpoint directory '{checkpoint_dir}' doesn't exist")

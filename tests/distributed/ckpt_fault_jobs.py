@@ -5,7 +5,9 @@ background saves. Faults are injected inside the failing rank's job only (and un
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import time
 from typing import Any
 
@@ -125,17 +127,14 @@ def faulty_save_job(cfg: dict, save_dir: str, fault: str, victim: int) -> dict:
     engine.wait_for_checkpoint()
     J.train(engine, J.batches(2)[1:])
     mine = _rank() == victim
-    real_save = files.save_file
 
-    def disk_full(obj, path):
-        if "optim_states" in path or "rng_state" in path:
-            raise OSError(28, "No space left on device", path)
-        return real_save(obj, path)
+    def disk_full(fd, data):  # the device is full for this rank's writes (the file system says so)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     tag = "bad"
     if fault == "tag" and mine:
         tag = "bad/tag"
-    with patched(files, "save_file", disk_full, mine and fault == "write"):
+    with patched(files, "_write", disk_full, mine and fault == "write"):
         def save():
             engine.save_checkpoint(save_dir, tag=tag)
             engine.wait_for_checkpoint()  # a background save reports here
@@ -167,4 +166,41 @@ def async_save_job(cfg: dict, save_dir: str) -> dict:
     if _rank() == 0:
         out.update(snap=before, state=st, listing=sorted(os.listdir(save_dir)),
                    latest=open(os.path.join(save_dir, "latest")).read())
+    return out
+
+
+def renamed_while_writing_job(cfg: dict, root: str) -> dict:
+    """Hugging Face Trainer's pattern: save_checkpoint into `tmp-checkpoint-N`, rename it to
+    `checkpoint-N` as soon as the call returns (the background write still running: each file's
+    write is slowed by 0.2 s), then rotate (delete `checkpoint-1`) while the next save is in flight."""
+    from deepspeed.checkpoint import files
+
+    engine = J.build(cfg, "tiny", seed=0)
+    data = J.batches(3)
+    rank = _rank()
+    real = files.save_file
+
+    def slow(obj, path, dir_fd=None, shown=None):
+        time.sleep(0.2)
+        return real(obj, path, dir_fd=dir_fd, shown=shown)
+
+    running, snap = [], None
+    with patched(files, "save_file", slow, True):
+        for n in (1, 2):
+            J.train(engine, data[n - 1:n])
+            engine.save_checkpoint(os.path.join(root, f"tmp-checkpoint-{n}"))
+            snap = J.snapshot(engine)
+            running.append(engine._pending_checkpoint.thread.is_alive())
+            J._dist().barrier()
+            if rank == 0:
+                os.rename(os.path.join(root, f"tmp-checkpoint-{n}"), os.path.join(root, f"checkpoint-{n}"))
+                if n == 2:
+                    shutil.rmtree(os.path.join(root, "checkpoint-1"))
+            J._dist().barrier()
+        J.train(engine, data[2:3])  # training goes on while the thread writes
+        engine.wait_for_checkpoint()
+    out = {"running": running}
+    if rank == 0:
+        out.update(snap=snap, root=sorted(os.listdir(root)), listing=sorted(os.listdir(os.path.join(root, "checkpoint-2"))),
+                   latest=open(os.path.join(root, "checkpoint-2", "latest")).read())
     return out

@@ -355,11 +355,14 @@ def tags_job(cfg: dict, save_dir: str) -> dict:
     seen = {}
     train(engine, data[:2])
     engine.save_checkpoint(save_dir)                                      # global_step2
+    engine.wait_for_checkpoint()  # `latest` is published by the background write
     seen["after_default"] = open(os.path.join(save_dir, "latest")).read()
     train(engine, data[2:])
     engine.save_checkpoint(save_dir, tag="explicit", save_latest=False)
+    engine.wait_for_checkpoint()
     seen["after_no_latest"] = open(os.path.join(save_dir, "latest")).read()
     engine.save_checkpoint(save_dir, tag="named")
+    engine.wait_for_checkpoint()
     seen["after_named"] = open(os.path.join(save_dir, "latest")).read()
     return seen
 

@@ -62,12 +62,23 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any) -> None:
         module_name, module_file, qualname, args, kwargs = message
         try:
             fn = _resolve(module_name, module_file, qualname)
-            conn.send(("ok", fn(*args, **kwargs)))
+            result = fn(*args, **kwargs)
+            _saves_written()
+            conn.send(("ok", result))
         except BaseException:  # report everything, including assertion errors
+            _saves_written()
             conn.send(("error", traceback.format_exc()))
     import torch.distributed as tdist
 
     tdist.destroy_process_group()
+
+
+def _saves_written() -> None:
+    """A job's background checkpoint writes are finished when it returns (as at process exit), so
+    the test can look at the files."""
+    from deepspeed.runtime.checkpoint.save_job import wait_all_local
+
+    wait_all_local()
 
 
 class WorkerPool:

@@ -101,7 +101,12 @@ def test_write_failure_on_one_rank_raises_on_every_rank(tmp_path, stage, backgro
     cfg = _cfg(stage, checkpoint={"async_save": background})
     results = run_distributed(2, F.faulty_save_job, cfg, str(tmp_path), "write", 1, timeout=BOUND_S * 2)
     _assert_agreed(results, 1, "No space left on device")
-    for r in results:
+    for r in results:  # the cause, the file and the bytes, said once ([Note: disk full])
+        message = r["message"]
+        assert message.startswith(f"save_checkpoint: writing {tmp_path}/bad"), message
+        assert "failed failed" not in message and "unexpected pos" not in message, message
+        assert f"rank 1: OSError: [Errno 28] No space left on device (the file needs " in message, message
+        assert f"{tmp_path}/.bad.partial/" in message and "bytes free on that file system" in message, message
         assert r["latest"] == "good" and r["latest_after"] == "after", r
         assert r["listing"] == ["good", "latest", "zero_to_fp32.py"], r  # nothing of "bad", no staging left
 
@@ -131,3 +136,18 @@ def test_background_save_holds_the_state_at_save_time(tmp_path, stage):
     for key, value in a["state"]["module"].items():
         assert torch.equal(b["state"]["module"][key], value), key
     assert os.path.isfile(tmp_path / "second" / "rng_state_1.pt")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_dir_renamed_while_the_background_write_runs(tmp_path, stage):
+    """HF Trainer renames `tmp-checkpoint-N` to `checkpoint-N` right after save_checkpoint returns,
+    then rotates old checkpoints: the background write goes on through its directory descriptors
+    and publishes in the renamed directory; nothing is written under the old name."""
+    results = run_distributed(2, F.renamed_while_writing_job, _cfg(stage), str(tmp_path))
+    a = results[0]
+    assert all(r["running"] == [True, True] for r in results), results  # the renames really hit running writes
+    assert a["root"] == ["checkpoint-2"], a["root"]
+    assert a["listing"] == ["global_step2", "latest", "zero_to_fp32.py"] and a["latest"] == "global_step2", a
+    b = run_distributed(2, J.load_job, _cfg(stage), str(tmp_path / "checkpoint-2"), train_after=False)[0]
+    J.assert_snap_equal(a["snap"], b["snap"])
+    assert b["state"]["global_steps"] == 2

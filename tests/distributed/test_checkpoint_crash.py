@@ -36,30 +36,36 @@ def resume_and_save_job(cfg: dict, save_dir: str) -> dict:
     return {"path": path, "snap": snap, "global_steps": engine.global_steps}
 
 
-def _crash(tmp_path, *mode: str):
+def _launch(tmp_path, mode: str):
     save_dir, record = tmp_path / "ckpt", tmp_path / "masters_at_A.pt"
     script = os.path.join(HERE, "ckpt_crash_script.py")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_LAUNCHER_GRACE_SECONDS": "2",
            "PYTHONPATH": os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(_free_port()),
-           "--num_gpus", "2", "--no_local_rank", script, str(save_dir), str(record), *mode]
+           "--num_gpus", "2", "--no_local_rank", script, str(save_dir), str(record), mode]
     start = time.monotonic()
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
-    elapsed = time.monotonic() - start
+    return save_dir, record, result, time.monotonic() - start
+
+
+def _crash(tmp_path, mode: str):
+    save_dir, record, result, elapsed = _launch(tmp_path, mode)
     assert result.returncode != 0, result.stderr[-3000:]
-    assert "killed by SIGKILL" in result.stderr and "rank 1" in result.stderr, result.stderr[-3000:]
+    victim = "rank 0" if mode == "publish" else "rank 1"
+    assert "killed by SIGKILL" in result.stderr and victim in result.stderr, result.stderr[-3000:]
     assert elapsed < 150, elapsed
     return save_dir, record, result
 
 
 def test_sigkill_while_saving_keeps_previous_checkpoint(tmp_path):
-    save_dir, record, result = _crash(tmp_path)
+    """checkpoint.async_save false: the kill hits save_checkpoint itself."""
+    save_dir, record, result = _crash(tmp_path, "sync")
     assert "save of B returned" not in result.stdout
     _check_previous_checkpoint_survives(save_dir, record)
 
 
 def test_sigkill_during_background_write_keeps_previous_checkpoint(tmp_path):
-    """checkpoint.async_save: save_checkpoint(B) returned and training went on; rank 1's writer
+    """The default background save: save_checkpoint(B) returned and training went on; rank 1's writer
     thread is killed mid-file. Rank 0 wrote all its files (and waits for rank 1's marker), but B
     is never published and `latest` still names A."""
     save_dir, record, result = _crash(tmp_path, "async")
@@ -69,6 +75,37 @@ def test_sigkill_during_background_write_keeps_previous_checkpoint(tmp_path):
     assert (staging / ".rank0.done").exists() and (staging / optim_file(0)).exists(), os.listdir(staging)
     assert not (staging / ".rank1.done").exists()
     _check_previous_checkpoint_survives(save_dir, record)
+
+
+def test_sigkill_while_publishing_in_the_background_keeps_latest(tmp_path):
+    """Rank 0's background thread dies after renaming B into place and before writing `latest`:
+    `latest` still names A, which loads; B is complete (every file fsynced before the rename)."""
+    save_dir, record, result = _crash(tmp_path, "publish")
+    assert "rank 0: save of B returned" in result.stdout, result.stdout[-2000:]
+    assert (save_dir / "latest").read_text() == "A"
+    assert sorted(os.listdir(save_dir / "A")) == COMPLETE
+    assert sorted(f for f in os.listdir(save_dir / "B") if not f.startswith(".")) == COMPLETE
+    recorded = torch.load(record, weights_only=True)
+    b = run_distributed(2, J.load_job, J.config(2, 2), str(save_dir), pre=2, post=1)[0]
+    assert b["path"] == str(save_dir / "A" / MODEL_FILE) and b["state"]["global_steps"] == 2
+    assert_snap_equal(recorded["snap"], b["snap"])
+
+
+def test_exit_right_after_a_background_save_publishes_it(tmp_path):
+    """The script ends while B's background write is still running (each file's write is slowed
+    by 0.5 s): the process waits for it at exit, B is published and named by `latest`, the ranks
+    exit 0, and B holds the state at its save."""
+    save_dir, record, result, _ = _launch(tmp_path, "exit")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("save of B returned") == 2, result.stdout[-2000:]
+    assert (save_dir / "latest").read_text() == "B"
+    assert sorted(os.listdir(save_dir)) == ["A", "B", "latest", "zero_to_fp32.py"]
+    assert sorted(os.listdir(save_dir / "B")) == COMPLETE
+    recorded = torch.load(str(record) + ".B", weights_only=True)
+    b = run_distributed(2, J.load_job, J.config(2, 2), str(save_dir), pre=3, post=0)[0]
+    assert b["path"] == str(save_dir / "B" / MODEL_FILE)
+    assert b["state"]["global_steps"] == recorded["global_steps"] == 3
+    assert_snap_equal(recorded["snap"], b["snap"])
 
 
 def _check_previous_checkpoint_survives(save_dir, record):

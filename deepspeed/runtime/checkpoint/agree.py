@@ -29,6 +29,26 @@ def agreed(what: str, fn: Callable[[], T], cleanup: Callable[[], Any] | None = N
     return agreement.agreed(what, fn, CheckpointError, cleanup, none_ok)
 
 
+def agreed_gather(what: str, fn: Callable[[], tuple[T, Any]], cleanup: Callable[[], Any] | None = None
+                  ) -> tuple[T, list[Any]]:
+    """`agreed` for a local phase that also shares something: `fn` returns (its result, a small
+    picklable value for every rank). One all_gather_object carries each rank's error text or
+    value, so the agreement and the exchange cost one collective (save_checkpoint's first phase
+    shares its tag and optimizer fields this way). Returns (the result, every rank's value)."""
+    result: Any = None
+    error: BaseException | None = None
+    try:
+        result, shared = fn()
+        mine: tuple = (None, shared)
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        error, mine = e, (describe(e), None)
+    everyone = agreement.gather(mine)
+    if any(text is not None for text, _ in everyone.values()):
+        agreement.raise_agreed(what, mine[0], error, CheckpointError, cleanup,
+                               texts={r: text for r, (text, _) in everyone.items()})
+    return result, [value for _, value in everyone.values()]
+
+
 def raise_if_any(error: BaseException | None, what: str, cleanup: Callable[[], Any] | None = None) -> None:
     """The agreement of `agreed` for an error caught by the caller (None: this rank succeeded)."""
     if agreement.vote(error is not None).failed:

@@ -3,7 +3,7 @@
 Save: every rank must call it ([Note: arrival check] in comm/rendezvous.py turns a rank-0-only
 call into an error instead of a hang); tags are validated across ranks; files go to a staging
 directory that rank 0 publishes only after every rank succeeded ([Note: crash-safe save] in
-checkpoint/files.py), inline or in a background thread ([Note: background save] in
+checkpoint/files.py), in a background thread by default or inline ([Note: background save] in
 save_job.py). Load: any layout, world size and stage ([Note: resume anywhere] in
 checkpoint/reader.py); each rank reads only the slices it owns (loader.py). Every local phase
 of both is agreed across ranks before the next collective ([Note: agreed errors]).
@@ -20,10 +20,10 @@ from ...checkpoint import files
 from ...utils.logging import log_dist, logger
 from ..errors import ArgumentError
 from . import zero3_io
-from .agree import agreed, describe, raise_if_any
-from .hp_state import HpState
+from .agree import agreed, agreed_gather, describe, raise_if_any
+from .hp_state import HpState, combine_fields
 from .loader import DEEPSPEED_KEYS, apply_plan, read_plan
-from .save_job import PeerFailed, PendingSave, SaveJob
+from .save_job import PeerFailed, PendingSave, SaveJob, wait_all_local
 from .writer import dp_rank, model_states, mp_rank, partitioned_optimizer_state, rng_state
 
 _ALL_RANKS = ("all ranks must call save_checkpoint/load_checkpoint (not only rank 0): every rank saves its "
@@ -35,17 +35,14 @@ def _partitioned(engine: Any) -> bool:
     return engine._has_optimizer and (engine.zero_optimization_stage() > 0 or engine.precision.is_mixed)
 
 
-def _validate_tag(engine: Any, tag: str) -> str:
-    """The tag every rank saves under: rank 0's. Tags that differ across ranks raise with
-    tag_validation FAIL (also an AssertionError, as upstream's assert); with WARN (warned) or IGNORE
-    every rank uses rank 0's tag, so the ranks still write one complete, loadable checkpoint
-    (upstream lets each rank write into its own tag's folder: no folder holds a whole checkpoint)."""
-    if ds_comm.get_world_size() == 1:
-        return tag
-    mode = engine._config.model.checkpoint.tag_validation
-    tags: list[Any] = [None] * ds_comm.get_world_size()
-    ds_comm.all_gather_object(tags, tag)
+def _validate_tag(engine: Any, tags: list[str]) -> str:
+    """The tag every rank saves under: rank 0's (`tags`: every rank's). Tags that differ across
+    ranks raise with tag_validation FAIL (also an AssertionError, as upstream's assert); with WARN
+    (warned) or IGNORE every rank uses rank 0's tag, so the ranks still write one complete, loadable
+    checkpoint (upstream lets each rank write into its own tag's folder: no folder holds a whole
+    checkpoint)."""
     if len(set(tags)) > 1:
+        mode = engine._config.model.checkpoint.tag_validation
         message = f"checkpoint tag differs across ranks: {tags} (checkpoint.tag_validation={mode})"
         if mode == "FAIL":
             raise ArgumentError(message)
@@ -62,26 +59,36 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     rank = engine.global_rank
     background = bool(engine._config.model.checkpoint.async_save)
 
-    def begin() -> tuple[str, HpState | None]:
+    partitioned = _partitioned(engine)
+
+    def begin() -> tuple[HpState | None, tuple]:
+        """Local: check the tag, read the optimizer's layout, (rank 0) make the staging directory;
+        shared with every rank in the same collective as the agreement: the tag and the fields."""
         checked = _checked_tag(engine, save_dir, tag)
         hp = HpState(engine) if engine._has_optimizer else None
         if rank == 0:
             files.prepare_staging(save_dir, checked)
-        return checked, hp
+        return hp, (checked, hp.local_fields() if partitioned and hp.zero else None)
 
-    tag, hp = agreed(what, begin, cleanup=lambda: files.discard_staging(save_dir, _checked_tag(engine, save_dir, tag)))
+    hp, shared = agreed_gather(what, begin, cleanup=lambda: files.discard_staging(save_dir, _checked_tag(
+        engine, save_dir, tag)))
     try:
-        tag = _validate_tag(engine, tag)  # collective; every rank sees the same tags and raises alike
+        tag = _validate_tag(engine, [t for t, _ in shared])  # every rank sees the same tags and raises alike
     except ValueError:
         if rank == 0:
-            files.discard_staging(save_dir, tag)
+            files.discard_staging(save_dir, shared[0][0])
         raise
-    partitioned = _partitioned(engine)
+    fields_step = None
+    if partitioned and hp.zero:  # the data-parallel group's optimizer fields, from what was gathered
+        group = engine.data_parallel_group
+        fields_step = combine_fields([shared[ds_comm.get_global_rank(group, r)][1]
+                                      for r in range(ds_comm.get_world_size(group))])
     optimizer_state, zero3 = None, engine._stage3 is not None
+    later: list = []  # the re-cut's local finishing work: on the writer's thread (HpState.recut_fields)
     # collectives, on every rank alike: re-cutting the partitions, gathering frozen ZeRO-3 pieces
     if partitioned:
         cut = zero3_io.optimizer_state if zero3 else partitioned_optimizer_state
-        optimizer_state = cut(engine, hp, dp_rank(engine), engine.dp_world_size)
+        optimizer_state = cut(engine, hp, dp_rank(engine), engine.dp_world_size, later=later, fields_step=fields_step)
     frozen = zero3_io.frozen_fragments(engine, dp_rank(engine), engine.dp_world_size) \
         if zero3 and not exclude_frozen_parameters else None
 
@@ -101,21 +108,28 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
                             {"optimizer_state_dict": optimizer_state, "ds_config": engine.config,
                              "ds_version": state_version()}))
         entries.append((f"rng_state_{rank}.pt", rng_state()))
-        return SaveJob(save_dir, tag, rank, ds_comm.get_world_size(), entries, save_latest)
+        return SaveJob(save_dir, tag, rank, ds_comm.get_world_size(), entries, save_latest, prepare=later)
 
     def written() -> SaveJob:
         job = snapshot()
-        job.write()
+        try:
+            job.write()
+        except BaseException:
+            job.close()
+            raise
         return job
 
     discard = lambda: files.discard_staging(save_dir, tag)  # noqa: E731
     if background:  # [Note: background save]
-        job = agreed(f"{what}: snapshot of {save_dir}/{tag} failed", snapshot, cleanup=discard)
+        job = agreed(f"{what}: snapshot of {save_dir}/{tag}", snapshot, cleanup=discard)
         engine._pending_checkpoint = PendingSave(job)
         log_dist(f"Saving checkpoint {os.path.join(save_dir, tag)} in the background", ranks=[0])
         return True
-    job = agreed(f"{what}: writing {save_dir}/{tag} failed", written, cleanup=discard)
-    agreed(f"{what}: publishing {save_dir}/{tag} failed", lambda: job.publish() if rank == 0 else None)
+    job = agreed(f"{what}: writing {save_dir}/{tag}", written, cleanup=discard)
+    try:
+        agreed(f"{what}: publishing {save_dir}/{tag}", lambda: job.publish() if rank == 0 else None)
+    finally:
+        job.close()
     log_dist(f"Saved checkpoint {os.path.join(save_dir, tag)}", ranks=[0])
     return True
 
@@ -145,8 +159,11 @@ def wait_for_checkpoint(engine: Any) -> None:
     error = pending.join()
     if isinstance(error, PeerFailed):  # not this rank's failure: the failing rank reports its own
         error = None
-    raise_if_any(error, f"save_checkpoint of {pending.job.tag} (written in the background)",
-                 cleanup=pending.job.discard)
+    try:
+        raise_if_any(error, f"save_checkpoint: writing {pending.job.save_dir}/{pending.job.tag} (in the background)",
+                     cleanup=pending.job.discard)
+    finally:
+        pending.job.close()
 
 
 def wait_local(engine: Any) -> None:
@@ -154,6 +171,8 @@ def wait_local(engine: Any) -> None:
     pending = getattr(engine, "_pending_checkpoint", None)
     engine._pending_checkpoint = None
     if pending is not None and pending.join() is not None:
+        pending.job.discard()
+        pending.job.close()
         raise files.CheckpointError(f"background save_checkpoint of {pending.job.tag} failed on this rank: "
                                     f"{describe(pending.error)}") from pending.error
 
@@ -170,6 +189,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
                     load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
     ds_comm.arrive_and_wait("load_checkpoint", hint=_ALL_RANKS)
     wait_for_checkpoint(engine)
+    wait_all_local()  # another engine of this process may still be writing what is read here
     plan = agreed("load_checkpoint", lambda: read_plan(engine, load_dir, tag, load_module_strict,
                                                        load_optimizer_states, load_lr_scheduler_states,
                                                        load_module_only), none_ok=True)

@@ -99,9 +99,7 @@ class HpState:
             return mine
         everyone: list[Any] = [None] * ds_comm.get_world_size(group)
         ds_comm.all_gather_object(everyone, mine, group=group)
-        fields = sorted({f for fs, _ in everyone for f in fs})
-        steps = {s for _, s in everyone if s is not None}
-        return fields, (steps.pop() if steps else None)
+        return combine_fields(everyone)
 
     def local_values(self, field: str) -> Iterator[tuple[str, int, torch.Tensor]]:
         """(name, offset in the flattened parameter, fp32 values) of each piece this rank holds,
@@ -112,7 +110,7 @@ class HpState:
                 yield piece.name, piece.start, value.float()
 
     def recut_fields(self, fields: list[str], layouts: list[Any], rank: int,
-                     strip_padding: set[str] = frozenset()) -> dict[str, list[torch.Tensor]]:
+                     strip_padding: set[str] = frozenset(), later: list | None = None) -> dict[str, list[torch.Tensor]]:
         """For each field ("fp32" or an optimizer state), this rank's slice of every param group's
         flat (`layouts`: one BucketPartition or ParamwisePartition per group over `self.groups`),
         gathered from the ranks holding the pieces.
@@ -123,6 +121,11 @@ class HpState:
         rank) and nothing else; elements that stay on their rank are copied directly, and when no
         element changes rank (ZeRO-3 units, whose per-parameter pieces are the files' pieces) no
         collective runs at all. Fields in `strip_padding` drop a BucketPartition's end padding.
+
+        The all-to-all runs while the elements that stay here are copied. With `later` (a list),
+        the work that reads only tensors made here (copying the received elements into place,
+        zeroing the padding) is appended to it as a callable instead of done: a background save
+        runs it on its thread ([Note: background save]); the slices are complete after it ran.
         """
         zero = not self.zero or self.wrapper.dp_world == 1
         new = torch.zeros if zero else torch.empty  # under ZeRO only the padding is zeroed (below)
@@ -174,6 +177,12 @@ class HpState:
                     else:
                         send[offset:offset + n].copy_(value[src:src + n])
                     offset += n
+        work, recv = None, None
+        if crossing:  # started before the local copies, which then overlap the transfer
+            out_splits = [len(fields) * sum(n for _, _, n in rs) for rs in receives]
+            recv = torch.empty(sum(out_splits), dtype=torch.float32, device=device)
+            work = ds_comm.all_to_all_single(recv, send, out_splits, in_splits, group=self.wrapper.group,
+                                             async_op=True)
         for field in fields:  # what stays on this rank skips the wire (and two copies)
             for piece, src, n, g, at in local:
                 value = piece.master if field == "fp32" else self.state_value(piece, field)
@@ -181,20 +190,24 @@ class HpState:
                     flats[field][g][at:at + n].zero_()
                 else:
                     flats[field][g][at:at + n].copy_(value[src:src + n])
-        if not crossing:   # every piece stays on its rank (ZeRO-3 into DeepSpeed's stage-3 files)
-            _zero_gaps(flats, [(g, at, n) for _, _, n, g, at in local])
-            return flats
-        out_splits = [len(fields) * sum(n for _, _, n in rs) for rs in receives]
-        recv = torch.empty(sum(out_splits), dtype=torch.float32, device=device)
-        ds_comm.all_to_all_single(recv, send, out_splits, in_splits, group=self.wrapper.group)
+        if work is not None:
+            work.wait()
         del send
-        recv, offset = recv.cpu(), 0
-        for rs in receives:
-            for field in fields:
-                for g, at, n in rs:
-                    flats[field][g][at:at + n].copy_(recv[offset:offset + n])
-                    offset += n
-        _zero_gaps(flats, [(g, at, n) for _, _, n, g, at in local] + [r for rs in receives for r in rs])
+        written = [(g, at, n) for _, _, n, g, at in local] + [r for rs in receives for r in rs]
+
+        def finish() -> None:
+            offset, received = 0, recv.cpu() if recv is not None else None
+            for rs in receives if received is not None else ():
+                for field in fields:
+                    for g, at, n in rs:
+                        flats[field][g][at:at + n].copy_(received[offset:offset + n])
+                        offset += n
+            _zero_gaps(flats, written)
+
+        if later is None:
+            finish()
+        else:
+            later.append(finish)
         return flats
 
     # --- writing back -------------------------------------------------------------------------
@@ -233,3 +246,11 @@ def upstream_scaler(scaler: Any) -> Any:
     copy = cls.__new__(cls)
     copy.__dict__.update({k: v for k, v in vars(scaler).items() if not callable(v)})
     return copy
+
+
+def combine_fields(everyone: list[tuple[list[str], Any]]) -> tuple[list[str], Any]:
+    """The fields and step of a group from each rank's `local_fields()`."""
+    fields = sorted({f for fs, _ in everyone for f in fs})
+    steps = {s for _, s in everyone if s is not None}
+    return fields, (steps.pop() if steps else None)
+

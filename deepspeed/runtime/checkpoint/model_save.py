@@ -115,5 +115,10 @@ def _save_safetensors(state: dict, path: str) -> None:
             value = value.clone()
         seen.add(value.untyped_storage().data_ptr())
         tensors[name] = value
-    save_file(tensors, tmp, metadata={"format": "pt"})
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+    except BaseException:
+        if os.path.exists(tmp):  # no partial file left behind
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)

@@ -1,24 +1,29 @@
 """Writing one checkpoint tag: this rank's files, then (rank 0) publishing it; inline or in the background.
 
 [Note: background save]
-With `checkpoint.async_save`, `save_checkpoint` returns as soon as the state is a snapshot in
-memory (tensors that training would change are copied; the re-cut partitions are new tensors
-anyway) and a thread of each rank writes its files, fsyncs them and the staging directory. The
-thread does file I/O only, never a collective: ranks tell rank 0 that they are done (or failed,
-with the message) through marker files in the staging directory, and rank 0's thread publishes
-the tag (rename, then `latest`) only after every rank's `done` marker appeared
-([Note: crash-safe save] in checkpoint/files.py). A rank killed mid-write leaves no marker, so
-the tag is never published and `latest` keeps naming the previous one. The next
-save_checkpoint, load_checkpoint and engine.wait_for_checkpoint() join the thread and agree on
-its outcome across ranks on the main thread ([Note: agreed errors]), so a failed
-background write raises on every rank; engine.destroy() and interpreter exit wait for it too.
+By default (`checkpoint.async_save`), `save_checkpoint` returns as soon as the state is a snapshot
+in memory (tensors that training would change are copied; the re-cut partitions are new tensors
+anyway) and descriptors of the save and staging directories are open; a thread of each rank
+writes its files, fsyncs them and the staging directory. Everything the thread touches is named
+relative to those descriptors, so a rename of the save directory (or of one above it) right after
+the call, as HF Trainer's `tmp-checkpoint-N` -> `checkpoint-N`, does not disturb it: the tag is
+published inside the renamed directory. The thread does file I/O only, never a collective: ranks
+tell rank 0 that they are done (or failed, with the message) through marker files in the staging
+directory, and rank 0's thread publishes the tag (rename, then `latest`) only after every rank's
+`done` marker appeared ([Note: crash-safe save] in checkpoint/files.py). A rank killed mid-write
+leaves no marker, so the tag is never published and `latest` keeps naming the previous one. The
+next save_checkpoint, load_checkpoint and engine.wait_for_checkpoint() join the thread and agree
+on its outcome across ranks on the main thread ([Note: agreed errors]), so a failed
+background write raises on every rank; deepspeed.initialize and any engine's load_checkpoint join
+every such thread of the process first (wait_all_local), engine.destroy() waits for its own, and
+process exit joins it (a non-daemon thread): the last checkpoint is published before the process
+ends. `async_save: false` runs the same job inline (published when save_checkpoint returns).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import shutil
 import threading
 import time
 import weakref
@@ -36,43 +41,62 @@ class PeerFailed(files.CheckpointError):
 
 
 class SaveJob:
-    """This rank's files of one tag (name -> object to torch.save) and, on rank 0, the publishing."""
+    """This rank's files of one tag (name -> object to torch.save) and, on rank 0, the publishing.
+
+    Holds descriptors of the save directory and of the staging directory, opened on the calling
+    thread before save_checkpoint returns: every later step (files, markers, renames, `latest`)
+    names entries relative to them, so renaming the save directory or one above it (HF Trainer's
+    `tmp-checkpoint-N` -> `checkpoint-N`) while the job runs changes nothing."""
 
     def __init__(self, save_dir: str, tag: str, rank: int, world: int, entries: list[tuple[str, Any]],
-                 save_latest: bool) -> None:
+                 save_latest: bool, prepare: list | None = None) -> None:
         self.save_dir, self.tag, self.rank, self.world = save_dir, tag, rank, world
         self.entries, self.save_latest = entries, save_latest
+        self.prepare = list(prepare or [])  # local work completing the entries' tensors (on the writer's thread)
         self.staging = files.staging_dir(save_dir, tag)
+        self.save_fd = files.open_dir(save_dir)
+        try:
+            self.stage_fd = files.open_dir(os.path.basename(self.staging), self.save_fd)
+        except BaseException:
+            os.close(self.save_fd)
+            raise
+        self._closer = weakref.finalize(self, _close, self.save_fd, self.stage_fd)
 
     def write(self) -> None:
         """This rank's files into the staging directory, each complete (fsynced) before its rename,
         then one fsync of the directory so the renames are durable too."""
+        for finish in self.prepare:
+            finish()
+        self.prepare = []
         for name, obj in self.entries:
-            files.save_file(obj, os.path.join(self.staging, name))
+            files.save_file(obj, name, dir_fd=self.stage_fd, shown=os.path.join(self.staging, name))
         self.entries = []  # release the snapshot as soon as it is on disk
         if files.FSYNC:
-            files.fsync_dir(self.staging)
+            files.fsync_fd(self.stage_fd)
 
     def publish(self) -> None:
         """Rank 0, once every rank's files are complete: the tag becomes visible, then `latest`."""
         for r in range(self.world):
-            _remove(os.path.join(self.staging, _DONE.format(r)))
-        files.commit_staging(self.save_dir, self.tag)
+            _remove(_DONE.format(r), self.stage_fd)
+        files.commit_staging(self.save_dir, self.tag, dir_fd=self.save_fd)
         if self.save_latest:
-            files.write_text(os.path.join(self.save_dir, files.LATEST), self.tag)
-        copy_recovery_script(self.save_dir)
+            files.write_text(files.LATEST, self.tag, dir_fd=self.save_fd)
+        copy_recovery_script(self.save_fd)
 
     def discard(self) -> None:
-        files.discard_staging(self.save_dir, self.tag)
+        files.discard_staging(self.save_dir, self.tag, dir_fd=self.save_fd)
+
+    def close(self) -> None:
+        self._closer()
 
     # --- the background protocol (file I/O only) ------------------------------------------------
     def run_background(self) -> None:
         try:
             self.write()
         except BaseException as error:
-            _mark(self.staging, _FAILED.format(self.rank), f"{type(error).__name__}: {error}")
+            _mark(self.stage_fd, _FAILED.format(self.rank), f"{type(error).__name__}: {error}")
             raise
-        _mark(self.staging, _DONE.format(self.rank), "")
+        _mark(self.stage_fd, _DONE.format(self.rank), "")
         if self.rank == 0:
             self._wait_for_peers()
             self.publish()
@@ -82,11 +106,14 @@ class SaveJob:
         waiting = set(range(1, self.world))
         while waiting:
             for r in sorted(waiting):
-                failed = os.path.join(self.staging, _FAILED.format(r))
-                if os.path.exists(failed):
-                    with open(failed) as handle:
+                try:
+                    fd = os.open(_FAILED.format(r), os.O_RDONLY, dir_fd=self.stage_fd)
+                except FileNotFoundError:
+                    pass
+                else:
+                    with os.fdopen(fd) as handle:
                         raise PeerFailed(f"rank {r} failed to write its files: {handle.read()}")
-                if os.path.exists(os.path.join(self.staging, _DONE.format(r))):
+                if files.exists_at(_DONE.format(r), self.stage_fd):
                     waiting.discard(r)
             if not waiting:
                 return
@@ -113,6 +140,8 @@ class PendingSave:
             self.job.run_background()
         except BaseException as error:  # noqa: BLE001 - surfaced by join() on the main thread
             self.error = error
+        else:
+            self.job.close()  # on failure the owner discards the staging directory first
 
     def join(self) -> BaseException | None:
         self.thread.join()
@@ -123,34 +152,61 @@ class PendingSave:
 _PENDING: weakref.WeakSet = weakref.WeakSet()
 
 
+def wait_all_local() -> None:
+    """Join every background save of this process (no collective; each failure stays with its
+    PendingSave for its engine's next wait to report): before anything reads checkpoints here
+    (deepspeed.initialize, load_checkpoint of any engine)."""
+    for pending in list(_PENDING):
+        if pending.thread is not threading.current_thread():
+            pending.thread.join()
+
+
 @atexit.register
 def _wait_at_exit() -> None:
     """Non-daemon threads are joined by the interpreter before this runs; this reports failures."""
     for pending in list(_PENDING):
         error = pending.join()
         if error is not None:
-            logger.error(f"background checkpoint save of {pending.job.tag} failed: {error}")
+            logger.error(f"background save_checkpoint of {pending.job.tag} into {pending.job.save_dir} failed; "
+                         f"it was not published: {error}")
+            pending.job.discard()
+            pending.job.close()
 
 
-def copy_recovery_script(save_dir: str) -> None:
+def copy_recovery_script(save_fd: int) -> None:
+    """zero_to_fp32.py beside the tags (in the directory of `save_fd`), replaced atomically."""
     source = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "utils", "zero_to_fp32.py")
     if os.path.isfile(source):
-        target = os.path.join(save_dir, "zero_to_fp32.py")
-        shutil.copyfile(source, target + ".tmp")
-        os.chmod(target + ".tmp", 0o755)
-        os.replace(target + ".tmp", target)
+        with open(source) as handle:
+            files.write_text("zero_to_fp32.py", handle.read(), dir_fd=save_fd, mode=0o755)
 
 
-def _mark(staging: str, name: str, text: str) -> None:
+def _mark(stage_fd: int, name: str, text: str) -> None:
+    """A marker file: created first (an inode, no data block: it appears even on a full disk),
+    then filled."""
     try:
-        with open(os.path.join(staging, name), "w") as handle:
-            handle.write(text)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=stage_fd)
     except OSError as error:
-        logger.error(f"checkpoint: cannot write marker {name} in {staging}: {error}")
-
-
-def _remove(path: str) -> None:
+        logger.error(f"checkpoint: cannot write marker {name}: {error}")
+        return
     try:
-        os.remove(path)
+        os.write(fd, text.encode())
+    except OSError as error:
+        logger.error(f"checkpoint: cannot fill marker {name}: {error}")
+    finally:
+        os.close(fd)
+
+
+def _remove(name: str, dir_fd: int) -> None:
+    try:
+        os.remove(name, dir_fd=dir_fd)
     except FileNotFoundError:
         pass
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -137,12 +137,14 @@ def _shared_params(module: torch.nn.Module) -> dict[str, str]:
     return shared
 
 
-def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int) -> dict:
-    """Rank `rank`'s `optimizer_state_dict` in DeepSpeed's ZeRO-1/2 layout (collective under ZeRO)."""
+def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int, later: list | None = None,
+                                fields_step: tuple | None = None) -> dict:
+    """Rank `rank`'s `optimizer_state_dict` in DeepSpeed's ZeRO-1/2 layout (collective under ZeRO);
+    `later`: see HpState.recut_fields; `fields_step`: HpState.agreed_fields(), when already known."""
     layouts = [BucketPartition(tuple(s.numel() for _, s in g), world, ALIGNMENT) for g in hp.groups]
-    fields, step = hp.agreed_fields(engine.data_parallel_group)
+    fields, step = fields_step if fields_step is not None else hp.agreed_fields(engine.data_parallel_group)
     # DeepSpeed stores the fp32 slices without their end padding, the optimizer states with it
-    parts = hp.recut_fields(["fp32"] + fields, layouts, rank, strip_padding={"fp32"})
+    parts = hp.recut_fields(["fp32"] + fields, layouts, rank, strip_padding={"fp32"}, later=later)
     paddings = [layout.padding(rank) for layout in layouts]
     base_state = {}
     for g in range(len(layouts)):

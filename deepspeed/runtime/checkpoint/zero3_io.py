@@ -54,14 +54,16 @@ def frozen_fragments(engine: Any, rank: int, world: int) -> OrderedDict:
     return OrderedDict((n, pieces[n]) for n in order if n in pieces)
 
 
-def optimizer_state(engine: Any, hp: HpState, rank: int, world: int) -> dict:
+def optimizer_state(engine: Any, hp: HpState, rank: int, world: int, later: list | None = None,
+                    fields_step: tuple | None = None) -> dict:
     """Rank `rank`'s `optimizer_state_dict` in DeepSpeed's ZeRO-3 layout (collective): per param
-    group one fp32 flat (`fp32_flat_groups`, padding included) and its base optimizer state."""
+    group one fp32 flat (`fp32_flat_groups`, padding included) and its base optimizer state;
+    `later`: see HpState.recut_fields; `fields_step`: HpState.agreed_fields(), when already known."""
     from ..zero.config import ZeroStageEnum
 
     layouts = [ParamwisePartition(tuple(s.numel() for _, s in g), world) for g in hp.groups]
-    fields, step = hp.agreed_fields(engine.data_parallel_group)
-    parts = hp.recut_fields(["fp32"] + fields, layouts, rank)
+    fields, step = fields_step if fields_step is not None else hp.agreed_fields(engine.data_parallel_group)
+    parts = hp.recut_fields(["fp32"] + fields, layouts, rank, later=later)
     base_state = {}
     for g in range(len(layouts)):
         entry: dict[str, Any] = {} if step is None else {"step": torch.tensor(float(step))}
