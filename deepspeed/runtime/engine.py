@@ -100,7 +100,6 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         self.enable_backward_allreduce = True
         self.pipeline_parallelism = False   # upstream's attribute (PipelineEngine: True)
         self.sparse_tensor_module_names: set[str] = set()   # upstream's (sparse gradients: not supported)
-
         self.client_optimizer, self.client_lr_scheduler = optimizer, lr_scheduler
         self.basic_optimizer = build_optimizer_for_engine(self, optimizer, model_parameters)
         self._reducer = build_reducer(self)
