@@ -500,12 +500,10 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
 
         Every rank must call it (each writes its optimizer partition); a call on some ranks only
         fails with an error on the ranks that called it. The previous checkpoint and `latest`
-        stay intact until the new one is complete. By default the files are written and published
-        by a background thread after the call returns (checkpoint.async_save; renaming `save_dir`
-        meanwhile is safe); the next save or load, wait_for_checkpoint() and process exit wait for it.
+        stay intact until the new one is complete. By default a background thread writes and publishes it
+        (checkpoint.async_save; docs/checkpointing.md); the next save or load and process exit wait for it.
         """
         from .checkpoint.engine_io import save_checkpoint
-
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
