@@ -230,6 +230,9 @@ def _break_pending_groups() -> None:
 
 def _at_exit() -> None:
     """The registered exit step ([Note: exiting without destroy_process_group])."""
+    from .guard import exiting
+
+    exiting(error=_exiting_on_error())   # a rank still waiting for this one learns where it stopped
     try:
         bound = _SETTLE_ON_ERROR_S if _exiting_on_error() else _SETTLE_S
         if not settle(bound):
