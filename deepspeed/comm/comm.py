@@ -127,6 +127,7 @@ def new_group(ranks: list[int] | None = None, **kwargs: Any) -> Any:
 
 def destroy_process_group(group: Any = None) -> None:
     if is_initialized():
+        _guard.forget(group)
         _tdist.destroy_process_group(group)
 
 

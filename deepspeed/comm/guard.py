@@ -108,11 +108,14 @@ class Entry:
 
     __slots__ = ("seq", "op", "numel", "dtype", "code", "line", "label", "thread", "issued", "done", "work")
 
+    def dtype_name(self) -> str:
+        return str(self.dtype).replace("torch.", "") if self.dtype is not None else "-"
+
     def signature(self) -> list:
-        return [self.seq, self.op, self.numel if self.op in _SIZED else -1, self.dtype]
+        return [self.seq, self.op, self.numel if self.op in _SIZED else -1, self.dtype_name()]
 
     def what(self) -> str:
-        size = f" of {self.numel} {self.dtype} element{'s' if self.numel > 1 else ''}" if self.numel else ""
+        size = f" of {self.numel} {self.dtype_name()} element{'s' if self.numel > 1 else ''}" if self.numel else ""
         label = self.label.describe() if hasattr(self.label, "describe") else self.label
         where = f"{self.code.co_qualname} ({_short(self.code.co_filename)}:{self.line})" if self.code else "?"
         return f"{self.op}{size}" + (f", the {label}," if label else "") + f" issued in {where}"
@@ -151,7 +154,7 @@ class Ledger:
     """The journal of one process group's collectives in this process (one owner: this module)."""
 
     def __init__(self, pg: Any) -> None:
-        self.pg = weakref.ref(pg)
+        self.pg, self.pid = weakref.ref(pg), os.getpid()
         self.rank, self.world = pg.rank(), pg.size()
         self.ranks = _tdist.get_process_group_ranks(pg)
         self.name = getattr(pg, "group_name", "") or "default"
@@ -168,8 +171,7 @@ class Ledger:
         entry = Entry()
         self.seq += 1
         entry.seq, entry.op, entry.label = self.seq, op, label
-        entry.numel, entry.dtype = (tensor.numel(), str(tensor.dtype).replace("torch.", "")) if tensor is not None \
-            else (0, "-")
+        entry.numel, entry.dtype = (tensor.numel(), tensor.dtype) if tensor is not None else (0, None)
         entry.code, entry.line = _site()
         entry.thread, entry.issued, entry.done, entry.work = threading.get_ident(), time.monotonic(), False, None
         self.journal.append(entry)
@@ -194,7 +196,7 @@ class Ledger:
     def tick(self, store: Any, now: float) -> None:
         entry = self.oldest_pending()
         if entry is None or now - entry.issued < SETTINGS.stuck_s or self.failure is not None:
-            if self.posted and entry is None:
+            if self.posted and self.failure is None:   # no longer stuck there: a stale post would mislead
                 store.delete_key(self.key("state", self.rank))
                 self.posted, self.seen = False, None
             return
@@ -333,9 +335,23 @@ def _own_store() -> Any:
 _LEDGERS: "weakref.WeakKeyDictionary[Any, Ledger]" = weakref.WeakKeyDictionary()
 
 
+class _World:
+    book: Ledger | None = None     # the default group's ledger: the common case, looked up first
+
+
 def ledger(group: Any) -> Ledger | None:
     """The group's ledger, or None where nothing is guarded (off, one rank, not initialised)."""
-    if SETTINGS.stuck_s <= 0 or not _tdist.is_initialized():
+    if SETTINGS.stuck_s <= 0:
+        return None
+    if group is None:
+        book = _World.book
+        if book is not None and book.pg() is not None:
+            return book
+    elif not hasattr(group, "rank"):
+        return None                  # not a process group: a rank outside it (torch's NON_GROUP_MEMBER)
+    elif (book := _LEDGERS.get(group)) is not None:
+        return book
+    if not _tdist.is_initialized():
         return None
     pg = group if group is not None else _tdist.GroupMember.WORLD
     found = _LEDGERS.get(pg)
@@ -344,7 +360,18 @@ def ledger(group: Any) -> Ledger | None:
             return None
         found = _LEDGERS[pg] = Ledger(pg)
         _Watcher.ensure()
+    if group is None:
+        _World.book = found
     return found
+
+
+def forget(group: Any) -> None:
+    """The group is being destroyed: its ledger goes (a new default group starts a new one)."""
+    pg = group if group is not None else _tdist.GroupMember.WORLD
+    if pg is not None:
+        _LEDGERS.pop(pg, None)
+    if group is None or (_World.book is not None and _World.book.pg() is pg):
+        _World.book = None
 
 
 def begin(op: str, tensor: Any, group: Any, label: Any = None) -> Entry | None:
@@ -457,7 +484,7 @@ def exiting(error: bool) -> None:
         return
     try:
         store = _tdist.distributed_c10d._get_default_store()
-        for book in list(_LEDGERS.values()):
+        for book in [b for b in _LEDGERS.values() if b.pid == os.getpid()]:   # not in a forked child
             last = book.journal[-1] if book.journal else None
             store.set(book.key("state", book.rank), json.dumps({
                 "rank": book.ranks[book.rank], "state": "exited", "error": error, "seq": book.seq,

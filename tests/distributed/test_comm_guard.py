@@ -59,10 +59,14 @@ _CASES = {
     "skip_step": {0: _STEP, 1: _REDUCE},
     "micro_batches": {1: _REDUCE, 0: None},    # rank 0 finished its loop and exited
 }
+# ZeRO-0/1 reduce at the accumulation boundary only: a skipped step shifts rank 1's boundaries, so
+# it finishes first (a skipped backward, or a third micro-batch, changes no collective there: the
+# result differs silently, which no collective check can see).
+_LOW_STAGES = {"skip_step": {0: _REDUCE, 1: None}}
 
 
 @pytest.mark.parametrize("stage,case", [(2, c) for c in _CASES] + [(3, c) for c in _CASES]
-                         + [(0, "skip_backward"), (1, "skip_step")])
+                         + [(0, "skip_step"), (1, "skip_step")])
 def test_divergent_rank_is_named_through_the_launcher(stage: int, case: str) -> None:
     result, elapsed = _launch(stage, case)
     out = result.stdout + result.stderr
@@ -71,14 +75,15 @@ def test_divergent_rank_is_named_through_the_launcher(stage: int, case: str) -> 
     # what the launcher shows as the failing rank's last lines carries the whole diagnosis
     tail = out.split("last 20 lines of rank", 1)[-1]
     assert "CollectiveDivergenceError" in tail and "diverged" in tail, out[-6000:]
-    for rank, what in _CASES[case].items():
+    expected = _CASES[case] if stage >= 2 else _LOW_STAGES[case]
+    for rank, what in expected.items():
         if what is None:
             assert re.search(rf"rank {rank}: exited after its collective #\d+, the ", tail), tail
             assert f"DONE rank {rank}" in out
         else:
             assert re.search(rf"rank {rank}: waits [\d.]+ s in collective #\d+, {what}", tail), tail
     assert "engine.backward() or engine.step()" in tail
-    if case != "micro_batches":
+    if None not in expected.values():
         assert "DONE" not in out, out[-3000:]
 
 
