@@ -476,6 +476,16 @@ def announce(group: Any, message: str, owner: str | None = None) -> None:
         pass
 
 
+class _Exit:
+    """What `linger` needs after the groups are gone (one owner: this module)."""
+
+    store: Any = None
+    peers: list[str] = []
+
+
+_LINGER_S = 2.0
+
+
 def exiting(error: bool) -> None:
     """At exit (comm/exit.py): stop the watcher and post each group's last collective, so that a
     rank still waiting for this one can say that it exited, and after what."""
@@ -484,6 +494,10 @@ def exiting(error: bool) -> None:
         return
     try:
         store = _tdist.distributed_c10d._get_default_store()
+        world = _World.book
+        if world is not None and world.rank == 0 and world.pid == os.getpid():   # the store's host, usually
+            _Exit.store = store
+            _Exit.peers = [world.key("state", r) for r in range(1, world.world)]
         for book in [b for b in _LEDGERS.values() if b.pid == os.getpid()]:   # not in a forked child
             last = book.journal[-1] if book.journal else None
             store.set(book.key("state", book.rank), json.dumps({
@@ -492,4 +506,24 @@ def exiting(error: bool) -> None:
                 "journal": [[e.seq, e.op, e.signature()[2], _label(e), e.what()]
                             for e in list(book.journal)[-_POSTED:]]}))
     except Exception:   # the store's host may have exited first
+        pass
+
+
+def linger() -> None:
+    """At exit, after the groups are destroyed, on rank 0 (which hosts the rendezvous store):
+    keep the store up until every other rank has posted its own exit, for at most `_LINGER_S`.
+    A rank still waiting in a collective fails when the group goes, and reads this rank's exit
+    post from the store to say so; in a correct program the ranks exit together and this returns
+    at once."""
+    store, keys, _Exit.store = _Exit.store, _Exit.peers, None
+    if store is None:
+        return
+    deadline = time.monotonic() + _LINGER_S
+    try:
+        while time.monotonic() < deadline:
+            posts = _read(store, keys)
+            if all(p is not None and p["state"] == "exited" for p in posts):
+                return
+            time.sleep(0.02)
+    except Exception:
         pass
