@@ -35,6 +35,13 @@ running ZeRO-3 collectives raises within timeout + 10 s. The process group is un
 afterwards. Settings come from the environment at import (`configure()` changes them).
 A prefetch (`start_all_gather`) is journaled, checked and counted when issued -- issue order is
 what pairs collectives -- and its `finish()` fails like a synchronous collective would.
+
+Every collective, these included, is also journaled by deepspeed.comm's guard ([Note: collective
+guard] in comm/guard.py), which names ranks stuck in different collectives of any kind (a unit
+reduce-scatter on one rank, the optimizer's gradient-norm all-reduce on another) after
+DEEPSPEED_COMM_GUARD_S, usually before this deadline. Unit collectives carry their `Site` as the
+guard's label; this module's report is posted to the guard too (`announce`), so that a rank whose
+failing collective is not a unit collective raises with it instead of the backend's message.
 """
 
 from __future__ import annotations
