@@ -59,9 +59,7 @@ def _timed(op: str, tensor: torch.Tensor | None, group: Any, fn: Callable[[], An
     start = time.perf_counter()
     try:
         result = fn()
-    except _guard.CollectiveDivergenceError:
-        raise
-    except RuntimeError as exc:
+    except BaseException as exc:  # a failure explains itself where it can ([Note: collective guard])
         error = _guard.failed(entry, group, exc)
         if error is exc:
             raise

@@ -391,12 +391,17 @@ class GuardedWork:
         entry.work = weakref.ref(self)
 
     def wait(self, timeout: Any = None) -> Any:
+        if timeout is not None:      # the caller's own deadline: its timeout is not a divergence
+            result = self._work.wait(timeout)
+            self._entry.done = True
+            return result
         try:
-            result = self._work.wait() if timeout is None else self._work.wait(timeout)
-        except CollectiveDivergenceError:
-            raise
-        except RuntimeError as exc:
-            raise failed(self._entry, self._group, exc) from exc
+            result = self._work.wait()
+        except BaseException as exc:
+            error = failed(self._entry, self._group, exc)
+            if error is exc:
+                raise
+            raise error from exc
         self._entry.done = True
         return result
 
@@ -426,11 +431,14 @@ def end(entry: Entry | None, result: Any, group: Any) -> Any:
 
 def failed(entry: Entry | None, group: Any, exc: BaseException) -> BaseException:
     """The error to raise for a failed collective: the diagnosis when there is one (this rank's,
-    another rank's, or a peer that exited), else `exc` with a note naming the collective."""
-    book = ledger(group) if entry is not None else None
-    if entry is None or book is None:
+    another rank's, or a peer that exited), else `exc` with a note naming the collective. Whatever
+    the error, the entry is done: a collective that raised is not waited in."""
+    if entry is None:
         return exc
     entry.done = True
+    book = ledger(group)
+    if book is None or not isinstance(exc, RuntimeError) or isinstance(exc, CollectiveDivergenceError):
+        return exc
     message = book.failure
     if message is None:
         try:

@@ -118,15 +118,22 @@ def slow_rank(stuck_s: float, sleep_s: float) -> dict:
             if ds_comm.get_rank() == 1 and i == 1:
                 time.sleep(sleep_s)       # rank 0 waits in its all_reduce meanwhile, 4 ticks and more
             ds_comm.all_reduce(t)
+        try:
+            ds_comm.all_reduce(t, op="not an op")   # raises on this rank alone, before any traffic
+        except Exception as exc:
+            refused = type(exc).__name__
         work = ds_comm.all_reduce(t, async_op=True)
         wrapped = isinstance(work, guard.GuardedWork)
         work.wait()
         return {"issued": book.seq - first, "value": t[0].item(), "failure": book.failure, "wrapped": wrapped,
-                "pending": book.oldest_pending() is not None}
+                "pending": book.oldest_pending() is not None, "refused": refused}
     finally:
         guard.configure(**vars(previous))
 
 
 def test_a_slow_rank_is_not_reported() -> None:
+    """Rank 1 computes for 1.5 s while rank 0 waits in an all-reduce (guard at 0.2 s): no report."""
     for r in run_distributed(2, slow_rank, 0.2, 1.5):
-        assert r == {"issued": 4, "value": 16.0, "failure": None, "wrapped": True, "pending": False}, r
+        # the refused call is journaled and done (not waited in forever); the sums are right
+        assert r == {"issued": 5, "value": 16.0, "failure": None, "wrapped": True, "pending": False,
+                     "refused": r["refused"]}, r
