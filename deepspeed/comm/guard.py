@@ -442,20 +442,11 @@ def failed(entry: Entry | None, group: Any, exc: BaseException) -> BaseException
     message = book.failure
     if message is None:
         try:
-            store = _tdist.distributed_c10d._get_default_store()
-            if store.check([book.key("abort")]):
-                post = json.loads(store.get(book.key("abort")))
-                if post.get("owner") is not None and post["owner"] == _owner(entry.label):
-                    return exc       # the labelling layer (ZeRO-3's watchdog) reports it, in its own words
-                message = post["message"]
-            else:
-                peers = _read(store, [book.key("state", r) for r in range(book.world) if r != book.rank])
-                if any(p is not None and p["state"] == "exited" for p in peers):
-                    mine = book.state(entry, time.monotonic())
-                    message = report(book, sorted([mine, *[p for p in peers if p is not None]],
-                                                  key=lambda s: s["rank"]))
+            message = _diagnosis(book, entry)
         except Exception:
             message = None
+    if message is _LEFT_TO_OWNER:
+        return exc                   # the labelling layer (ZeRO-3's watchdog) reports it, in its own words
     if message is None:
         exc.add_note(f"deepspeed.comm: rank {book.ranks[book.rank]} was in collective #{entry.seq} of group "
                      f"'{book.name}', {entry.what()}; no other rank posted a diagnosis ({GUARD_ENV}).")
@@ -466,6 +457,36 @@ def failed(entry: Entry | None, group: Any, exc: BaseException) -> BaseException
 
 def _owner(label: Any) -> str | None:
     return getattr(type(label), "__module__", None) if hasattr(label, "describe") else None
+
+
+_LEFT_TO_OWNER = "left to the layer that labelled the collective"
+_DIAGNOSIS_WAIT_S = 2.0
+
+
+def _diagnosis(book: Ledger, entry: Entry) -> str | None:
+    """Another rank's posted diagnosis, or a report naming the peers that exited; waits up to
+    `_DIAGNOSIS_WAIT_S` for one, since the failure may have come first (gloo closes a timed-out
+    operation's connections before its rank has written why). A collective whose labelling layer
+    reports failures itself (ZeRO-3's units) does not wait: that layer is about to post."""
+    store = _tdist.distributed_c10d._get_default_store()
+    owner = _owner(entry.label)
+    deadline = time.monotonic() + (0.0 if owner is not None else _DIAGNOSIS_WAIT_S)
+    while True:
+        if store.check([book.key("abort")]):
+            post = json.loads(store.get(book.key("abort")))
+            if owner is not None and post.get("owner") == owner:
+                return _LEFT_TO_OWNER
+            if post.get("owner") is None:
+                return post["message"]       # the guard's report: every rank's collective is in it
+            return (f"this rank waits in collective #{entry.seq} of group '{book.name}', {entry.what()}, "
+                    f"while {post['message']}\n{HINT}")
+        peers = _read(store, [book.key("state", r) for r in range(book.world) if r != book.rank])
+        if any(p is not None and p["state"] == "exited" for p in peers):
+            mine = book.state(entry, time.monotonic())
+            return report(book, sorted([mine, *[p for p in peers if p is not None]], key=lambda s: s["rank"]))
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
 
 
 def announce(group: Any, message: str, owner: str | None = None) -> None:

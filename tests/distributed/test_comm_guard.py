@@ -39,10 +39,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(stage: int, case: str) -> tuple[subprocess.CompletedProcess, float]:
+def _launch(stage: int, case: str, guard_s: str = GUARD_S, zero3_s: str = "30") -> tuple[subprocess.CompletedProcess,
+                                                                                         float]:
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(_free_port()),
            "--num_gpus", "2", JOB, "--stage", str(stage), "--case", case]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", guard.GUARD_ENV: GUARD_S, "DEEPSPEED_ZERO3_TIMEOUT_S": "30",
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", guard.GUARD_ENV: guard_s, "DEEPSPEED_ZERO3_TIMEOUT_S": zero3_s,
            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     start = time.monotonic()
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=BOUND_S + 30, env=env)
@@ -99,6 +100,19 @@ def test_divergent_rank_is_named_through_the_launcher(launched, stage: int, case
     assert "engine.backward() or engine.step()" in tail
     if None not in expected.values():
         assert "DONE" not in out, out[-3000:]
+
+
+def test_zero3_deadline_first_reaches_the_rank_in_the_norm_all_reduce() -> None:
+    """Issue 31 B.6 as filed: ZeRO-3's unit deadline (3 s) fires before the guard (30 s). gloo closes
+    the connections as the reduce-scatter times out, so rank 1, in the gradient-norm all-reduce, fails
+    before rank 0 has written why; it waits for rank 0's ZeRO-3 report and raises with it."""
+    result, elapsed = _launch(3, "skip_backward", guard_s="30", zero3_s="3")
+    out = result.stdout + result.stderr
+    assert result.returncode == 1 and elapsed < BOUND_S, out[-6000:]
+    tail = out.split("last 20 lines of rank", 1)[-1]
+    assert re.search(r"rank 1: this rank waits in collective #\d+ of group '\w+', " + _STEP + r".*, while rank 0: "
+                     r"ZeRO-3: the collective failed .*the gradient reduce-scatter of module", tail), out[-6000:]
+    assert "GLHF" not in tail.split("CollectiveDivergenceError", 1)[-1]
 
 
 def test_passing_job_is_unchanged() -> None:
