@@ -29,10 +29,13 @@ certain deadlock is reported.
 
 A collective that fails (broken by a diagnosis, a peer that exited or crashed, a ZeRO-3
 deadline) raises `CollectiveDivergenceError` with the diagnosis when there is one -- this
-rank's, another rank's `abort` post, or a peer's `exited` post (comm/exit.py posts each rank's
-last collective when it exits) -- so every rank tells the same story, whichever of them the
-launcher shows first. Without a diagnosis the backend's error stays, with a note naming the
-collective this rank was in.
+rank's, another rank's `abort` post (ZeRO-3's watchdog posts its report there too, `announce`),
+or a peer's `exited` post (comm/exit.py posts each rank's last collective when it exits; rank 0,
+the store's host, keeps the store up until the others have posted theirs) -- so every rank
+tells the same story, whichever of them the launcher shows first. The failure can come before
+the diagnosis (gloo closes a timed-out operation's connections before its rank has written why),
+so a failing rank waits up to 2 s for one. Without a diagnosis the backend's error stays, with a
+note naming the collective this rank was in.
 """
 
 from __future__ import annotations
@@ -246,12 +249,17 @@ def report(ledger: Ledger, states: list[dict]) -> str:
     """The message every rank raises: who waits in what, and where the journals first differ."""
     exited = [s["rank"] for s in states if s["state"] == "exited"]
     waiting = [s["rank"] for s in states if s["state"] != "exited"]
-    if exited:
+    failed = [s["rank"] for s in states if s["state"] == "exited" and s.get("error")]
+    if failed:
+        why = (f"rank(s) {failed} exited on an error (see their own output) while rank(s) {waiting} waited "
+               f"in a collective.")
+    elif exited:
         why = (f"rank(s) {waiting} wait in a collective that rank(s) {exited} will never issue: "
                f"{'they' if len(exited) > 1 else 'it'} exited first.")
     else:
         why = "they wait in different collectives, so none of them can proceed."
-    lines = [f"deepspeed.comm: the ranks of process group '{ledger.name}' ({ledger.world} ranks) diverged: {why}"]
+    verb = "stopped" if failed else "diverged"
+    lines = [f"deepspeed.comm: the ranks of process group '{ledger.name}' ({ledger.world} ranks) {verb}: {why}"]
     for s in states:
         if s["state"] == "exited":
             lines.append(f"  rank {s['rank']}: exited{' on an error' if s.get('error') else ''} after its "
@@ -263,7 +271,8 @@ def report(ledger: Ledger, states: list[dict]) -> str:
     first = _first_difference(states, min((s["seq"] for s in states if s["state"] != "exited"), default=0))
     if first:
         lines.append(first)
-    lines.append(HINT + f" (Checked after {SETTINGS.stuck_s:g} s in a collective: {GUARD_ENV}.)")
+    if not failed:
+        lines.append(HINT + f" (Checked after {SETTINGS.stuck_s:g} s in a collective: {GUARD_ENV}.)")
     return "\n".join(lines)
 
 
