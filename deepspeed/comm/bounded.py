@@ -52,18 +52,19 @@ def _group(group: Any) -> Any:
     return group if group is not None else _tdist.distributed_c10d._get_default_group()
 
 def all_gather_into_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,
-                                  group: Any = None) -> None:
-    """`all_gather_into_tensor` that fails after `timeout_s` seconds (where the backend honours it)."""
+                                  group: Any = None, label: Any = None) -> None:
+    """`all_gather_into_tensor` that fails after `timeout_s` seconds (where the backend honours it);
+    `label` describes it in a divergence report (comm/guard.py)."""
     _timed("all_gather_into_tensor", output, group,
-           lambda: _start_all_gather(output, tensor, float(timeout_s), group).wait())
+           lambda: _start_all_gather(output, tensor, float(timeout_s), group).wait(), label=label)
 
 def start_all_gather_into_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,
-                                        group: Any = None) -> Any:
+                                        group: Any = None, label: Any = None) -> Any:
     """Issue the bounded all-gather without waiting; returns its Work. The deadline travels in the
     operation's options (gloo fails the operation itself after `timeout_s`), so `Work.wait()`
     without a timeout still returns or raises in bounded time. Counted when issued."""
     return _timed("all_gather_into_tensor", output, group,
-                  lambda: _start_all_gather(output, tensor, float(timeout_s), group))
+                  lambda: _start_all_gather(output, tensor, float(timeout_s), group), label=label)
 
 def _start_all_gather(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float, group: Any) -> Any:
     pg = _group(group)
@@ -73,16 +74,18 @@ def _start_all_gather(output: torch.Tensor, tensor: torch.Tensor, timeout_s: flo
     return pg.all_gather_single(output, tensor, _options(AllgatherOptions, timeout_s, async_op=True))
 
 def reduce_scatter_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,
-                                 group: Any = None, op: Any = ReduceOp.SUM) -> None:
+                                 group: Any = None, op: Any = ReduceOp.SUM, label: Any = None) -> None:
     """`reduce_scatter_tensor` that fails after `timeout_s` seconds (where the backend honours it)."""
     pg = _group(group)
     if reduce_scatter_applies(output, tensor, op, group):  # [Note: gloo's reduce-scatter and all-gather]
         exchange = _options(AllToAllOptions, float(timeout_s))
         _timed("reduce_scatter_tensor", tensor, group, lambda: exchange_reduce_scatter(
-            output, tensor, group, lambda received, sent: pg.alltoall_base(received, sent, [], [], exchange)).wait())
+            output, tensor, group, lambda received, sent: pg.alltoall_base(received, sent, [], [], exchange)).wait(),
+               label=label)
         return
     opts = _options(ReduceScatterOptions, float(timeout_s), op)
-    _timed("reduce_scatter_tensor", tensor, group, lambda: pg.reduce_scatter_single(output, tensor, opts).wait())
+    _timed("reduce_scatter_tensor", tensor, group, lambda: pg.reduce_scatter_single(output, tensor, opts).wait(),
+           label=label)
 
 def break_group(group: Any = None) -> None:
     """Make the pending and later operations of `group` fail on every rank (gloo; elsewhere a no-op).

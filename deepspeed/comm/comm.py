@@ -17,6 +17,7 @@ from torch.distributed import ReduceOp
 
 from ..utils.comms_logging import CommsLogger
 from . import exit as _exit
+from . import guard as _guard
 from .counting import comms_counter
 from .gloo_collectives import (all_gather_applies, broadcast_all_gather, exchange_reduce_scatter,
                                reduce_scatter_applies)
@@ -48,11 +49,22 @@ def _group_size(group: Any) -> int:
     return _tdist.get_world_size(group) if _tdist.is_initialized() else 1
 
 
-def _timed(op: str, tensor: torch.Tensor | None, group: Any, fn: Callable[[], Any], nbytes: int | None = None) -> Any:
-    """Run one collective, count it, and log it when the comms logger asks for it."""
+def _timed(op: str, tensor: torch.Tensor | None, group: Any, fn: Callable[[], Any], nbytes: int | None = None,
+           label: Any = None) -> Any:
+    """Run one collective, count it, and log it when the comms logger asks for it. Every collective
+    is journaled and watched on the way ([Note: collective guard] in guard.py); `label` says what
+    it is for a report (e.g. ZeRO-3's unit)."""
     logged = comms_logger.wants(op)
+    entry = _guard.begin(op, tensor, group, label)
     start = time.perf_counter()
-    result = fn()
+    try:
+        result = fn()
+    except BaseException as exc:  # a failure explains itself where it can ([Note: collective guard])
+        error = _guard.failed(entry, group, exc)
+        if error is exc:
+            raise
+        raise error from exc
+    result = _guard.end(entry, result, group)
     if logged:   # completed before timing: [Note: what the comms logger measures]
         _complete(result, tensor)
     elapsed = time.perf_counter() - start
@@ -113,6 +125,7 @@ def new_group(ranks: list[int] | None = None, **kwargs: Any) -> Any:
 
 def destroy_process_group(group: Any = None) -> None:
     if is_initialized():
+        _guard.forget(group)
         _tdist.destroy_process_group(group)
 
 

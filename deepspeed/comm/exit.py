@@ -23,6 +23,9 @@ So `deepspeed.comm` registers one `atexit` step when it creates the default proc
 `atexit` steps run while the interpreter is whole (before finalization starts), after every
 non-daemon thread has been joined. The step:
 
+0. stops the collective guard's watcher and posts this rank's last collective per group in the
+   store (comm/guard.py, [Note: collective guard]): a rank still waiting for this one names it;
+
 1. settles the asynchronous collectives issued through `deepspeed.comm` that are still
    referenced (tracked weakly): polls them for a bounded time (`_SETTLE_S`; shorter when the
    process is exiting on an uncaught exception) and waits for the finished ones;
@@ -39,7 +42,10 @@ non-daemon thread has been joined. The step:
 4. frees the groups it created that are destroyed (by it or by the script) but still held:
    points functions' default arguments that pin them at None and collects, so that their
    destructors join the worker threads now (the destructor releases the GIL while it joins,
-   so a worker can finish its release).
+   so a worker can finish its release);
+5. on rank 0, which hosts the store: keeps the store up until the other ranks posted their exit
+   (at most 2 s; at once when the ranks exit together), so that a rank whose collective failed
+   when this one left can still read why.
 """
 
 from __future__ import annotations
@@ -230,6 +236,9 @@ def _break_pending_groups() -> None:
 
 def _at_exit() -> None:
     """The registered exit step ([Note: exiting without destroy_process_group])."""
+    from .guard import exiting, linger
+
+    exiting(error=_exiting_on_error())   # a rank still waiting for this one learns where it stopped
     try:
         bound = _SETTLE_ON_ERROR_S if _exiting_on_error() else _SETTLE_S
         if not settle(bound):
@@ -247,5 +256,6 @@ def _at_exit() -> None:
                 for group in _live_subgroups():
                     _tdist.destroy_process_group(group)
         free_destroyed_groups()  # also when the script destroyed them itself: they may be pinned
+        linger()   # rank 0 keeps the store up for a rank that may still be reading why this one left
     except Exception as exc:  # never turn a clean exit into a failure
         logger.warning(f"deepspeed.comm: process group teardown at exit failed: {exc!r}")

@@ -77,6 +77,10 @@ class Composite:
             self._finish()
         self._works, self._finish = [], None
 
+    def parts_completed(self) -> bool:
+        """Whether every part is done, without finishing (safe from another thread)."""
+        return self._done or all(work.is_completed() for work in list(self._works))
+
     def is_completed(self) -> bool:
         """True once the output is written (polling completes it when every part is done)."""
         if not self._done and all(work.is_completed() for work in self._works):

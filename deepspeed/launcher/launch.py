@@ -7,8 +7,10 @@ args` (upstream's per-node entry point), or through `deepspeed` (runner.py), whi
 [Note: launcher guarantees]
 1. Each rank is the leader of its own process group (start_new_session=True), so signalling
    the group reaches its grandchildren (dataloader workers, compile workers) too.
-2. The first rank to fail (non-zero exit, or death by signal) stops the job: every group gets
-   SIGTERM, then SIGKILL after the grace period. The launcher exits with that rank's code
+2. The first rank to fail (non-zero exit, or death by signal) stops the job: the other ranks get
+   up to DS_LAUNCHER_DRAIN_SECONDS (default 1 s) to end by themselves -- ranks that diagnosed the
+   same failure (a collective divergence, deepspeed/comm/guard.py) print their reports and exit
+   -- then every group gets SIGTERM, then SIGKILL after the grace period. The launcher exits with that rank's code
    (128+N for signal N) and prints which rank failed plus the tail of its stderr.
 3. SIGINT/SIGTERM/SIGHUP to the launcher are forwarded to every group, with the same
    SIGKILL escalation (a second signal escalates at once); the exit code is 128+signal.
@@ -54,6 +56,8 @@ from .plan import (
 TAIL_LINES = 20
 DEFAULT_GRACE_S = 5.0
 GRACE_ENV = "DS_LAUNCHER_GRACE_SECONDS"  # seconds between SIGTERM and SIGKILL
+DEFAULT_DRAIN_S = 1.0
+DRAIN_ENV = "DS_LAUNCHER_DRAIN_SECONDS"  # seconds the other ranks may end by themselves after a failure
 POLL_S = 0.05
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PREFIX = "[deepspeed launcher]"
@@ -160,6 +164,7 @@ class _Job:
         self.signum: int | None = None
         self.escalate = False
         self._link_failed_code = 1
+        self.drain_s = _seconds(DRAIN_ENV, DEFAULT_DRAIN_S)
 
     def run(self) -> int:
         previous = self._install_handlers()
@@ -322,11 +327,19 @@ class _Job:
         stop = Stop(exit_code(rank.proc.returncode), reason, self.plan.node_rank, tail, when)
         if self.link is not None:
             self.link.notify(stop)  # the other nodes start stopping while this one does
+        self._drain()
         self._stop_all(signal.SIGTERM)
         if tail.strip():
             self.say(f"last {TAIL_LINES} lines of rank {rank.spec.global_rank} stderr:\n{tail}")
         self.say(f"job failed: {reason}")
         return self._verdict(stop, notified=True)
+
+    def _drain(self) -> None:
+        """Give the other ranks `drain_s` to end by themselves: a rank that found the same failure
+        finishes writing its own report (its stderr is pumped meanwhile) instead of being stopped."""
+        deadline = time.monotonic() + self.drain_s
+        while self.signum is None and time.monotonic() < deadline and any(r.proc.poll() is None for r in self.ranks):
+            time.sleep(POLL_S)
 
     def _stop_all(self, signum: int) -> None:
         """Signal every live process group, then SIGKILL whatever outlives the grace period."""
@@ -383,13 +396,17 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        raise LaunchError(f"{name}={raw!r}: expected a number of seconds") from None
+
+
 def grace_seconds() -> float:
     """The SIGTERM->SIGKILL grace period; DS_LAUNCHER_GRACE_SECONDS overrides the default."""
-    raw = os.environ.get(GRACE_ENV)
-    try:
-        return float(raw) if raw else DEFAULT_GRACE_S
-    except ValueError:
-        raise LaunchError(f"{GRACE_ENV}={raw!r}: expected a number of seconds") from None
+    return _seconds(GRACE_ENV, DEFAULT_GRACE_S)
 
 
 def run_plan(plan: LaunchPlan, *, grace_s: float | None = None, prefix_output: bool = False,

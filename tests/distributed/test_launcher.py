@@ -132,6 +132,30 @@ def test_failing_rank_stops_the_job_with_its_exit_code_and_tail(tmp_path):
     assert not _alive(rank0_pid)
 
 
+DRAIN_SCRIPT = """
+import os, sys, time
+marker = sys.argv[-1]
+if os.environ["RANK"] == "1":
+    open(marker, "w").close()
+    raise SystemExit(3)
+while not os.path.exists(marker):
+    time.sleep(0.01)
+time.sleep(0.3)   # rank 1 is gone by now: rank 0 writes its own account of the failure
+print("rank 0 report: why the job failed", file=sys.stderr, flush=True)
+raise SystemExit(1)
+"""
+
+
+def test_other_ranks_finish_their_reports_before_being_stopped(tmp_path):
+    """[Note: launcher guarantees] 2: after the first failure the others get DS_LAUNCHER_DRAIN_SECONDS
+    (1 s) to end by themselves, so a rank that diagnosed the same failure is heard (without the drain,
+    rank 0 got SIGTERM while it was still writing)."""
+    script = _script(tmp_path, "drain.py", DRAIN_SCRIPT)
+    result = _launch(["--num_gpus", "2", "--no_local_rank", script, str(tmp_path / "marker")], timeout=30)
+    assert result.returncode == 3, result.stderr
+    assert "rank 0 report: why the job failed" in result.stderr, result.stderr
+
+
 TREE_SCRIPT = """
 import os, signal, subprocess, sys, time
 ignore = sys.argv[-2] == "ignore-term"

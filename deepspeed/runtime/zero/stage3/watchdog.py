@@ -35,6 +35,13 @@ running ZeRO-3 collectives raises within timeout + 10 s. The process group is un
 afterwards. Settings come from the environment at import (`configure()` changes them).
 A prefetch (`start_all_gather`) is journaled, checked and counted when issued -- issue order is
 what pairs collectives -- and its `finish()` fails like a synchronous collective would.
+
+Every collective, these included, is also journaled by deepspeed.comm's guard ([Note: collective
+guard] in comm/guard.py), which names ranks stuck in different collectives of any kind (a unit
+reduce-scatter on one rank, the optimizer's gradient-norm all-reduce on another) after
+DEEPSPEED_COMM_GUARD_S, usually before this deadline. Unit collectives carry their `Site` as the
+guard's label; this module's report is posted to the guard too (`announce`), so that a rank whose
+failing collective is not a unit collective raises with it instead of the backend's message.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ import torch
 import torch.distributed as _tdist
 
 from .... import comm as ds_comm
+from ....comm.guard import CollectiveDivergenceError, announce, pass_through
 from ....comm.bounded import (all_gather_into_tensor_within, break_group, reduce_scatter_tensor_within,
                               start_all_gather_into_tensor_within)
 from .units import UnitSpec
@@ -72,7 +80,10 @@ LEAF_HINT = ("Under ZeRO-3 every rank must run the same modules in the same orde
              "\"zero_optimization\": {\"leaf_module\": {\"classes\": [\"ItsClass\"]}} (or \"names\").")
 
 
-class ZeRO3DivergenceError(RuntimeError):
+pass_through(__file__)   # a unit collective's report names who asked for the unit, not this module
+
+
+class ZeRO3DivergenceError(CollectiveDivergenceError):
     """Ranks issued different ZeRO-3 collectives, or one of them did not complete in time."""
 
 
@@ -155,7 +166,7 @@ class _GroupWatch:
         return "/".join([self.prefix, *map(str, parts)])
 
     # --- the three mechanisms ---------------------------------------------------------------
-    def run(self, s: Site, device: torch.device, call: Callable[[float], Any]) -> Any:
+    def run(self, s: Site, device: torch.device, call: Callable[[float, Any], Any]) -> Any:
         """Journal, (strict) verify, issue `call(timeout)`, check the schedule; returns call's
         result. An asynchronous call is journaled here, at issue: issue order is what must match."""
         settings = SETTINGS
@@ -165,7 +176,7 @@ class _GroupWatch:
         self.hash = ((self.hash * 1099511628211) ^ s.token) & _MASK
         if settings.strict:
             self._verify(seq, s, device, settings.timeout_s)
-        result = self.guard(seq, s, lambda: call(settings.timeout_s))
+        result = self.guard(seq, s, lambda: call(settings.timeout_s, s))
         if settings.check_every > 0 and seq % settings.check_every == 0:
             self._check_schedule(seq, s)
         return result
@@ -173,6 +184,8 @@ class _GroupWatch:
     def guard(self, seq: int, s: Site, call: Callable[[], Any]) -> Any:
         try:
             return call()
+        except CollectiveDivergenceError:
+            raise                    # diagnosed already, by deepspeed.comm's guard (comm/guard.py)
         except RuntimeError as exc:  # a backend error or timeout: every cause ends in the same report
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             self.fail(seq, s, f"the collective failed ({first})", cause=exc)
@@ -181,7 +194,9 @@ class _GroupWatch:
         mine = torch.tensor([seq, s.token, s.numel, _OPS[s.op]], dtype=torch.int64, device=device)
         rows = torch.empty(self.world * 4, dtype=torch.int64, device=device)
         try:
-            all_gather_into_tensor_within(rows, mine, timeout, self.group)
+            all_gather_into_tensor_within(rows, mine, timeout, self.group, label="strict-mode fingerprint")
+        except CollectiveDivergenceError:
+            raise
         except RuntimeError as exc:
             self.fail(seq, s, f"the fingerprint all-gather before it failed ({str(exc).strip()[:200]})", cause=exc)
         table = rows.view(self.world, 4).tolist()
@@ -221,6 +236,8 @@ class _GroupWatch:
             report = {"seq": seq, "current": s.describe(), **_encode(recent)}
             store.set(self._key("report", self.rank), json.dumps(report))
             store.set(self._key("abort"), reason)
+            announce(self.group, f"rank {self.rank}: ZeRO-3: {reason}, at unit collective #{seq}, the {s.describe()}",
+                     owner=__name__)
             break_group(self.group)     # the other ranks' collectives fail now, not at their deadline
             deadline = time.monotonic() + min(SETTINGS.timeout_s, 10.0)
             pending = [r for r in range(self.world) if r != self.rank]
@@ -279,17 +296,17 @@ def _watch(group: Any) -> _GroupWatch:
 
 
 def _unit_collective(op: str, phase: str, spec: UnitSpec, group: Any, device: torch.device,
-                     call: Callable[[float], Any]) -> Any:
+                     call: Callable[[float, Any], Any]) -> Any:
     watch = _watch(group)
     if watch.world == 1:
-        return call(SETTINGS.timeout_s)
+        return call(SETTINGS.timeout_s, None)
     return watch.run(site(op, phase, spec), device, call)
 
 
 def all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec, phase: str) -> None:
     """The unit's one all-gather, bounded and checked; see [Note: ZeRO-3 divergence]."""
     _unit_collective("all-gather", phase, spec, group, out.device,
-                     lambda t: all_gather_into_tensor_within(out, shard, t, group))
+                     lambda t, s: all_gather_into_tensor_within(out, shard, t, group, label=s))
 
 
 class PendingGather:
@@ -315,7 +332,7 @@ def start_all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: U
     """`all_gather` issued asynchronously (prefetch): journaled and schedule-checked at issue, in
     issue order like any unit collective; bounded by the per-operation deadline."""
     work = _unit_collective("all-gather", phase, spec, group, out.device,
-                            lambda t: start_all_gather_into_tensor_within(out, shard, t, group))
+                            lambda t, s: start_all_gather_into_tensor_within(out, shard, t, group, label=s))
     watch = _watch(group)
     return PendingGather(work, watch if watch.world > 1 else None, watch.seq, site("all-gather", phase, spec),
                          (out, shard))
@@ -324,7 +341,7 @@ def start_all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: U
 def reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any, spec: UnitSpec, phase: str) -> None:
     """The unit's one reduce-scatter, bounded and checked; see [Note: ZeRO-3 divergence]."""
     _unit_collective("reduce-scatter", phase, spec, group, out.device,
-                     lambda t: reduce_scatter_tensor_within(out, flat, t, group))
+                     lambda t, s: reduce_scatter_tensor_within(out, flat, t, group, label=s))
 
 
 def gather_or_copy(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec | None = None,
