@@ -65,6 +65,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any) -> None:
             result = fn(*args, **kwargs)
             _saves_written()
             conn.send(("ok", result))
+            del result   # not alive during the next job (tests count the tensors a process holds)
         except BaseException:  # report everything, including assertion errors
             _saves_written()
             conn.send(("error", traceback.format_exc()))
