@@ -50,6 +50,10 @@ class ParameterOffloadView:
         """Put the forward hooks back (all of them: `module` is always the engine's model here)."""
         self._coordinator._install_forward_hooks()
 
+    def _register_deepspeed_module(self, module: nn.Module | None = None, count: Any = None) -> None:
+        """DeepSpeed 0.19's name for `_register_hooks_recursively` (TRL's `add_hooks` calls it)."""
+        self._register_hooks_recursively(module, count)
+
 
 class _ExternalParameters:
     """``module.ds_external_parameters()``: (key, parameter) pairs, as upstream's dict items."""
