@@ -24,6 +24,19 @@ def tiny_config():
                        tie_word_embeddings=False)
 
 
+def tiny_tokenizer():
+    """A word-level tokenizer over the tiny vocabulary, built in memory: special tokens 0-3, then
+    `t4` ... `t127` (the token id after the `t`), split on whitespace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"t{i}": i for i in range(4, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
 class TokenData(torch.utils.data.Dataset):
     """Sequences that count up by a per-sample stride: next token is predictable, loss falls."""
 

@@ -32,6 +32,8 @@ module delimit forward passes for the Prefetcher ([Note: ZeRO-3 prefetch trace] 
    flushes the reducer's last bucket, so every rank reduces every trainable unit exactly once
    per backward whatever its local graph used, then releases anything still held (frozen units
    have no gradient hook).
+4. A gradient may also arrive for a parameter no module's backward holds: see [Note: gradients
+   for released parameters].
 Collective order must be the same on every rank: the model must run the same modules in the
 same order on every rank (data-dependent routing belongs inside a z3 leaf module).
 
@@ -64,6 +66,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from ....utils.logging import logger
 from ....utils.weak_hooks import remove_when_collected, weak_hook
@@ -129,12 +132,20 @@ class Stage3Coordinator:
         # one frame per running hooked module: (name, module, units acquired, units gathered for reads)
         self._frames: list[tuple[str, nn.Module, list[ShardedUnit], list[ShardedUnit]]] = []
         self._found_external = False
-        self._detector = ExternalUseDetector(self._is_released, self._external_use) if auto_external else None
+        self._detector = (ExternalUseDetector(self._is_released, self._unheld, self._external_use)
+                          if auto_external else None)
         self._install_forward_hooks()
         _LIVE.add(self)
+        # [Note: gradients for released parameters]: each trainable parameter's full shape, as a
+        # zero-stride view (no memory), and the AccumulateGrad nodes made with it for one forward
+        self._full_views = [(unit, unit.params[i], torch.empty((), dtype=unit.params[i].dtype,
+                                                               device=unit.params[i].device).expand(unit.shapes[i]))
+                            for unit in self.units if not unit.spec.persistent for i in unit.trainable]
+        self._accumulators: list[Any] = []
         # The hooks hold neither the coordinator nor a unit: [Note: tensor hooks and dropped engines].
         for position, unit in enumerate(self.units):
             for i in unit.trainable:
+                self._handles.append(unit.params[i].register_hook(weak_hook(self._grad_arriving, position, i)))
                 hook = weak_hook(self._grad_accumulated, position, i)
                 self._handles.append(unit.params[i].register_post_accumulate_grad_hook(hook))
         remove_when_collected(self, self._handles)
@@ -186,6 +197,8 @@ class Stage3Coordinator:
             if not self._in_backward:
                 self.prefetcher.begin(FORWARD)
             if self._detector is not None:
+                if torch.is_grad_enabled():
+                    self._accumulators = full_shape_accumulators(self._full_views)
                 self._detector.__enter__()
 
     def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -195,6 +208,7 @@ class Stage3Coordinator:
         if self._forward_depth == 0:
             if self._detector is not None:
                 self._detector.__exit__(None, None, None)
+                self._accumulators = []   # the graph holds those it uses
             self.prefetcher.end(FORWARD)
             if self._found_external:   # from the next forward, the reading modules gather them
                 self._found_external = False
@@ -215,6 +229,14 @@ class Stage3Coordinator:
         unit = unit_of(param)
         return unit is not None and not unit.available and not self._quiet and unit in self._unit_set
 
+    def _unheld(self, param: nn.Parameter) -> bool:
+        """Released, or gathered by no running module (GatheredParameters, a kept unit): see
+        [Note: automatic external parameters]. Persistent units are never released."""
+        unit = unit_of(param)
+        if unit is None or self._quiet or unit.spec.persistent or unit not in self._unit_set:
+            return False
+        return not unit.available or not any(unit in f[2] or unit in f[3] for f in reversed(self._frames))
+
     def _external_use(self, param: nn.Parameter) -> None:
         """See [Note: automatic external parameters]."""
         if not self._frames:   # between the root's own hooks: nothing holds a unit there
@@ -222,6 +244,8 @@ class Stage3Coordinator:
         owner, module, _, gathered = self._frames[-1]
         unit = unit_of(param)
         if owner in self._leaves:   # routing inside a leaf may differ by rank: a gather here could hang
+            if unit.available:      # someone else gathered it: nothing to gather, nothing registered
+                return
             raise RuntimeError(f"ZeRO-3: leaf module '{owner}' read parameter '{self._name_of(unit, param)}' of "
                                f"module '{unit.spec.owner}', which is not gathered; inside a leaf the read may happen "
                                f"on some ranks only, so it is not gathered automatically. Register it: "
@@ -320,6 +344,39 @@ class Stage3Coordinator:
         for unit in units:
             unit.hold_for_backward()
             self.prefetcher.acquired(BACKWARD, unit)
+
+    def _grad_arriving(self, position: int, index: int, grad: torch.Tensor) -> None:
+        """[Note: gradients for released parameters]
+        A gradient can reach a parameter that no module's backward holds: one made whole by
+        someone else in the forward (GatheredParameters) and released since, with the automatic
+        detection off or outside the root's forward (a loss computed after it). Autograd would
+        accumulate it into the 0-element placeholder: a shape error naming neither. So every
+        trainable parameter has a tensor hook, run before its gradient is accumulated, that holds
+        its unit for the rest of the backward, gathering it if released (a collective, reached
+        at the same point of the same graph on every rank, like a module's pre-backward hook);
+        it is reduced when complete, as usual. Autograd checks the gradient a node returns
+        against the shape the parameter's AccumulateGrad node recorded when it was created, so
+        when a grad-enabled forward of the root begins (detection on) the coordinator creates the nodes at the
+        full shapes and holds them until it ends (the graph holds those it uses;
+        `full_shape_accumulators`): a parameter that entered the graph while released (passed to
+        `autograd.Function.apply`, gathered inside its forward) still gets its full-shape
+        gradient. Held for good, the nodes would hold the parameters from C++, where the cycle
+        collector cannot see them: a dropped engine's units would outlive one collection. Where gathering there
+        could differ by rank, a unit of a z3 leaf module ([Note: leaf units complete by module])
+        or one already reduced in this backward, the hook raises, naming the parameter and
+        `register_external_parameter`."""
+        unit = self.units[position]
+        if unit.held or unit.spec.persistent:
+            return
+        if not unit.available and (unit in self._by_module or not unit.needs_reduce):
+            why = ("it belongs to a z3 leaf module, whose gathers may differ by rank" if unit in self._by_module
+                   else "its unit was already reduced in this backward")
+            raise RuntimeError(f"ZeRO-3: a gradient arrived for parameter '{unit.spec.param_names[index]}' while it "
+                               f"is released (no running module holds it; {why}). Register it on the module whose "
+                               f"forward reads it: deepspeed.zero.register_external_parameter(<that module>, "
+                               f"<the parameter>)")
+        self._begin_backward()
+        unit.hold_for_backward()
 
     def _grad_accumulated(self, position: int, index: int, param: nn.Parameter) -> None:
         unit = self.units[position]
@@ -430,3 +487,21 @@ class Stage3Coordinator:
             unit.disown()
             for name, p in zip(unit.spec.param_names, unit.params):
                 p.data = full[name]
+
+
+
+def full_shape_accumulators(full_views: list[tuple[ShardedUnit, nn.Parameter, torch.Tensor]]) -> list[Any]:
+    """The AccumulateGrad node of every released parameter in `full_views` (unit, parameter, a
+    full-shape view), created with the full shape: `.data` is that view for the moment. Autograd
+    caches the node weakly: the caller holds it while the parameter may enter a graph."""
+    nodes = []
+    for unit, p, full in full_views:
+        if unit.available:   # whole: a node made now or at its first use has the full shape
+            continue
+        placeholder = p.data
+        p.data = full
+        try:
+            nodes.append(get_gradient_edge(p).node)
+        finally:
+            p.data = placeholder
+    return nodes

@@ -7,21 +7,32 @@ A module's hooks gather the units of the parameters it holds (and those register
 `F.linear(h, self.embed.weight)` for a tied output head written functionally -- would find the
 released placeholder (0 elements) and fail with a shape error. While the root module's forward
 runs, the coordinator activates `ExternalUseDetector`, a TorchFunctionMode that looks at the
-tensor arguments of every torch function call: a parameter whose unit is released is reported
-to the coordinator, which gathers the unit at once (a collective: every rank runs the same code
-and reaches the same call), keeps it until the innermost running module's forward ends (held
-for that module's backward like its own units) and registers the parameter as an external
-parameter of that module, re-planning at the end of the forward. From the next forward the
-module's pre-hook gathers it with its own units, so the detector fires once per parameter.
-Two exceptions raise instead: a read inside a z3 leaf module (routing there may differ by rank,
-so the gather could happen on some ranks only: register the parameter on the leaf), and an
-in-place write to a released parameter (lost at the next release: use GatheredParameters with a
-modifier_rank).
-Upstream only registers a parameter automatically when a module *returns* it; this covers any
-read. Metadata reads (`.shape`, `.dtype`, `.size()`, `.numel()`, `.new_zeros()`, ...) are not
-uses: a released parameter reports 0 elements there, as upstream's do (`ds_shape` has the real
-shape); value reads through properties (`.T`, `.mT`, `.data`) are. Arguments are scanned one
-level deep (tensors, and lists or tuples of them).
+tensor arguments of every torch function call: a parameter that no running module holds is
+reported to the coordinator, which gathers its unit at once if it is released (a collective:
+every rank runs the same code and reaches the same call), keeps it until the innermost running
+module's forward ends (held for that module's backward like its own units) and registers the
+parameter as an external parameter of that module, re-planning at the end of the forward. From
+the next forward the module's pre-hook gathers it with its own units, so the detector fires once
+per parameter.
+"Held by no running module" is the test, not "released": a parameter that someone else made
+whole for the moment -- a `GatheredParameters` block around the read (TRL's fused LM-head loss
+reads `lm_head.weight` that way, inside the model's forward, and hands it to a custom
+`autograd.Function`), a unit kept from an earlier module's forward -- is released again before
+the backward that needs it; registered, the reading module's backward hook gathers and holds it
+(upstream registers such a parameter when the module attribute is read while released).
+Two exceptions raise instead: a read of a released parameter inside a z3 leaf module (routing
+there may differ by rank, so the gather could happen on some ranks only: register the parameter
+on the leaf; a parameter someone else gathered is left alone there), and an in-place write to a
+released parameter (lost at the next release: use GatheredParameters with a modifier_rank).
+Upstream only registers a parameter automatically when a module *returns* it or reads the
+attribute while released; this covers any value read. Metadata reads (`.shape`, `.dtype`,
+`.size()`, `.numel()`, `.new_zeros()`, ...) are not uses: a released parameter reports 0
+elements there, as upstream's do (`ds_shape` has the real shape); value reads through properties
+(`.T`, `.mT`, `.data`) are. Arguments are scanned one level deep (tensors, and lists or tuples of
+them). A parameter passed to `autograd.Function.apply` is seen by the first torch function its
+`forward` calls on it (apply itself is no torch function); the gradient that backward returns for
+it is then checked against the parameter's full shape, see [Note: gradients for released
+parameters] in coordinator.py.
 Cost: one Python call per torch function during forwards (measured in BENCHMARKS.md); set
 DEEPSPEED_ZERO3_AUTO_EXTERNAL=0 to turn the detector off. Reads outside any forward of the
 root module (calling a submodule directly) are not seen: register those parameters.
@@ -74,27 +85,32 @@ def enabled_by_env() -> bool:
 
 
 class ExternalUseDetector(TorchFunctionMode):
-    """Calls `on_use(param)` for every parameter argument that `is_released(param)` says is
-    released, before the torch function runs (see [Note: automatic external parameters])."""
+    """Calls `on_use(param)` for every parameter argument that `unheld(param)` says no running
+    module holds, before the torch function runs (see [Note: automatic external parameters]);
+    an in-place write to a parameter that `is_released(param)` raises."""
 
-    def __init__(self, is_released: Callable[[nn.Parameter], bool], on_use: Callable[[nn.Parameter], None]) -> None:
+    def __init__(self, is_released: Callable[[nn.Parameter], bool], unheld: Callable[[nn.Parameter], bool],
+                 on_use: Callable[[nn.Parameter], None]) -> None:
         super().__init__()
-        self.is_released, self.on_use = is_released, on_use
+        self.is_released, self.unheld, self.on_use = is_released, unheld, on_use
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if not is_metadata(func):
-            if args and isinstance(args[0], nn.Parameter) and is_in_place(func) and self.is_released(args[0]):
-                raise RuntimeError(f"ZeRO-3: an in-place write ({getattr(func, '__name__', func)}) to a released "
-                                   f"parameter would be lost when it is released again; write inside "
-                                   f"deepspeed.zero.GatheredParameters(params, modifier_rank=0)")
-            for value in (*args, *kwargs.values()):
+            read = args
+            if args and isinstance(args[0], nn.Parameter) and is_in_place(func):
+                if self.is_released(args[0]):
+                    raise RuntimeError(f"ZeRO-3: an in-place write ({getattr(func, '__name__', func)}) to a released "
+                                       f"parameter would be lost when it is released again; write inside "
+                                       f"deepspeed.zero.GatheredParameters(params, modifier_rank=0)")
+                read = args[1:]   # written where someone gathered it (GatheredParameters): not a read
+            for value in (*read, *kwargs.values()):
                 if isinstance(value, nn.Parameter):
-                    if self.is_released(value):
+                    if self.unheld(value):
                         self.on_use(value)
                 elif isinstance(value, (list, tuple)):   # torch.cat([...]), torch.stack(...)
                     for item in value:
-                        if isinstance(item, nn.Parameter) and self.is_released(item):
+                        if isinstance(item, nn.Parameter) and self.unheld(item):
                             self.on_use(item)
         return func(*args, **kwargs)
 
