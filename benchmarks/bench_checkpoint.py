@@ -23,7 +23,8 @@ In each job:
    the tag and written ``latest``; the same as blocked without a background save; DeepSpeed has
    no wait and does not fsync). "CPU s" beside each: the process's CPU seconds over the same
    span (every thread, the background writer's too; the slowest rank). ``ours`` is the default
-   (background save), ``ours-sync`` ours with ``checkpoint.async_save: false``;
+   (published on return, fsynced in the background), ``ours-async`` ours with
+   ``checkpoint.async_save: true`` (written in the background too);
 3. the sizes of the files of the last tag directory (``rng_state_*.pt`` listed separately;
    ``latest`` and ours' copy of ``zero_to_fp32.py`` lie in the save dir, not in the tag);
 4. the saving engine trains on batch 2 and computes the loss of batch 3 (reference losses);
@@ -55,7 +56,7 @@ import time
 import bench_zero as bz
 
 DTYPES = bz.DTYPES
-IMPLS = ("ours", "ours-sync", "deepspeed")  # ours-sync: ours with checkpoint.async_save false
+IMPLS = ("ours", "ours-async", "deepspeed")  # ours-async: ours with checkpoint.async_save true
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -79,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--job-timeout", type=int, default=900)
     p.add_argument("--json", default=None)
     p.add_argument("--worker", choices=bz.IMPLS, help=argparse.SUPPRESS)
-    p.add_argument("--sync-save", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--async-save", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, help=argparse.SUPPRESS)
     p.add_argument("--dtype", choices=DTYPES, help=argparse.SUPPRESS)
     p.add_argument("--result-dir", help=argparse.SUPPRESS)
@@ -115,8 +116,8 @@ def run_worker(args) -> int:
 
     batches = bz.make_batches(args, rank, world)
     config = bz.ds_config(args)
-    if args.sync_save:
-        config["checkpoint"] = {"async_save": False}
+    if args.async_save:
+        config["checkpoint"] = {"async_save": True}
 
     def build(seed):
         torch.manual_seed(seed)
@@ -215,8 +216,8 @@ def worker_argv(args, impl: str, stage: int, dtype: str, out: str) -> list[str]:
 
 
 def launch(args, impl: str, stage: int, dtype: str) -> dict:
-    real = "ours" if impl == "ours-sync" else impl
-    extra = ["--sync-save"] if impl == "ours-sync" else []
+    real = "ours" if impl == "ours-async" else impl
+    extra = ["--async-save"] if impl == "ours-async" else []
     return bz.launch(args, real, stage, dtype, script=os.path.abspath(__file__),
                      argv_of=lambda *a: worker_argv(*a) + extra)
 

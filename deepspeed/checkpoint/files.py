@@ -101,11 +101,13 @@ class _Sink:
         pass
 
 
-def save_file(obj: Any, path: str, dir_fd: int | None = None, shown: str | None = None) -> None:
+def save_file(obj: Any, path: str, dir_fd: int | None = None, shown: str | None = None,
+              fsync: bool = True) -> None:
     """torch.save to `path` through `<path>.tmp`, fsync, rename: `path` is complete or absent, and
     a failed write leaves nothing behind. With `dir_fd`, `path` is a name in that directory (the
     directory may be renamed meanwhile: [Note: background save] in runtime/checkpoint/save_job.py);
-    `shown` is the path errors name.
+    `shown` is the path errors name; `fsync=False` leaves durability to the caller (the default
+    save: [Note: durable later] in runtime/checkpoint/save_job.py).
 
     [Note: disk full]
     torch.save given a file name hides the errno behind its C++ writer ("unexpected pos 36416 vs
@@ -124,7 +126,7 @@ def save_file(obj: Any, path: str, dir_fd: int | None = None, shown: str | None 
                 raise
         if sink.error is not None:
             raise sink.error
-        if FSYNC:
+        if FSYNC and fsync:
             os.fsync(fd)
     except BaseException as error:
         os.close(fd)

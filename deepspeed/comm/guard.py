@@ -62,9 +62,10 @@ _POSTED = 12           # of which a post carries the latest
 _STACK = 8             # frames of the issuing thread in a post
 _COMM_DIR = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(os.path.dirname(_COMM_DIR))
-# Operations whose element count must be the same on every rank (the others: per-rank sizes).
+# Operations whose element count must be the same on every rank (the others: per-rank sizes;
+# the list forms all_gather/reduce_scatter may carry uneven pieces, so their sizes are not compared).
 _SIZED = frozenset({"all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-                    "all_gather", "reduce_scatter", "gather", "scatter"})
+                    "gather", "scatter"})
 _UNORDERED = frozenset({"send", "recv", "isend", "irecv"})
 
 HINT = ("Every rank must issue the same collectives in the same order: a rank that skips or repeats "
@@ -200,7 +201,8 @@ class Ledger:
         entry = self.oldest_pending()
         if entry is None or now - entry.issued < SETTINGS.stuck_s or self.failure is not None:
             if self.posted and self.failure is None:   # no longer stuck there: a stale post would mislead
-                store.delete_key(self.key("state", self.rank))
+                # overwritten, never deleted: a peer between its check() and get() would block in get()
+                store.set(self.key("state", self.rank), "null")
                 self.posted, self.seen = False, None
             return
         mine = self.state(entry, now)
@@ -242,6 +244,8 @@ def _label(entry: Entry) -> str:
 
 
 def _read(store: Any, keys: list[str]) -> list[dict | None]:
+    """Each key's post, None where none is (a withdrawn post reads "null"). Posts are never
+    deleted, so a key that check() finds is still there for get()."""
     return [json.loads(store.get(k)) if store.check([k]) else None for k in keys]
 
 

@@ -1,8 +1,8 @@
 """Run under the launcher with two ranks (test_checkpoint_crash.py): train, save checkpoint A,
 train one more step, then save checkpoint B while rank 1 SIGKILLs itself half-way through
-writing its optimizer-state file. Usage: ckpt_crash_script.py SAVE_DIR RECORD_FILE sync|async|publish|exit.
-`sync`: checkpoint.async_save false (the kill hits save_checkpoint itself). `async`: the default
-background save: B's files are written by a thread (the kill hits that thread's write, after
+writing its optimizer-state file. Usage: ckpt_crash_script.py SAVE_DIR RECORD_FILE sync|async|publish|exit|exitfail.
+`sync`: checkpoint.async_save false (the kill hits save_checkpoint itself). `async`: the
+background save (async_save true): B's files are written by a thread (the kill hits that thread's write, after
 save_checkpoint returned and training went on). `publish`: rank 0's background thread is killed
 after renaming B into place, before it writes `latest`. `exit`: nobody is killed; the script ends right
 after save_checkpoint(B) returns, while B's (slowed) background write still runs."""
@@ -10,6 +10,7 @@ after save_checkpoint(B) returns, while B's (slowed) background write still runs
 from __future__ import annotations
 
 import datetime
+import errno
 import io
 import os
 import signal
@@ -30,7 +31,7 @@ import ckpt_jobs as J  # noqa: E402
 
 
 def die_while_writing_optimizer_file(real_save_file):
-    def save_file(obj, path, dir_fd=None, shown=None):
+    def save_file(obj, path, dir_fd=None, shown=None, **kw):
         if path.endswith("optim_states.pt"):
             buffer = io.BytesIO()
             torch.save(obj, buffer)
@@ -40,7 +41,7 @@ def die_while_writing_optimizer_file(real_save_file):
             os.write(fd, data[:len(data) // 2])
             os.fsync(fd)
             os.kill(os.getpid(), signal.SIGKILL)
-        return real_save_file(obj, path, dir_fd=dir_fd, shown=shown)
+        return real_save_file(obj, path, dir_fd=dir_fd, shown=shown, **kw)
 
     return save_file
 
@@ -57,9 +58,19 @@ def die_while_publishing_latest(real_write_text):
 
 def slow(real_save_file):
     """The background write is surely still running when the script goes on (and exits)."""
-    def save_file(obj, path, dir_fd=None, shown=None):
+    def save_file(obj, path, dir_fd=None, shown=None, **kw):
         time.sleep(0.5)
-        return real_save_file(obj, path, dir_fd=dir_fd, shown=shown)
+        return real_save_file(obj, path, dir_fd=dir_fd, shown=shown, **kw)
+
+    return save_file
+
+
+def disk_full(real_save_file):
+    """The optimizer-state file's write fails as on a full disk."""
+    def save_file(obj, path, dir_fd=None, shown=None, **kw):
+        if path.endswith("optim_states.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device", shown or path)
+        return real_save_file(obj, path, dir_fd=dir_fd, shown=shown, **kw)
 
     return save_file
 
@@ -69,7 +80,7 @@ def main() -> None:
     background = mode != "sync"
     deepspeed.init_distributed(dist_backend="gloo", verbose=False, timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    engine = J.build(J.config(2, 2, checkpoint={} if background else {"async_save": False}))
+    engine = J.build(J.config(2, 2, checkpoint={"async_save": background}))
     data = J.batches(3)
     J.train(engine, data[:2])
     snap = J.snapshot(engine)
@@ -83,6 +94,9 @@ def main() -> None:
         if rank == 0:
             torch.save({"snap": snap, "global_steps": engine.global_steps}, record + ".B")
         files.save_file = slow(files.save_file)
+    elif mode == "exitfail":  # B's background write fails on rank 1 and nothing waits for it but exit
+        if rank == 1:
+            files.save_file = disk_full(files.save_file)
     elif mode == "publish":
         if rank == 0:
             files.write_text = die_while_publishing_latest(files.write_text)

@@ -180,9 +180,9 @@ def renamed_while_writing_job(cfg: dict, root: str) -> dict:
     rank = _rank()
     real = files.save_file
 
-    def slow(obj, path, dir_fd=None, shown=None):
+    def slow(obj, path, dir_fd=None, shown=None, **kw):
         time.sleep(0.2)
-        return real(obj, path, dir_fd=dir_fd, shown=shown)
+        return real(obj, path, dir_fd=dir_fd, shown=shown, **kw)
 
     running, snap = [], None
     with patched(files, "save_file", slow, True):
@@ -204,3 +204,24 @@ def renamed_while_writing_job(cfg: dict, root: str) -> dict:
         out.update(snap=snap, root=sorted(os.listdir(root)), listing=sorted(os.listdir(os.path.join(root, "checkpoint-2"))),
                    latest=open(os.path.join(root, "checkpoint-2", "latest")).read())
     return out
+
+
+def published_on_return_job(cfg: dict, root: str) -> dict:
+    """The default save ([Note: durable later]): when save_checkpoint returns, the tag and `latest`
+    are on disk (upstream's contract: HF Trainer rotates old checkpoints right after); the fsyncs
+    run in a thread that a rename of the save directory does not disturb."""
+    import os
+
+    engine = J.build(cfg, "tiny", seed=0)
+    J.train(engine, J.batches(1))
+    src, dst = os.path.join(root, "tmp-checkpoint-1"), os.path.join(root, "checkpoint-1")
+    engine.save_checkpoint(src)
+    listing = sorted(os.listdir(src))
+    pending = engine._pending_checkpoint
+    kind = None if pending is None else pending.target.__name__
+    J._dist().barrier()
+    if _rank() == 0:
+        os.rename(src, dst)
+    J._dist().barrier()
+    engine.wait_for_checkpoint()
+    return {"listing": listing, "kind": kind, "after": sorted(os.listdir(dst))}

@@ -143,7 +143,8 @@ def test_save_dir_renamed_while_the_background_write_runs(tmp_path, stage):
     """HF Trainer renames `tmp-checkpoint-N` to `checkpoint-N` right after save_checkpoint returns,
     then rotates old checkpoints: the background write goes on through its directory descriptors
     and publishes in the renamed directory; nothing is written under the old name."""
-    results = run_distributed(2, F.renamed_while_writing_job, _cfg(stage), str(tmp_path))
+    results = run_distributed(2, F.renamed_while_writing_job, _cfg(stage, checkpoint={"async_save": True}),
+                              str(tmp_path))
     a = results[0]
     assert all(r["running"] == [True, True] for r in results), results  # the renames really hit running writes
     assert a["root"] == ["checkpoint-2"], a["root"]
@@ -151,3 +152,13 @@ def test_save_dir_renamed_while_the_background_write_runs(tmp_path, stage):
     b = run_distributed(2, J.load_job, _cfg(stage), str(tmp_path / "checkpoint-2"), train_after=False)[0]
     J.assert_snap_equal(a["snap"], b["snap"])
     assert b["state"]["global_steps"] == 2
+
+
+def test_default_save_is_published_when_it_returns(tmp_path):
+    """async_save false (the default): the tag and `latest` exist when save_checkpoint returns (a
+    client may copy, load or rotate at once); only the fsyncs run afterwards, and renaming the
+    save directory meanwhile changes nothing."""
+    for r in run_distributed(2, F.published_on_return_job, _cfg(2), str(tmp_path)):
+        assert r["kind"] == "make_durable", r
+        assert r["listing"] == ["global_step1", "latest", "zero_to_fp32.py"], r
+        assert r["after"] == r["listing"], r

@@ -108,6 +108,18 @@ def test_exit_right_after_a_background_save_publishes_it(tmp_path):
     assert_snap_equal(recorded["snap"], b["snap"])
 
 
+def test_failed_background_save_at_exit_fails_the_process(tmp_path):
+    """A background save (async_save) whose write fails on one rank, with nothing but process exit
+    left to wait for it: the run did not succeed (its last checkpoint is lost), so the failing rank
+    exits non-zero with the cause, and the launcher reports the job failed; `latest` keeps A."""
+    save_dir, _, result, _ = _launch(tmp_path, "exitfail")
+    assert result.returncode != 0, result.stderr[-3000:]
+    out = result.stdout + result.stderr
+    assert "background save_checkpoint of B" in out and "No space left on device" in out, out[-3000:]
+    assert (save_dir / "latest").read_text() == "A"
+    assert not (save_dir / "B").exists()
+
+
 def _check_previous_checkpoint_survives(save_dir, record):
     # A is published and named by `latest`; B never became visible
     assert (save_dir / "latest").read_text() == "A"

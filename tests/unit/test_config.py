@@ -214,7 +214,7 @@ def test_defaults_cover_every_scalar_key():
                                         "zero_optimization.mics_hierarchical_params_gather",
                                         "zero_optimization.zeropp_loco_param", "zero_optimization.leaf_module.classes",
                                         "aio.thread_count",  # legacy key Lightning writes; upstream ignores it
-                                        "checkpoint.async_save"}  # this build's own key (default True)
+                                        "checkpoint.async_save"}  # this build's own key (default False)
     missing = [leaf for leaf in leaves(RootConfig) if leaf not in DEFAULTS and leaf not in skip]
     assert missing == []
 

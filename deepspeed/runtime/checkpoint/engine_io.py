@@ -113,7 +113,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     def written() -> SaveJob:
         job = snapshot()
         try:
-            job.write()
+            job.write(durable=False)  # [Note: durable later]
         except BaseException:
             job.close()
             raise
@@ -128,7 +128,12 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     job = agreed(f"{what}: writing {save_dir}/{tag}", written, cleanup=discard)
     try:
         agreed(f"{what}: publishing {save_dir}/{tag}", lambda: job.publish() if rank == 0 else None)
-    finally:
+    except BaseException:
+        job.close()
+        raise
+    if files.FSYNC:  # [Note: durable later]
+        engine._pending_checkpoint = PendingSave(job, durable_only=True)
+    else:
         job.close()
     log_dist(f"Saved checkpoint {os.path.join(save_dir, tag)}", ranks=[0])
     return True

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import time
 import weakref
@@ -52,6 +53,7 @@ class SaveJob:
                  save_latest: bool, prepare: list | None = None) -> None:
         self.save_dir, self.tag, self.rank, self.world = save_dir, tag, rank, world
         self.entries, self.save_latest = entries, save_latest
+        self.names: list[str] = []  # the files written so far
         self.prepare = list(prepare or [])  # local work completing the entries' tensors (on the writer's thread)
         self.staging = files.staging_dir(save_dir, tag)
         self.save_fd = files.open_dir(save_dir)
@@ -62,17 +64,57 @@ class SaveJob:
             raise
         self._closer = weakref.finalize(self, _close, self.save_fd, self.stage_fd)
 
-    def write(self) -> None:
-        """This rank's files into the staging directory, each complete (fsynced) before its rename,
-        then one fsync of the directory so the renames are durable too."""
+    def write(self, durable: bool = True) -> None:
+        """This rank's files into the staging directory, each complete (fsynced, unless not
+        `durable`: see make_durable) before its rename, then one fsync of the directory so the
+        renames are durable too."""
         for finish in self.prepare:
             finish()
         self.prepare = []
         for name, obj in self.entries:
-            files.save_file(obj, name, dir_fd=self.stage_fd, shown=os.path.join(self.staging, name))
+            files.save_file(obj, name, dir_fd=self.stage_fd, shown=os.path.join(self.staging, name), fsync=durable)
+            self.names.append(name)
         self.entries = []  # release the snapshot as soon as it is on disk
-        if files.FSYNC:
+        if files.FSYNC and durable:
             files.fsync_fd(self.stage_fd)
+
+    def make_durable(self) -> None:
+        """[Note: durable later]
+        The default save (async_save false) writes every file and publishes the tag before
+        save_checkpoint returns, as upstream: the tag is complete and `latest` names it, so a
+        script (or HF Trainer rotating old checkpoints) may use, copy or delete what is on disk
+        right away, and a killed process cannot leave a partial tag (files are renamed into place
+        only once complete, the tag only once every rank's files are). What a killed *process*
+        cannot lose, a lost *machine* can: written pages not yet on the disk. Flushing them
+        (fsync) is most of a save's time, so this thread does it after the return, through the
+        save directory's descriptor (a renamed parent does not matter; a tag deleted meanwhile
+        has nothing left to flush). The next save, load, wait_for_checkpoint(), destroy() and
+        process exit wait for it; an fsync failure (a full disk on a file system that reports it
+        only there) surfaces there, on every rank."""
+        try:
+            tag_fd = files.open_dir(self.tag, self.save_fd)
+        except FileNotFoundError:
+            return
+        try:
+            for name in self.names:
+                try:
+                    fd = os.open(name, os.O_RDONLY, dir_fd=tag_fd)
+                except FileNotFoundError:
+                    continue
+                try:
+                    os.fsync(fd)
+                except OSError as error:
+                    if error.errno in files._FULL:
+                        raise files.disk_full(error, os.path.join(self.save_dir, self.tag, name), None,
+                                              tag_fd) from error
+                    raise
+                finally:
+                    os.close(fd)
+            files.fsync_fd(tag_fd)
+        finally:
+            os.close(tag_fd)
+        if self.rank == 0:
+            files.fsync_fd(self.save_fd)
 
     def publish(self) -> None:
         """Rank 0, once every rank's files are complete: the tag becomes visible, then `latest`."""
@@ -126,10 +168,12 @@ class SaveJob:
 
 
 class PendingSave:
-    """A SaveJob running in a background thread of this rank."""
+    """A SaveJob's background part running in a thread of this rank: all of it (async_save), or
+    only make_durable (the default)."""
 
-    def __init__(self, job: SaveJob) -> None:
+    def __init__(self, job: SaveJob, durable_only: bool = False) -> None:
         self.job = job
+        self.target = job.make_durable if durable_only else job.run_background
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"deepspeed-checkpoint-{job.tag}", daemon=False)
         _PENDING.add(self)
@@ -137,7 +181,7 @@ class PendingSave:
 
     def _run(self) -> None:
         try:
-            self.job.run_background()
+            self.target()
         except BaseException as error:  # noqa: BLE001 - surfaced by join() on the main thread
             self.error = error
         else:
@@ -164,13 +208,23 @@ def wait_all_local() -> None:
 @atexit.register
 def _wait_at_exit() -> None:
     """Non-daemon threads are joined by the interpreter before this runs; this reports failures."""
+    failed = False
     for pending in list(_PENDING):
         error = pending.join()
         if error is not None:
-            logger.error(f"background save_checkpoint of {pending.job.tag} into {pending.job.save_dir} failed; "
-                         f"it was not published: {error}")
+            failed = True
+            logger.error(f"background save_checkpoint of {pending.job.tag} into {pending.job.save_dir} failed "
+                         f"({'not published' if pending.target != pending.job.make_durable else 'not on disk'}): "
+                         f"{error}")
             pending.job.discard()
             pending.job.close()
+    if failed:  # the run did not succeed: its last checkpoint is lost; the exit status must say so
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - closed streams
+                pass
+        os._exit(1)
 
 
 def copy_recovery_script(save_fd: int) -> None:

@@ -53,7 +53,8 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
     else:
         ordered = sorted(frozen, key=list(named).index)
         frozen_shapes = OrderedDict((n, named[n].shape) for n in ordered) if zero_frozen else None
-        frozen_fragments = OrderedDict((n, own_storage(named[n])) for n in ordered) if zero_frozen else None
+        frozen_fragments = OrderedDict((n, own_storage(named[n], copies, snapshot)) for n in ordered) \
+            if zero_frozen else None
     out = dict(
         module=None if getattr(engine, "pipeline_parallelism", False) else state,   # pipelines: layer files
         buffer_names=buffers,

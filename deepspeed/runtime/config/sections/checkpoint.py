@@ -62,12 +62,13 @@ class CheckpointConfig(DSModel):
     """Use torch.save's zipfile serialization."""
     writer: Optional[CheckpointWriterConfig] = None
     """Upstream fast-writer settings (None: the default torch.save writer)."""
-    async_save: bool = True
-    """This build's background save (the default): save_checkpoint returns once the state is a
-    snapshot in memory and each rank's thread writes, fsyncs and (rank 0) publishes the tag through
-    directory descriptors opened before the return (renaming the save directory meanwhile is safe);
-    the next save, load, deepspeed.initialize, engine.wait_for_checkpoint(), destroy() and process exit
-    wait for it (docs/checkpointing.md). false: every file is published when save_checkpoint returns."""
+    async_save: bool = False
+    """This build's background save: save_checkpoint returns once the state is a snapshot in memory
+    and each rank's thread writes, fsyncs and (rank 0) publishes the tag through directory
+    descriptors opened before the return (renaming the save directory meanwhile is safe); the next
+    save, load, deepspeed.initialize, engine.wait_for_checkpoint(), destroy() and process exit wait
+    for it. false (the default, as upstream): the tag is written and published when save_checkpoint
+    returns and only the fsyncs run in the background (docs/checkpointing.md)."""
 
     @field_validator("tag_validation", mode="before")
     @classmethod
