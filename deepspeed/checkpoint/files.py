@@ -157,8 +157,9 @@ def _unlink(path: str, dir_fd: int | None) -> None:
         pass
 
 
-def write_text(path: str, text: str, dir_fd: int | None = None, mode: int = 0o644) -> None:
-    """`path` (a name in `dir_fd` when given) replaced atomically by `text`, durable."""
+def write_text(path: str, text: str, dir_fd: int | None = None, mode: int = 0o644, fsync: bool = True) -> None:
+    """`path` (a name in `dir_fd` when given) replaced atomically by `text`; durable unless not
+    `fsync` (the caller flushes it later: [Note: durable later])."""
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode, dir_fd=dir_fd)
     try:
@@ -166,7 +167,8 @@ def write_text(path: str, text: str, dir_fd: int | None = None, mode: int = 0o64
         data = memoryview(text.encode())
         while data:
             data = data[os.write(fd, data):]
-        os.fsync(fd)
+        if fsync:
+            os.fsync(fd)
     except BaseException as error:
         os.close(fd)
         _unlink(tmp, dir_fd)
@@ -175,6 +177,8 @@ def write_text(path: str, text: str, dir_fd: int | None = None, mode: int = 0o64
         raise
     os.close(fd)
     os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    if not fsync:
+        return
     if dir_fd is None:
         fsync_dir(os.path.dirname(path) or ".")
     else:
@@ -267,7 +271,7 @@ def remove_tree(name: str, dir_fd: int) -> None:
         pass
 
 
-def commit_staging(save_dir: str, tag: str, dir_fd: int | None = None) -> str:
+def commit_staging(save_dir: str, tag: str, dir_fd: int | None = None, fsync: bool = True) -> str:
     """Rank 0, after every rank wrote its files: publish `.<tag>.partial` as `<tag>` (names in
     `dir_fd`, the save directory's descriptor, when given: it may have been renamed)."""
     own = dir_fd is None
@@ -280,7 +284,8 @@ def commit_staging(save_dir: str, tag: str, dir_fd: int | None = None) -> str:
         if exists_at(final, fd):
             os.replace(final, old, src_dir_fd=fd, dst_dir_fd=fd)
         os.replace(os.path.basename(staging_dir(save_dir, tag)), final, src_dir_fd=fd, dst_dir_fd=fd)
-        fsync_fd(fd)
+        if fsync:
+            fsync_fd(fd)
         remove_tree(old, fd)
     finally:
         if own:

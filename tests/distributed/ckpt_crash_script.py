@@ -48,10 +48,10 @@ def die_while_writing_optimizer_file(real_save_file):
 
 def die_while_publishing_latest(real_write_text):
     """Rank 0's background thread is killed after B's rename into place, before `latest` names it."""
-    def write_text(path, text, dir_fd=None, mode=0o644):
+    def write_text(path, text, dir_fd=None, mode=0o644, **kw):
         if path == files.LATEST and text == "B":
             os.kill(os.getpid(), signal.SIGKILL)
-        return real_write_text(path, text, dir_fd=dir_fd, mode=mode)
+        return real_write_text(path, text, dir_fd=dir_fd, mode=mode, **kw)
 
     return write_text
 

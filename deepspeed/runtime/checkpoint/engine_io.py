@@ -127,7 +127,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         return True
     job = agreed(f"{what}: writing {save_dir}/{tag}", written, cleanup=discard)
     try:
-        agreed(f"{what}: publishing {save_dir}/{tag}", lambda: job.publish() if rank == 0 else None)
+        agreed(f"{what}: publishing {save_dir}/{tag}",   # flushed by make_durable below
+               lambda: job.publish(durable=not files.FSYNC) if rank == 0 else None)
     except BaseException:
         job.close()
         raise

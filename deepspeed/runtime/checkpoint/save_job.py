@@ -91,39 +91,46 @@ class SaveJob:
         has nothing left to flush). The next save, load, wait_for_checkpoint(), destroy() and
         process exit wait for it; an fsync failure (a full disk on a file system that reports it
         only there) surfaces there, on every rank."""
+        if self.rank == 0:   # what publish wrote beside the tags
+            self._flush([files.LATEST, "zero_to_fp32.py"], self.save_fd, self.save_dir)
         try:
             tag_fd = files.open_dir(self.tag, self.save_fd)
         except FileNotFoundError:
             return
         try:
-            for name in self.names:
-                try:
-                    fd = os.open(name, os.O_RDONLY, dir_fd=tag_fd)
-                except FileNotFoundError:
-                    continue
-                try:
-                    os.fsync(fd)
-                except OSError as error:
-                    if error.errno in files._FULL:
-                        raise files.disk_full(error, os.path.join(self.save_dir, self.tag, name), None,
-                                              tag_fd) from error
-                    raise
-                finally:
-                    os.close(fd)
+            self._flush(self.names, tag_fd, os.path.join(self.save_dir, self.tag))
             files.fsync_fd(tag_fd)
         finally:
             os.close(tag_fd)
         if self.rank == 0:
             files.fsync_fd(self.save_fd)
 
-    def publish(self) -> None:
-        """Rank 0, once every rank's files are complete: the tag becomes visible, then `latest`."""
+    @staticmethod
+    def _flush(names: list[str], dir_fd: int, shown: str) -> None:
+        """fsync each of `names` in `dir_fd` that is still there; a full disk is named as on writing."""
+        for name in names:
+            try:
+                fd = os.open(name, os.O_RDONLY, dir_fd=dir_fd)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            except OSError as error:
+                if error.errno in files._FULL:
+                    raise files.disk_full(error, os.path.join(shown, name), None, dir_fd) from error
+                raise
+            finally:
+                os.close(fd)
+
+    def publish(self, durable: bool = True) -> None:
+        """Rank 0, once every rank's files are complete: the tag becomes visible, then `latest`
+        (flushed now, or by make_durable when not `durable`)."""
         for r in range(self.world):
             _remove(_DONE.format(r), self.stage_fd)
-        files.commit_staging(self.save_dir, self.tag, dir_fd=self.save_fd)
+        files.commit_staging(self.save_dir, self.tag, dir_fd=self.save_fd, fsync=durable)
         if self.save_latest:
-            files.write_text(files.LATEST, self.tag, dir_fd=self.save_fd)
-        copy_recovery_script(self.save_fd)
+            files.write_text(files.LATEST, self.tag, dir_fd=self.save_fd, fsync=durable)
+        copy_recovery_script(self.save_fd, fsync=durable)
 
     def discard(self) -> None:
         files.discard_staging(self.save_dir, self.tag, dir_fd=self.save_fd)
@@ -227,12 +234,12 @@ def _wait_at_exit() -> None:
         os._exit(1)
 
 
-def copy_recovery_script(save_fd: int) -> None:
+def copy_recovery_script(save_fd: int, fsync: bool = True) -> None:
     """zero_to_fp32.py beside the tags (in the directory of `save_fd`), replaced atomically."""
     source = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "utils", "zero_to_fp32.py")
     if os.path.isfile(source):
         with open(source) as handle:
-            files.write_text("zero_to_fp32.py", handle.read(), dir_fd=save_fd, mode=0o755)
+            files.write_text("zero_to_fp32.py", handle.read(), dir_fd=save_fd, mode=0o755, fsync=fsync)
 
 
 def _mark(stage_fd: int, name: str, text: str) -> None:
