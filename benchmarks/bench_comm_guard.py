@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from _ranks import run_ranks  # noqa: E402 - benchmarks/ is this script's directory
 
 
 def _engine(stage: int, layers: int, hidden: int):
@@ -102,7 +102,6 @@ def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
 
 
 def main() -> None:
-    import multiprocessing as mp
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
@@ -113,17 +112,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     args.stages = [int(s) for s in args.stages.split(",")]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=3600)
-    for p in procs:
-        p.join()
+    results = run_ranks(_rank_main, args.ranks, args, timeout=3600)
     print(f"per step, ms (gloo, {args.ranks} ranks, {args.layers} x Linear({args.hidden}), micro-batch 8, "
           f"median of {args.rounds} rounds of {args.steps} steps)\n")
     print("| stage | collectives/step | guard off | guard on | difference | bookkeeping (us/collective) "

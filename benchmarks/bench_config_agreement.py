@@ -22,13 +22,13 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from _ranks import run_ranks  # noqa: E402 - benchmarks/ is this script's directory
 sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
 
 
@@ -94,25 +94,13 @@ def _rank_main(rank: int, world: int, port: int, reps: int, init_reps: int, queu
 
 
 def main() -> None:
-    import multiprocessing as mp
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--init-reps", type=int, default=5)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, port, args.reps, args.init_reps, queue))
-             for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
+    results = run_ranks(_rank_main, args.ranks, args.reps, args.init_reps)
     print(f"ms per call (gloo, {args.ranks} ranks, slowest rank's median of {args.reps} calls; "
           f"initialize: of {args.init_reps})\n")
     print("| step | ms |\n|---|---:|")

@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from _ranks import run_ranks  # noqa: E402 - benchmarks/ is this script's directory
 
 
 def _variants(numel: int, world: int):
@@ -105,13 +105,12 @@ def _bookkeeping_us(calls: int = 200000) -> float:
     for _ in range(5):
         start = time.perf_counter()
         for _ in range(calls):
-            watch.run(watchdog.site("all-gather", "forward", spec), device, lambda t: None)
+            watch.run(watchdog.site("all-gather", "forward", spec), device, lambda t, label=None: None)
         best = min(best, (time.perf_counter() - start) / calls * 1e6)
     return best
 
 
 def main() -> None:
-    import multiprocessing as mp
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
@@ -119,18 +118,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="4096,262144,4194304", help="unit sizes in elements")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, port, sizes, args.rounds, queue))
-             for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
+    results = run_ranks(_rank_main, args.ranks, sizes, args.rounds)
     names = list(next(iter(results.values())))
     print(f"per call, us (gloo, {args.ranks} ranks, fp32, median of {args.rounds} rounds)\n")
     print("| variant | " + " | ".join(f"{n:,} elements" for n in sizes) + " |")

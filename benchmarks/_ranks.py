@@ -1,0 +1,24 @@
+"""One place for the in-process launch the micro-benchmarks share: `ranks` spawned processes on a
+free loopback port, each running `target(rank, ranks, port, *args, queue)`; returns what the
+ranks put on the queue first (the benchmarks have rank 0 put the gathered results)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from typing import Any, Callable
+
+
+def run_ranks(target: Callable, ranks: int, *args: Any, timeout: float = 1800) -> Any:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, ranks, port, *args, queue)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    results = queue.get(timeout=timeout)
+    for p in procs:
+        p.join()
+    return results
