@@ -83,6 +83,10 @@ class EngineAccessors:
     names upstream's engine exposes (tests and Megatron-style trainers call them)."""
 
     @property
+    def is_compiled(self) -> bool:
+        return self.__dict__.get("_is_compiled", False)
+
+    @property
     def checkpoint_mp_rank(self) -> int:
         from .checkpoint.writer import mp_rank
 
