@@ -56,6 +56,11 @@ def setup_parallel_groups(engine: Any, mpu: Any, config_class: Any) -> None:
             engine.seq_dp_world_size = int(mpu.get_sequence_data_parallel_world_size())
         else:
             engine.sequence_parallel_size = 1
+            if sp_config > 1 and hasattr(mpu, "get_pipe_parallel_world_size"):
+                from .errors import NotSupportedYet
+
+                raise NotSupportedYet(f"sequence_parallel_size={sp_config} with a PipelineModule: sequence parallelism "
+                                      "does not combine with pipeline parallelism in this build (nor upstream's)")
             if sp_config > 1:
                 raise ValueError(f"sequence_parallel_size={sp_config} with an mpu that has no sequence-parallel "
                                  "groups (get_sequence_parallel_group); pass an mpu with them or leave the key out")

@@ -74,6 +74,7 @@ def _group_layout(sp: int) -> dict:
     from deepspeed.utils import groups
     import deepspeed.comm as dist
 
+    groups.mpu = None   # this pool's earlier jobs may have handed an engine another mpu (a pipeline grid)
     mpu.initialize_sequence_parallel(sp)
     probe = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(probe, group=groups._get_sequence_parallel_group())
@@ -90,3 +91,23 @@ def test_group_accessors_follow_upstreams_rank_order():
     assert [r["spdp"] for r in layout] == [(0, 4), (1, 4), (2, 4), (3, 4)]
     assert [r["sum"] for r in layout] == [1.0, 1.0, 5.0, 5.0]   # sequence groups [0, 1] and [2, 3]
     assert all(r["mp"] == 1 for r in layout)
+
+
+def _loader_batches() -> list:
+    import deepspeed
+
+    from sp_engine_jobs import CausalMixLM
+
+    data = torch.utils.data.TensorDataset(torch.arange(16).view(16, 1))
+    engine, _, loader, _ = deepspeed.initialize(
+        model=CausalMixLM(), training_data=data,
+        config={"train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 2,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    return [batch[0].view(-1).tolist() for batch in loader]
+
+
+def test_sequence_ranks_share_their_replicas_batches():
+    """The engine's loader deals samples to data-parallel replicas: the SP ranks of one replica get the same."""
+    batches = run_distributed(4, _loader_batches)
+    assert batches[0] == batches[1] and batches[2] == batches[3]
+    assert sorted(sum(batches[0] + batches[2], [])) == list(range(16))   # the two replicas split the data
