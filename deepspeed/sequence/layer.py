@@ -61,8 +61,18 @@ def _exchange(x: Tensor, scatter_dim: int, gather_dim: int, group: Any, scatter_
     return torch.cat(parts, dim=gather_dim)
 
 
-def _default_sizes(x: Tensor, scatter_idx: int, gather_idx: int, world: int):
-    return shard_sizes(x.shape[scatter_idx], world), [x.shape[gather_idx]] * world
+def _gather_sizes(x: Tensor, gather_idx: int, group: Any, world: int,
+                  given: Optional[Sequence[int]]) -> list[int]:
+    """Every rank's length of the gathered dim: as given, else asked of the group (one small all_gather;
+    heads coming back after an uneven split differ by rank, and only the group knows them)."""
+    if given is not None:
+        return [int(n) for n in given]
+    if world == 1:
+        return [x.shape[gather_idx]]
+    mine = torch.tensor([x.shape[gather_idx]], dtype=torch.int64, device=x.device)
+    sizes = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(sizes, mine, group=group)
+    return [int(n.item()) for n in sizes]
 
 
 def single_all_to_all(input: Tensor, scatter_idx: int, gather_idx: int, batch_dim_idx: int = 0, group: Any = None,
@@ -71,13 +81,13 @@ def single_all_to_all(input: Tensor, scatter_idx: int, gather_idx: int, batch_di
     """One (non-differentiable) exchange: scatter `scatter_idx`, gather `gather_idx` (upstream's name).
 
     `batch_dim_idx` is accepted for upstream's signature: the layout follows from the two indices.
-    `gather_sizes` gives each rank's length of the gathered dim when they differ (uneven heads coming
-    back); by default every rank's equals this one's. Runs synchronously (`async_op` must be False)."""
+    `gather_sizes`: each rank's length of the gathered dim (they differ for uneven heads coming back);
+    when not given the group is asked. Runs synchronously (`async_op` must be False)."""
     if async_op:
         raise ValueError("single_all_to_all: async_op=True is not supported; the exchange runs synchronously")
     world = dist.get_world_size(group)
-    scatter_sizes, default_gather = _default_sizes(input, scatter_idx, gather_idx, world)
-    return _exchange(input, scatter_idx, gather_idx, group, scatter_sizes, gather_sizes or default_gather)
+    return _exchange(input, scatter_idx, gather_idx, group, shard_sizes(input.shape[scatter_idx], world),
+                     _gather_sizes(input, gather_idx, group, world, gather_sizes))
 
 
 class _SeqAllToAll(torch.autograd.Function):
@@ -88,8 +98,8 @@ class _SeqAllToAll(torch.autograd.Function):
                 stream: Any = None, handle: Any = None, type: Any = None, is_fwd: bool = True,
                 gather_sizes: Optional[Sequence[int]] = None) -> Tensor:
         world = dist.get_world_size(group)
-        scatter_sizes, default_gather = _default_sizes(input, scatter_idx, gather_idx, world)
-        gather_sizes = list(gather_sizes) if gather_sizes is not None else default_gather
+        scatter_sizes = shard_sizes(input.shape[scatter_idx], world)
+        gather_sizes = _gather_sizes(input, gather_idx, group, world, gather_sizes)
         ctx.group, ctx.scatter_idx, ctx.gather_idx = group, scatter_idx, gather_idx
         ctx.scatter_sizes, ctx.gather_sizes = scatter_sizes, gather_sizes
         return _exchange(input, scatter_idx, gather_idx, group, scatter_sizes, gather_sizes)
@@ -152,9 +162,10 @@ class DistributedAttention(Module):
             raise ValueError(f"DistributedAttention: with {kv_heads} key/value heads for {heads} query heads (GQA) "
                              f"both counts must be divisible by the sequence-parallel size {world}; replicate the "
                              "key/value heads first")
-        q = _SeqAllToAll.apply(self.spg, query, self.scatter_idx, self.gather_idx)
-        k = _SeqAllToAll.apply(self.spg, key, self.scatter_idx, self.gather_idx)
-        v = _SeqAllToAll.apply(self.spg, value, self.scatter_idx, self.gather_idx)
+        # every rank holds the same number of tokens (upstream's rule)
+        seq_sizes = [query.shape[self.gather_idx]] * world
+        q, k, v = (_SeqAllToAll.apply(self.spg, t, self.scatter_idx, self.gather_idx, batch_dim_idx, None, None, None,
+                                      True, seq_sizes) for t in (query, key, value))
         context = self.local_attn(q, k, v, *args, **kwargs)
         # back: scatter the sequence, gather the heads (each rank's head count, uneven ones included)
         head_sizes = shard_sizes(heads, world)

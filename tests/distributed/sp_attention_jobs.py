@@ -142,7 +142,7 @@ def exchange_roundtrip(sp: int, heads: int, batch_first: bool) -> float:
     want = (torch.arange(s_local * sp).view(-1, 1) * 100 + torch.arange(h0, h0 + sizes[sp_rank]).view(1, -1))
     got = s2h.select(3, 0).select(1 - seq_dim, 0)
     assert torch.equal(got, want.float()), (got, want)
-    back = _SeqAllToAll.apply(group, s2h, seq_dim, 2, 0, None, None, None, True, sizes)
+    back = _SeqAllToAll.apply(group, s2h, seq_dim, 2, 0)   # the ranks' head counts are asked of the group
     return (back - x).abs().max().item()
 
 
@@ -241,3 +241,33 @@ def adapter_batches(sp: int) -> list[dict]:
     batch = {"input_ids": ids, "position_ids": torch.arange(6).view(1, -1), "labels": ids.clone(), "tag": sp_rank}
     dl = torch.utils.data.DataLoader([batch], batch_size=None)
     return list(UlyssesSPDataLoaderAdapter(dl, sp_rank=sp_rank, sp_group=group, sp_world_size=sp, device="cpu"))
+
+
+def alst_disable_in_eval(sp: int) -> float:
+    """With disable_in_eval, an eval-mode model runs the core attention on whatever it is given (the full
+    sequence here), exactly as without Ulysses; in training mode the same call goes through Ulysses."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    model = _tiny_llama(2).eval()
+    s = _samples(sp, 0)[0]
+    with torch.no_grad():
+        ref = model(input_ids=s["input_ids"], position_ids=s["position_ids"]).logits
+    try:
+        UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, disable_in_eval=True)
+        UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, disable_in_eval=True)  # no double wrap
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"]._ulysses_core is original
+        with torch.no_grad():
+            got = model(input_ids=s["input_ids"], position_ids=s["position_ids"]).logits
+        assert torch.equal(got, ref)
+        model.train()
+        with torch.no_grad():   # training mode: sequence-parallel, each rank's tokens are a shard now
+            n = s["input_ids"].shape[1] // sp
+            r = dist.get_rank() % sp
+            shard = model(input_ids=s["input_ids"][:, n * r:n * (r + 1)],
+                          position_ids=s["position_ids"][:, n * r:n * (r + 1)]).logits
+        return (shard - ref[:, n * r:n * (r + 1)]).abs().max().item()
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = original

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from harness import run_distributed
-from sp_attention_jobs import adapter_batches, alst_llama, distributed_attention, exchange_roundtrip
+from sp_attention_jobs import (adapter_batches, alst_disable_in_eval, alst_llama, distributed_attention,
+                              exchange_roundtrip)
 
 
 @pytest.mark.parametrize("sp,heads,kv_heads,batch_first", [
@@ -41,6 +42,10 @@ def test_exchange_places_heads_and_round_trips(sp, heads, batch_first):
 def test_alst_llama_matches_full_sequence(sp):
     for errs in run_distributed(4, alst_llama, sp):
         assert errs["logits"] < 1e-5 and errs["loss"] < 1e-5 and errs["grad"] < 1e-5, errs
+
+
+def test_alst_disable_in_eval_bypasses_only_in_eval():
+    assert max(run_distributed(2, alst_disable_in_eval, 2)) < 1e-5
 
 
 def test_adapter_shards_and_shifts_labels():

@@ -110,9 +110,9 @@ class UlyssesSPAttentionHF(torch.nn.Module):
             key = key.repeat_interleave(self.kv_replication_factor, dim=1)
             value = value.repeat_interleave(self.kv_replication_factor, dim=1)
         # [bs, hc, sl_l, hs] -> [bs, hc_l, sl, hs]: scatter heads (dim 1), gather sequence (dim 2)
-        q = _SeqAllToAll.apply(self.process_group, query, 1, 2)
-        k = _SeqAllToAll.apply(self.process_group, key, 1, 2)
-        v = _SeqAllToAll.apply(self.process_group, value, 1, 2)
+        seq_sizes = [self.local_seq_length] * self.world_size
+        q, k, v = (_SeqAllToAll.apply(self.process_group, t, 1, 2, 0, None, None, None, True, seq_sizes)
+                   for t in (query, key, value))
 
         groups_before = getattr(module, "num_key_value_groups", None)
         if groups_before is not None:
@@ -123,7 +123,8 @@ class UlyssesSPAttentionHF(torch.nn.Module):
             if groups_before is not None:
                 module.num_key_value_groups = groups_before
         # core attention returns [bs, sl, hc_l, hs]: scatter the sequence (dim 1), gather heads (dim 2)
-        out = _SeqAllToAll.apply(self.process_group, context.contiguous(), 1, 2)
+        heads = [context.shape[2]] * self.world_size
+        out = _SeqAllToAll.apply(self.process_group, context.contiguous(), 1, 2, 0, None, None, None, True, heads)
         return out.reshape(out.shape[0], out.shape[1], -1), attn_weights
 
     @classmethod
