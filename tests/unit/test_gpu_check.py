@@ -92,3 +92,24 @@ def test_bad_arguments_are_refused_with_what_is_allowed(tmp_path, args, message)
     proc = _check(tmp_path, *args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+BENCH = REPO / "benchmarks" / "bench_gpu.py"
+
+
+def test_bench_gpu_dry_run_reports_rows_and_refuses_unknown_variants(tmp_path):
+    """benchmarks/bench_gpu.py --dry-run: a tiny model on the CPU through the same driver, worker
+    subprocess and report as on the GPU (DeepSpeed rows are skipped on the CPU)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_GPU_CHECK_DS_PATH": ""}
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--dry-run", "--variants", "torch,zero2", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == {"torch", "zero2"} and all(r["ok"] and r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows["zero2"]["impl_file"].startswith(str(REPO)) and "| tiny (0.1M) | zero2 |" in result["markdown"]
+    assert any("DeepSpeed 0.19.8 rows skipped" in n for n in result["notes"])
+    bad = subprocess.run([sys.executable, str(BENCH), "--dry-run", "--variants", "zero9"], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and "unknown ['zero9']" in bad.stderr

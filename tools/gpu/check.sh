@@ -3,6 +3,7 @@
 #
 #   bash tools/gpu/check.sh                 # what `make gpu-check` runs; <= 8 minutes on one H100
 #   bash tools/gpu/check.sh --dry-run       # plumbing only (CPU, seconds): CUDA steps reported skipped
+#   bash tools/gpu/check.sh --cpu-rehearsal # every step on the CPU (DS_GPU_TESTS_ON_CPU=1, bench --dry-run)
 #   bash tools/gpu/check.sh --steps env,install,import,gpu-tests --out /tmp/x --wheels /path/to/.whl
 #
 # Steps, each under its own `timeout` (a hang costs that step, not the call):
@@ -11,7 +12,7 @@
 #              (tools/gpu/install_wheels.py; DeepSpeed 0.19.8 into a dir of its own)
 #   import     this package imports with them; DeepSpeed 0.19.8 imports alone from its dir
 #   gpu-tests  pytest -m gpu tests/gpu tests/unit             (needs CUDA)
-#   unit-tests pytest tests/unit -m "not gpu": the world-1 suite with CUDA visible (needs CUDA)
+#   unit-tests pytest tests/unit -m "not gpu": the in-process suite with CUDA visible (needs CUDA)
 #   bench      benchmarks/bench_gpu.py: torch vs ours (ZeRO 0-3, offload) vs DeepSpeed (needs CUDA)
 # Writes $OUT (else ./gpu-check-out): check.log, one log per step, results.json, summary.md.
 # Runs with the image's python (PYTHON, else the first python3/python that imports torch): the
@@ -22,15 +23,18 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT_DIR="${OUT:-$REPO/gpu-check-out}"
 WHEELS="$REPO/.whl"
 DRY_RUN=0
+REHEARSAL=0
+BENCH_ARGS=()
 STEPS="env,install,import,gpu-tests,unit-tests,bench"
 ALL_STEPS=" env install import gpu-tests unit-tests bench "
-# Seconds per step: 30+60+45+120+75+150 = 480 at most (8 minutes), each killed 5 s after its limit.
-declare -A LIMIT=([env]=30 [install]=60 [import]=45 [gpu-tests]=120 [unit-tests]=75 [bench]=150)
+# Seconds per step: 20+45+40+100+60+200 = 465 at most (under 8 minutes), each killed 5 s after its limit.
+declare -A LIMIT=([env]=20 [install]=45 [import]=40 [gpu-tests]=100 [unit-tests]=60 [bench]=200)
 
 usage() { sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
+    --cpu-rehearsal) REHEARSAL=1 ;;
     --out) OUT_DIR="${2:?--out needs a directory}"; shift ;;
     --wheels) WHEELS="${2:?--wheels needs a directory}"; shift ;;
     --steps) STEPS="${2:?--steps needs a comma-separated list}"; shift ;;
@@ -40,7 +44,7 @@ while [ $# -gt 0 ]; do
         echo "check.sh: --limit '$kv': expected step=seconds with step one of:$ALL_STEPS" >&2; exit 2; }
       LIMIT[${BASH_REMATCH[1]}]="${BASH_REMATCH[2]}" ;;
     -h|--help) usage; exit 0 ;;
-    *) echo "check.sh: unknown argument '$1' (allowed: --dry-run, --out DIR, --wheels DIR, --steps LIST, --limit step=S, --help)" >&2; exit 2 ;;
+    *) echo "check.sh: unknown argument '$1' (allowed: --dry-run, --cpu-rehearsal, --out DIR, --wheels DIR, --steps LIST, --limit step=S, --help)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -65,12 +69,13 @@ LOG="$OUT_DIR/check.log"
 : > "$RESULTS"
 : > "$LOG"
 rm -f "$OUT_DIR"/{env,install,bench,results}.json "$OUT_DIR"/*-tests.xml "$OUT_DIR"/summary.md \
-      "$OUT_DIR"/{env,install,import,gpu-tests,unit-tests,bench}.log   # no stale results
+      "$OUT_DIR"/{env,install,import,gpu-tests,unit-tests,bench,bench-workers}.log   # no stale results
 log() { echo "[gpu-check $(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
 log "repo $REPO, python $PYTHON ($("$PYTHON" -c 'import sys; print(sys.version.split()[0])')), out $OUT_DIR, wheels $WHEELS, dry_run $DRY_RUN"
 
 export PYTHONPATH="$REPO:$PKGS/deps${PYTHONPATH:+:$PYTHONPATH}"
 export DS_GPU_CHECK_DS_PATH="$PKGS/ds:$PKGS/deps"   # bench_gpu.py's DeepSpeed subprocess path
+export PATH="$PKGS/deps/bin:$PATH"   # the ninja wheel's binary: torch's JIT builds look for it on PATH
 export PYTHONDONTWRITEBYTECODE=1
 HAVE_CUDA=0
 
@@ -117,13 +122,22 @@ if [ -f "$OUT_DIR/env.json" ] && "$PYTHON" -c "import json,sys; sys.exit(0 if js
 elif [ "$DRY_RUN" = 0 ] && [[ ",$STEPS," != *",env,"* ]] && "$PYTHON" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   HAVE_CUDA=1
 fi
+if [ "$REHEARSAL" = 1 ] && [ "$HAVE_CUDA" != 1 ]; then   # the CUDA steps' plumbing, on the CPU
+  HAVE_CUDA=1
+  export DS_GPU_TESTS_ON_CPU=1
+  BENCH_ARGS=(--dry-run)
+  log "cpu rehearsal: CUDA steps run on the CPU (tests/gpu with DS_GPU_TESTS_ON_CPU=1, bench --dry-run)"
+fi
 run_step install 0 "$PYTHON" "$REPO/tools/gpu/install_wheels.py" --wheels "$WHEELS" --target "$PKGS/deps" \
   --ds-target "$PKGS/ds" --report "$OUT_DIR/install.json"
 run_step import 0 "$PYTHON" "$REPO/tools/gpu/report.py" imports --repo "$REPO" --install "$OUT_DIR/install.json" \
   --ds-path "$DS_GPU_CHECK_DS_PATH"
 run_step gpu-tests 1 "${PYTEST[@]}" -m gpu --junitxml "$OUT_DIR/gpu-tests.xml" "$REPO/tests/gpu" "$REPO/tests/unit"
-run_step unit-tests 1 "${PYTEST[@]}" -m "not gpu" --junitxml "$OUT_DIR/unit-tests.xml" "$REPO/tests/unit"
-run_step bench 1 "$PYTHON" "$REPO/benchmarks/bench_gpu.py" --json "$OUT_DIR/bench.json" --budget "$((LIMIT[bench] - 15))"
+# Not test_gpu_check.py (this script itself) nor test_progress.py (terminal subprocesses, no device use).
+run_step unit-tests 1 "${PYTEST[@]}" -m "not gpu" --junitxml "$OUT_DIR/unit-tests.xml" "$REPO/tests/unit" \
+  --ignore "$REPO/tests/unit/test_gpu_check.py" --ignore "$REPO/tests/unit/test_progress.py"
+run_step bench 1 "$PYTHON" "$REPO/benchmarks/bench_gpu.py" --json "$OUT_DIR/bench.json" \
+  --log "$OUT_DIR/bench-workers.log" --budget "$((LIMIT[bench] - 15))" ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
 
 "$PYTHON" "$REPO/tools/gpu/report.py" summary --out "$OUT_DIR" --dry-run "$DRY_RUN" | tee -a "$LOG"
 exit "${PIPESTATUS[0]}"

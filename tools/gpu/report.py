@@ -48,7 +48,7 @@ def _probe(code: str, path: str, cwd: str | None = None) -> dict:
     """Run `code` in a fresh interpreter with PYTHONPATH=path; its last stdout line is JSON."""
     envv = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
     envv["PYTHONPATH"] = path
-    proc = subprocess.run([sys.executable, "-s", "-c", code], capture_output=True, text=True, env=envv, cwd=cwd)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=envv, cwd=cwd)
     if proc.returncode:
         return {"ok": False, "error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
     return {"ok": True, **json.loads(proc.stdout.strip().splitlines()[-1])}
