@@ -297,7 +297,9 @@ def driver(args) -> int:
     ds_ok = bool(args.ds_path) and all(os.path.isdir(p) for p in args.ds_path.split(os.pathsep) if p)
     if not ds_ok:
         notes.append("DeepSpeed 0.19.8 rows skipped: no --ds-path / DS_GPU_CHECK_DS_PATH with its wheel installed")
-    if not args.ds_fused_adam:
+    elif not cuda:
+        notes.append("DeepSpeed 0.19.8 rows skipped on the CPU (its init JIT-builds a shared-memory comm op: minutes)")
+    if ds_ok and cuda and not args.ds_fused_adam:
         notes.append("DeepSpeed ZeRO 0-3 use torch_adam: its FusedAdam is JIT-built with nvcc "
                      f"({'nvcc found' if shutil.which('nvcc') else 'no nvcc on this machine'}); --ds-fused-adam tries it")
     deadline = time.monotonic() + args.budget

@@ -65,11 +65,10 @@ def test_offload_param_keeps_pinned_shards_on_cpu_and_matches(device):
     assert_matches_reference(losses, masters(engine), *reference(data, device))
     shards = _state_tensors(engine, "lp_params")
     assert shards and {t.device.type for t in shards} == {"cpu"}
+    # between steps no parameter is gathered on the device (each is an empty placeholder)
+    assert all(p.data.numel() == 0 and p.device.type == device.type for p in engine.module.parameters())
     if device.type == "cuda":
         assert all(t.is_pinned() for t in shards)
-        # between steps no parameter lives on the device: what stays allocated is far below the model
-        params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
-        assert torch.cuda.memory_allocated() < params * 2
     engine.destroy()
 
 
