@@ -130,7 +130,8 @@ def run_variant(args, variant: str, mod, device) -> dict:
 
         ours = Path(deepspeed.__file__).resolve().is_relative_to(ROOT)
         if ours == variant.startswith("ds-"):   # the two packages must not be mixed up
-            raise RuntimeError(f"variant {variant} imported deepspeed {deepspeed.__version__} from {deepspeed.__file__}")
+            raise RuntimeError(f"variant {variant} imported deepspeed {deepspeed.__version__} "
+                               f"from {deepspeed.__file__}")
         config = ds_config(variant, args.batch, args.ds_fused_adam)
         if variant.startswith("ds-") and "torch_adam" in config["optimizer"]["params"]:
             notes.append("torch_adam (FusedAdam needs an nvcc JIT build)")
@@ -301,7 +302,8 @@ def driver(args) -> int:
         notes.append("DeepSpeed 0.19.8 rows skipped on the CPU (its init JIT-builds a shared-memory comm op: minutes)")
     if ds_ok and cuda and not args.ds_fused_adam:
         notes.append("DeepSpeed ZeRO 0-3 use torch_adam: its FusedAdam is JIT-built with nvcc "
-                     f"({'nvcc found' if shutil.which('nvcc') else 'no nvcc on this machine'}); --ds-fused-adam tries it")
+                     f"({'nvcc found' if shutil.which('nvcc') else 'no nvcc on this machine'}); "
+                     "--ds-fused-adam tries it")
     deadline = time.monotonic() + args.budget
     rows = []
     log_path = args.log or os.devnull

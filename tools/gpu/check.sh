@@ -30,7 +30,7 @@ ALL_STEPS=" env install import gpu-tests unit-tests bench "
 # Seconds per step: 20+45+40+100+60+200 = 465 at most (under 8 minutes), each killed 5 s after its limit.
 declare -A LIMIT=([env]=20 [install]=45 [import]=40 [gpu-tests]=100 [unit-tests]=60 [bench]=200)
 
-usage() { sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^set /p' "${BASH_SOURCE[0]}" | grep '^#' | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;

@@ -24,7 +24,8 @@ import sysconfig
 import time
 import zipfile
 
-_WHEEL = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl$")
+_WHEEL = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-(?P<py>[^-]+)-(?P<abi>[^-]+)"
+                    r"-(?P<plat>[^-]+)\.whl$")
 
 
 def _norm(name: str) -> str:
