@@ -83,7 +83,6 @@ class ShardedMuon:
                         raise ValueError(f"Muon: parameter {name} of shape {tuple(m.shape)} is tagged use_muon=True "
                                          "but Muon needs a matrix (ndim >= 2); set param.use_muon = False")
                 self.exchanges.append((base_group, matrices))
-        self.last_wire_bytes = 0   # sent by this rank in the last step (both all-to-alls)
 
     @staticmethod
     def maybe(optimizer: Any, *args: Any) -> "ShardedMuon | None":
@@ -93,7 +92,6 @@ class ShardedMuon:
         """Muon directions for every fragment, then the base step applies them (Adam groups too)."""
         masters = {(s, f.index, f.param_start): m for s, shard in enumerate(self.shards)
                    for m, f in shard.fragment_masters}
-        self.last_wire_bytes = 0
         for group, matrices in self.exchanges:
             self._directions(group, matrices, masters)
         with self.optimizer.directions_given():
@@ -155,7 +153,6 @@ class ShardedMuon:
         send = (torch.cat(flat) if flat else torch.empty(0, dtype=dtype)).to(self.comm_device)
         recv = torch.empty(sum(out_splits), dtype=dtype, device=self.comm_device)
         ds_comm.all_to_all_single(recv, send, out_splits, in_splits, group=self.group)
-        self.last_wire_bytes += send.numel() * send.element_size()
         pieces, offset = [], 0
         for rs in incoming:
             chunk = []
