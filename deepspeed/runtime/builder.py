@@ -67,9 +67,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         from .errors import ArgumentError
 
         raise ArgumentError("deepspeed.initialize requires a model (got model=None)")
-    if mesh_param is not None:
-        raise NotImplementedError("deepspeed.initialize: mesh_param (sequence/data-parallel meshes) is not "
-                                  "supported by this implementation")
+    mesh_sp = _mesh_param_sequence(mesh_param)
     from .checkpoint.save_job import wait_all_local
 
     wait_all_local()  # an earlier engine's background save: its files are complete before a new engine reads any
@@ -84,7 +82,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
 
     def build() -> Any:
         raw = load_config_dict(_config_from_args(args, config, config_params))
-        world_size = mpu.get_data_parallel_world_size() if mpu is not None else ds_comm.get_world_size()
+        if mesh_sp is not None:
+            raw = {**raw, "sequence_parallel_size": mesh_sp}
+        world_size = _data_parallel_size(raw, mpu, ds_comm.get_world_size())
         return DeepSpeedConfig(raw, world_size=world_size)
 
     # No process group yet: validate first, so a bad config raises before the rendezvous. With one,
@@ -119,6 +119,42 @@ def set_optimizer_flags(config_class: Any, model: torch.nn.Module) -> None:
         if not hasattr(p, "use_muon"):
             lowered = param_name.lower()
             p.use_muon = p.ndim >= 2 and "embed" not in lowered and "lm_head" not in lowered
+
+
+def _mesh_param_sequence(mesh_param: Any) -> int | None:
+    """Upstream's `mesh_param=(data_parallel, sequence_parallel)`: its sequence degree (None without one)."""
+    if mesh_param is None:
+        return None
+    if not isinstance(mesh_param, (tuple, list)) or len(mesh_param) != 2 or \
+            not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in mesh_param):
+        raise ValueError(f"deepspeed.initialize: mesh_param must be (data_parallel_size, sequence_parallel_size), "
+                         f"two integers >= 1, got {mesh_param!r}")
+    from .. import comm as ds_comm
+
+    dp, sp = mesh_param
+    if ds_comm.is_initialized() and dp * sp != ds_comm.get_world_size():
+        raise ValueError(f"deepspeed.initialize: mesh_param={tuple(mesh_param)} covers {dp * sp} ranks but the world "
+                         f"size is {ds_comm.get_world_size()}")
+    return sp
+
+
+def _data_parallel_size(raw: dict, mpu: Any, world_size: int) -> int:
+    """Replicas for batch arithmetic: the mpu's data-parallel size, else world / sequence_parallel_size
+    (upstream's rule: sequence-parallel ranks share one micro-batch)."""
+    if mpu is not None:
+        if hasattr(mpu, "get_data_parallel_world_size"):
+            return int(mpu.get_data_parallel_world_size())
+        if hasattr(mpu, "get_sequence_data_parallel_world_size"):   # upstream's parallel_state_sp
+            return int(mpu.get_sequence_data_parallel_world_size()) // int(mpu.get_sequence_parallel_world_size())
+    sp = raw.get("sequence_parallel_size", 1)
+    if isinstance(sp, int) and not isinstance(sp, bool) and sp > 1:
+        if world_size % sp:
+            from .config import DeepSpeedConfigError
+
+            raise DeepSpeedConfigError(f"sequence_parallel_size={sp} must divide the world size ({world_size}): "
+                                       f"choose a divisor of {world_size}")
+        return world_size // sp
+    return world_size
 
 
 def _is_pipeline_module(model: Any) -> bool:

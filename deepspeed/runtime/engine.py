@@ -22,6 +22,7 @@ from .activation_checkpointing import state as activation_checkpointing
 from .base_optimizer import DeepSpeedOptimizer
 from .dataloader import DeepSpeedDataLoader
 from .engine_accessors import EngineAccessors
+from .engine_parallel import sequence_loss_factor, setup_parallel_groups
 from .backward_hooks import (BackwardState, derived_outputs, in_autograd_backward, output_tensors,
                              queue_autograd_callback, under_function_transform)
 from .engine_setup import (assert_valid_mixed_precision_config, broadcast_module_states, build_lr_scheduler,
@@ -67,15 +68,14 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if args is not None and hasattr(args, "local_rank"):
             args.local_rank = self.local_rank
-        self.data_parallel_group = mpu.get_data_parallel_group() if mpu is not None else None
-        self.dp_world_size = mpu.get_data_parallel_world_size() if mpu is not None else self.world_size
+        setup_parallel_groups(self, mpu, config_class)   # data / sequence / ZeRO groups (engine_parallel.py)
         self.device = resolve_device(self.local_rank)
         self.precision = PrecisionPolicy.from_config(config_class)
         self.stage = STAGES[config_class.model.zero_optimization.stage]
         if not dont_change_device:
             self.module.to(self.device)
         prepare_module(self)
-        broadcast_module_states(self.module, self.data_parallel_group)
+        broadcast_module_states(self.module, self.seq_data_parallel_group)
         # ZeRO-3: parameters become shards gathered by module hooks; gradients are reduce-scattered
         # by those hooks during backward, so there is no GradBucketReducer (self._reducer is None).
         self._stage3 = build_stage3_coordinator(self)
@@ -192,12 +192,13 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         self._refuse_if_offloaded("backward")
         self._losses.append(loss.detach())
         scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+        share = sequence_loss_factor(self, loss)   # [Note: sequence-parallel gradient scale]
         if self._bstate.begin():
             self._backward_prologue()
         self._bstate.engine_driven = True
         try:
-            to_backward = scaled * self.loss_scale_value() if self.precision.needs_scaler else scaled
-            to_backward.backward(retain_graph=retain_graph)
+            scale = share * (self.loss_scale_value() if self.precision.needs_scaler else 1)
+            (scaled * scale if scale != 1 else scaled).backward(retain_graph=retain_graph)
         except BaseException:
             self._bstate.engine_driven = False
             self._abort_backward()
@@ -571,10 +572,6 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
             return
         self.module.compile(**{**(compile_kwargs or {}), "backend": backend})
         self.__dict__["_is_compiled"] = True
-
-    @property
-    def is_compiled(self) -> bool:
-        return self.__dict__.get("_is_compiled", False)
 
     def destroy(self) -> None:
         """Remove the engine's hooks so the module can be reused or freed; waits for a background

@@ -82,6 +82,14 @@ class EngineAccessors:
     """Mixin: one method per row of `_ACCESSORS`, reading `self._config`; and the checkpoint file
     names upstream's engine exposes (tests and Megatron-style trainers call them)."""
 
+    def get_sequence_parallel_group(self) -> Any:
+        """The ranks sharing one sample's sequence (None without sequence parallelism): upstream's accessor."""
+        return self.seq_parallel_group
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.__dict__.get("_is_compiled", False)
+
     @property
     def checkpoint_mp_rank(self) -> int:
         from .checkpoint.writer import mp_rank

@@ -153,7 +153,7 @@ def build_reducer(engine: Any) -> GradBucketReducer | None:
     sharded = engine.stage.shard_optimizer_state
     if engine.stage.shard_parameters:
         return None  # ZeRO-3: the Stage3Coordinator reduce-scatters gradients per gather unit
-    if engine.basic_optimizer is None or (engine.dp_world_size <= 1 and not policy.is_mixed and not sharded):
+    if engine.basic_optimizer is None or (engine.seq_dp_world_size <= 1 and not policy.is_mixed and not sharded):
         return None
     config = engine._config
     params = [p for p in engine.module.parameters() if p.requires_grad]
@@ -162,7 +162,7 @@ def build_reducer(engine: Any) -> GradBucketReducer | None:
         _FIRST_BUCKET_BYTES // (torch.finfo(policy.grad_accum_dtype).bits // 8)
     reduce = _reduce_policy(engine)
     reducer = GradBucketReducer(params, reduce, bucket_numel, policy.comm_dtype_fn(),
-                                group=engine.data_parallel_group, first_bucket_numel=first,
+                                group=engine.seq_data_parallel_group, first_bucket_numel=first,
                                 accum_dtype=policy.grad_accum_dtype, shard=sharded,
                                 overlap=bool(config.model.zero_optimization.overlap_comm),
                                 solo=frozenset(id(p) for p in engine._solo_bucket_params()))
@@ -187,17 +187,17 @@ def wrap_optimizer(engine: Any) -> Any:
             from .zero.stage3.optimizer import Stage3Optimizer
 
             wrapper = Stage3Optimizer(engine.basic_optimizer, engine._stage3, policy, engine.gradient_clipping(),
-                                      names, group=engine.data_parallel_group, master_device=master_device)
+                                      names, group=engine.seq_data_parallel_group, master_device=master_device)
         else:
             wrapper = ZeroOptimizer(engine.basic_optimizer, engine._reducer, policy, engine.gradient_clipping(),
-                                    names, group=engine.data_parallel_group, master_device=master_device)
+                                    names, group=engine.seq_data_parallel_group, master_device=master_device)
         wrapper._engine_ref = weakref.ref(engine)   # state_dict() is built like the checkpoint's
         wrapper.optimizer_route = _optimizer_route(engine)
         return register_optimizer(wrapper)
     if engine.basic_optimizer is None or not policy.is_mixed:
         return register_optimizer(engine.basic_optimizer)
     wrapper = MixedPrecisionOptimizer(engine.basic_optimizer, engine._reducer, policy, engine.gradient_clipping(),
-                                      names, group=engine.data_parallel_group)
+                                      names, group=engine.seq_data_parallel_group)
     wrapper.optimizer_route = _optimizer_route(engine)
     return register_optimizer(wrapper)
 
@@ -307,7 +307,7 @@ def build_stage3_coordinator(engine: Any) -> Any:
     offloaded = offload is not None and offload.device == "cpu"
     return Stage3Coordinator(engine.module, persistence_threshold=zero.param_persistence_threshold,
                              model_persistence_threshold=zero.model_persistence_threshold,
-                             group=engine.data_parallel_group,
+                             group=engine.seq_data_parallel_group,
                              shard_device=torch.device("cpu") if offloaded else None,
                              pin_memory=offloaded and offload.pin_memory and torch.cuda.is_available(),
                              prefetch_bucket_size=zero.prefetch_bucket_size,
@@ -320,7 +320,7 @@ def build_stage3_coordinator(engine: Any) -> Any:
 
 def _reduce_policy(engine: Any) -> ReducePolicy:
     model = engine._config.model
-    return ReducePolicy(world_size=engine.dp_world_size, prescale_gradients=model.prescale_gradients,
+    return ReducePolicy(world_size=engine.seq_dp_world_size, prescale_gradients=model.prescale_gradients,
                         gradient_predivide_factor=model.gradient_predivide_factor,
                         op=model.gradient_allreduce_op)
 
@@ -352,8 +352,8 @@ def check_zero_layout(engine: Any) -> None:
     if check_unused:
         flags += [0.0 if id(p) in reducer.seen else 1.0 for p in params]
     vector = torch.tensor(flags, device=engine.device)
-    if engine.dp_world_size > 1:
-        ds_comm.all_reduce(vector, op=ds_comm.ReduceOp.MAX, group=engine.data_parallel_group)
+    if engine.seq_dp_world_size > 1:
+        ds_comm.all_reduce(vector, op=ds_comm.ReduceOp.MAX, group=engine.seq_data_parallel_group)
     names = {id(p): n for n, p in engine.module.named_parameters()} if bool((vector > 0).any()) else {}
     if vector[0] > 0:
         frozen = [names.get(id(p), "?") for p in params if not p.requires_grad]

@@ -275,7 +275,6 @@ NOT_SUPPORTED = [  # (key, enabled value, disabled value)
     ("curriculum_learning", {"enabled": True}, {"enabled": False}),
     ("progressive_layer_drop", {"enabled": True}, {"enabled": False}),
     ("sparse_gradients", True, False),
-    ("sequence_parallel_size", 2, 1),
 ]
 
 

@@ -80,7 +80,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         raise
     fields_step = None
     if partitioned and hp.zero:  # the data-parallel group's optimizer fields, from what was gathered
-        group = engine.data_parallel_group
+        group = engine.seq_data_parallel_group
         fields_step = combine_fields([shared[ds_comm.get_global_rank(group, r)][1]
                                       for r in range(ds_comm.get_world_size(group))])
     optimizer_state, zero3 = None, engine._stage3 is not None
@@ -88,8 +88,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     # collectives, on every rank alike: re-cutting the partitions, gathering frozen ZeRO-3 pieces
     if partitioned:
         cut = zero3_io.optimizer_state if zero3 else partitioned_optimizer_state
-        optimizer_state = cut(engine, hp, dp_rank(engine), engine.dp_world_size, later=later, fields_step=fields_step)
-    frozen = zero3_io.frozen_fragments(engine, dp_rank(engine), engine.dp_world_size) \
+        optimizer_state = cut(engine, hp, dp_rank(engine), engine.seq_dp_world_size, later=later, fields_step=fields_step)
+    frozen = zero3_io.frozen_fragments(engine, dp_rank(engine), engine.seq_dp_world_size) \
         if zero3 and not exclude_frozen_parameters else None
 
     def snapshot() -> SaveJob:
@@ -143,7 +143,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
 def optimizer_partition_state(engine: Any) -> dict:
     """This rank's `optimizer_state_dict` as save_checkpoint writes it (ZeRO; collective)."""
     cut = zero3_io.optimizer_state if engine._stage3 is not None else partitioned_optimizer_state
-    return cut(engine, HpState(engine), dp_rank(engine), engine.dp_world_size)
+    return cut(engine, HpState(engine), dp_rank(engine), engine.seq_dp_world_size)
 
 
 def _checked_tag(engine: Any, save_dir: str, tag: Any) -> str:

@@ -71,9 +71,8 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
         skipped_steps=engine.skipped_steps,
         global_steps=engine.global_steps,
         global_samples=engine.global_samples,
-        dp_world_size=engine.dp_world_size,
-        mp_world_size=int(engine.mpu.get_model_parallel_world_size()) if getattr(engine, "mpu", None) is not None
-        and hasattr(engine.mpu, "get_model_parallel_world_size") else 1,
+        dp_world_size=engine.seq_dp_world_size,
+        mp_world_size=getattr(engine, "mp_world_size", 1),
         ds_config=engine.config,
         ds_version=__version__,
     )
@@ -143,7 +142,7 @@ def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int,
     """Rank `rank`'s `optimizer_state_dict` in DeepSpeed's ZeRO-1/2 layout (collective under ZeRO);
     `later`: see HpState.recut_fields; `fields_step`: HpState.agreed_fields(), when already known."""
     layouts = [BucketPartition(tuple(s.numel() for _, s in g), world, ALIGNMENT) for g in hp.groups]
-    fields, step = fields_step if fields_step is not None else hp.agreed_fields(engine.data_parallel_group)
+    fields, step = fields_step if fields_step is not None else hp.agreed_fields(engine.seq_data_parallel_group)
     # DeepSpeed stores the fp32 slices without their end padding, the optimizer states with it
     parts = hp.recut_fields(["fp32"] + fields, layouts, rank, strip_padding={"fp32"}, later=later)
     paddings = [layout.padding(rank) for layout in layouts]
@@ -201,11 +200,13 @@ def set_rng_state(state: dict) -> None:
 
 
 def dp_rank(engine: Any) -> int:
-    return ds_comm.get_rank(engine.data_parallel_group)
+    return ds_comm.get_rank(engine.seq_data_parallel_group)
 
 
 def mp_rank(engine: Any) -> int:
     """The `mp_rank_XX` of this rank's files: its position among the ranks holding the other parts
     of its model replica (a pipeline stage's index), 0 without model parallelism (upstream's rule)."""
     mpu = getattr(engine, "mpu", None)
-    return int(mpu.get_model_parallel_rank()) if mpu is not None and hasattr(mpu, "get_model_parallel_rank") else 0
+    if mpu is None or not hasattr(mpu, "get_model_parallel_rank") or hasattr(mpu, "initialize_sequence_parallel"):
+        return 0   # ALST's sp-only mpu names its sequence group "model parallel": those ranks share weights
+    return int(mpu.get_model_parallel_rank())

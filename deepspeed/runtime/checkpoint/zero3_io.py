@@ -62,7 +62,7 @@ def optimizer_state(engine: Any, hp: HpState, rank: int, world: int, later: list
     from ..zero.config import ZeroStageEnum
 
     layouts = [ParamwisePartition(tuple(s.numel() for _, s in g), world) for g in hp.groups]
-    fields, step = fields_step if fields_step is not None else hp.agreed_fields(engine.data_parallel_group)
+    fields, step = fields_step if fields_step is not None else hp.agreed_fields(engine.seq_data_parallel_group)
     parts = hp.recut_fields(["fp32"] + fields, layouts, rank, later=later)
     base_state = {}
     for g in range(len(layouts)):

@@ -188,6 +188,8 @@ class DeepSpeedConfig:
     @property
     def communication_dtype(self) -> Optional[torch.dtype]:
         name = self.model.communication_data_type
+        if name is None and self.model.sequence_parallel_size > 1 and self.is_set("seq_parallel_communication_data_type"):
+            name = self.model.seq_parallel_communication_data_type   # upstream: the gradient dtype under SP
         return None if name is None else TORCH_DTYPES[name]
 
     def __getattr__(self, name: str) -> Any:

@@ -22,7 +22,7 @@ from deepspeed.utils.logging import logger
 
 from .errors import belongs_under, did_you_mean, format_validation_error, is_near_miss, show, suggest
 from .sections.activation_checkpointing import ActivationCheckpointingConfig
-from .sections.base import AUTO, DtypeName, Float, Int, Problem, key_homes, not_supported
+from .sections.base import AUTO, DtypeName, Float, Int, Problem, key_homes
 from .sections.checkpoint import CheckpointConfig
 from .sections.comms import CommsLoggerConfig
 from .sections.misc import AioConfig, FlopsProfilerConfig, TimersConfig
@@ -60,13 +60,6 @@ def _allreduce_op(value: Any) -> Any:
     value = _lower(value)
     if value not in ("mean", "sum"):   # upstream's phrase, which callers match on
         raise ValueError(f"Invalid gradient_allreduce_op {value!r}: expected 'mean' or 'sum'")
-    return value
-
-
-def _sequence_parallel(value: int) -> int:
-    if value > 1:
-        raise PydanticCustomError("ds_unsupported", "{m}", {"m": not_supported(
-            f"Ulysses sequence parallelism (size {value})", "remove it or set it to 1")})
     return value
 
 
@@ -127,7 +120,7 @@ class RootConfig(UnsupportedSections):
     """Level of the deepspeed logger (debug, info, warning, error, critical)."""
     vocabulary_size: Optional[Int] = Field(None, ge=1)
     """Only used for a tensor-core alignment warning."""
-    sequence_parallel_size: Annotated[Int, AfterValidator(_sequence_parallel)] = Field(1, ge=1)
+    sequence_parallel_size: Int = Field(1, ge=1)
     """Ulysses sequence-parallel size (only 1 is supported here)."""
     allgather_size: Optional[Int] = Field(None, ge=0)
     """Legacy: allgather_bucket_size for the boolean `zero_optimization: true` form."""

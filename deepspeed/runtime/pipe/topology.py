@@ -8,89 +8,10 @@ creates the process groups and answers the `mpu` questions the engine and librar
 
 from __future__ import annotations
 
-import itertools
-from collections import namedtuple
 from typing import Any
 
 from ... import comm as ds_comm
-
-
-class ProcessTopology:
-    """Maps n-dimensional coordinates (one per named axis) to linear ranks and back."""
-
-    def __init__(self, axes: list[str], dims: list[int]) -> None:
-        axes, dims = list(axes), [int(d) for d in dims]
-        if len(axes) != len(dims):
-            raise ValueError(f"ProcessTopology: axes {axes} and dims {dims} must have the same length")
-        if len(set(axes)) != len(axes):
-            raise ValueError(f"ProcessTopology: axis names must be unique, got {axes}")
-        if any(d < 1 for d in dims):
-            raise ValueError(f"ProcessTopology: every dim must be >= 1, got {dims}")
-        self.axes = axes
-        self.dims = dims
-        self.ProcessCoord = namedtuple("ProcessCoord", axes)
-        self.mapping: dict[Any, int] = {}
-        for rank, coord in enumerate(itertools.product(*[range(d) for d in dims])):
-            self.mapping[self.ProcessCoord(*coord)] = rank
-        self._coords = list(self.mapping)   # index = rank
-
-    def get_rank(self, **coord_kwargs: int) -> int:
-        """The rank at a full coordinate, e.g. `get_rank(pipe=1, data=0)`."""
-        if set(coord_kwargs) != set(self.axes):
-            raise ValueError(f"get_rank needs exactly the axes {self.axes}, got {sorted(coord_kwargs)}")
-        key = self.ProcessCoord(**coord_kwargs)
-        if key not in self.mapping:
-            raise ValueError(f"get_rank: coordinate {coord_kwargs} is outside dims {dict(zip(self.axes, self.dims))}")
-        return self.mapping[key]
-
-    def get_axis_names(self) -> list[str]:
-        return list(self.axes)
-
-    def get_rank_repr(self, rank: int, omit_axes: list[str] = ["data", "pipe"], inner_sep: str = "_",
-                      outer_sep: str = "-") -> str:
-        """`model_01`-style name of a rank over the axes not omitted (checkpoint file names use it)."""
-        omit = frozenset(omit_axes)
-        coord = self.get_coord(rank)
-        return outer_sep.join(f"{axis}{inner_sep}{getattr(coord, axis):02d}" for axis in self.axes
-                              if axis not in omit)
-
-    def get_dim(self, axis: str) -> int:
-        """The size of `axis`, 0 when the topology has no such axis."""
-        return self.dims[self.axes.index(axis)] if axis in self.axes else 0
-
-    def get_coord(self, rank: int) -> Any:
-        if not 0 <= rank < len(self._coords):
-            raise ValueError(f"get_coord: rank {rank} is not in this topology of {len(self._coords)} ranks")
-        return self._coords[rank]
-
-    def get_axis_comm_lists(self, axis: str) -> list[list[int]]:
-        """Groups of ranks that differ only in `axis` (e.g. the data-parallel groups); [] for an
-        unknown axis. Ordered by the coordinates of the other axes."""
-        if axis not in self.axes:
-            return []
-        others = [a for a in self.axes if a != axis]
-        lists = []
-        for rest in itertools.product(*[range(self.get_dim(a)) for a in others]):
-            fixed = dict(zip(others, rest))
-            lists.append([self.get_rank(**fixed, **{axis: i}) for i in range(self.get_dim(axis))])
-        return lists
-
-    def filter_match(self, **filter_kwargs: int) -> list[int]:
-        """Ranks whose coordinate matches every given axis value, in rank order."""
-        return [rank for coord, rank in self.mapping.items()
-                if all(getattr(coord, axis) == value for axis, value in filter_kwargs.items())]
-
-    def get_axis_list(self, axis: str, idx: int) -> list[int]:
-        """Ranks whose coordinate on `axis` is `idx`; [] for an unknown axis."""
-        if axis not in self.axes:
-            return []
-        return self.filter_match(**{axis: idx})
-
-    def world_size(self) -> int:
-        return len(self.mapping)
-
-    def __str__(self) -> str:
-        return str(self.mapping)
+from ..parallel_dims import ProcessTopology, axis_groups  # noqa: F401  (ProcessTopology: re-exported)
 
 
 class PipeDataParallelTopology(ProcessTopology):
@@ -158,25 +79,20 @@ class PipelineParallelGrid:
         self.is_first_stage = self.stage_id == 0
         self.is_last_stage = self.stage_id == self.pipe_parallel_size - 1
 
-        def groups_of(lists: list[list[int]]) -> tuple[list[int], Any]:
-            mine, handle = [self.global_rank], None
-            for ranks in lists:
-                group = ds_comm.new_group(ranks=sorted(ranks))
-                if self.global_rank in ranks:
-                    mine, handle = list(ranks), group
-            return mine, handle
+        # every group comes from the one mesh owner of this layout (runtime/mesh.py)
+        from ..mesh import ParallelMesh
 
-        model_lists = [sorted(self._topo.get_axis_list("data", d)) for d in range(self.data_parallel_size)] \
-            if "data" in self._topo.axes else [list(range(self.world_size))]
-        self.ds_model_group, self.ds_model_proc_group = groups_of(model_lists)
+        model_axes = tuple(a for a in self._topo.axes if a != "data")   # one whole model: all but data
+        self.mesh = ParallelMesh(self._topo, {"model": model_axes, "data": ("data",), "pipe": ("pipe",),
+                                              "slice": ("model",)})
+        self.ds_model_group, self.ds_model_proc_group = self.mesh.ranks("model"), self.mesh.group("model")
         self.ds_model_rank = self.ds_model_group.index(self.global_rank)
         self.ds_model_world_size = len(self.ds_model_group)
-        self.dp_groups = self._topo.get_axis_comm_lists("data") or [[r] for r in range(self.world_size)]
-        self.dp_group, self.dp_proc_group = groups_of(self.dp_groups)
-        self.pipe_groups = self._topo.get_axis_comm_lists("pipe") or [[r] for r in range(self.world_size)]
-        self.pp_group, self.pp_proc_group = groups_of(self.pipe_groups)
-        slice_lists = self._topo.get_axis_comm_lists("model") or [[r] for r in range(self.world_size)]
-        self.slice_group, self.slice_proc_group = groups_of(slice_lists)
+        self.dp_groups = axis_groups(self._topo, ("data",))
+        self.dp_group, self.dp_proc_group = self.mesh.ranks("data"), self.mesh.group("data")
+        self.pipe_groups = axis_groups(self._topo, ("pipe",))
+        self.pp_group, self.pp_proc_group = self.mesh.ranks("pipe"), self.mesh.group("pipe")
+        self.slice_group, self.slice_proc_group = self.mesh.ranks("slice"), self.mesh.group("slice")
         self.p2p_groups = [[rank, ring[(ring.index(rank) + 1) % len(ring)]]
                            for rank in range(self.world_size) for ring in self.pipe_groups if rank in ring]
 

@@ -391,7 +391,9 @@ class Init:
         elif data_parallel_group is not None:
             self.group = data_parallel_group
         else:
-            self.group = mpu.get_data_parallel_group() if mpu is not None else None
+            # ZeRO shards over data x sequence: an mpu with sequence groups (ALST's) names that group
+            self.group = None if mpu is None else mpu.get_sequence_data_parallel_group() \
+                if hasattr(mpu, "get_sequence_data_parallel_group") else mpu.get_data_parallel_group()
         explicit = next((g for g in (sequence_data_parallel_group, data_parallel_group, mpu) if g is not None), None)
         message = contradicting_single_rank_group(ds_comm.get_world_size(self.group), explicit, os.environ)
         if message is not None:

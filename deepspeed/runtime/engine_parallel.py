@@ -1,0 +1,105 @@
+"""The engine's process groups, from the client's `mpu` or the config's parallel dims (runtime/mesh.py).
+
+[Note: sequence-parallel gradient scale]
+ZeRO (every stage) shards over, and gradients are averaged over, the sequence-data-parallel group
+(data x sequence: every rank holding a replica of the parameters), dividing by its size sp x dp. Clients
+hand `engine.backward` one of two kinds of loss under sequence parallelism:
+
+* the replica's whole loss on every SP rank (ALST and Hugging Face's `deepspeed_sp_compute_loss`: per-shard
+  losses joined by a differentiable all_gather, so each SP rank holds the same value and its backward
+  sends each shard's gradient sp times): averaging over sp x dp gives the exact gradient;
+* each SP rank its share of the replica's loss, the shares adding up to it (the local-slice convention
+  of Megatron-DeepSpeed with `DistributedAttention`): the SP ranks' gradients add up to the replica's,
+  so the engine multiplies such a loss by sp before backward and the same average is exact again.
+
+`engine.backward` tells the two apart by value: one all_gather of the scalar over the SP group; equal on
+every SP rank (bitwise) is the first kind. So gradients, clipping and the logged grad norm are exact at
+every ZeRO stage (upstream divides by dp at stages 0-2 and by sp x dp at stage 3, so one of the two
+conventions is off by sp at each). A bare `loss.backward()` skips the test and is taken as the first kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import comm as ds_comm
+from ..utils import groups
+
+
+def _sp_only(mpu: Any) -> bool:
+    return hasattr(mpu, "initialize_sequence_parallel")
+
+
+def setup_parallel_groups(engine: Any, mpu: Any, config_class: Any) -> None:
+    """Set the engine's group attributes (upstream's names):
+
+    data_parallel_group / dp_world_size          replicas that see different data (batch arithmetic)
+    seq_data_parallel_group / seq_dp_world_size  ZeRO's partition group and the gradient average (dp x sp)
+    sequence_parallel_size / seq_parallel_group  ranks that share one sample's sequence
+    mp_world_size                                model-parallel size (1 under ALST's sp-only mpu)
+
+    A group of None is the whole world."""
+    sp_config = int(config_class.model.sequence_parallel_size)
+    engine.seq_parallel_group = None
+    if mpu is not None:
+        groups.mpu = mpu
+        if hasattr(mpu, "get_sequence_parallel_world_size"):
+            sp = int(mpu.get_sequence_parallel_world_size())
+            if sp_config > 1 and sp_config != sp:
+                raise ValueError(f"sequence_parallel_size={sp_config} in the config but the mpu's sequence-parallel "
+                                 f"world size is {sp}; make them agree (or leave the key out)")
+            engine.sequence_parallel_size = sp
+            engine.seq_parallel_group = mpu.get_sequence_parallel_group()
+            engine.seq_data_parallel_group = mpu.get_sequence_data_parallel_group()
+            engine.seq_dp_world_size = int(mpu.get_sequence_data_parallel_world_size())
+        else:
+            engine.sequence_parallel_size = 1
+            if sp_config > 1 and hasattr(mpu, "get_pipe_parallel_world_size"):
+                from .errors import NotSupportedYet
+
+                raise NotSupportedYet(f"sequence_parallel_size={sp_config} with a PipelineModule: sequence parallelism "
+                                      "does not combine with pipeline parallelism in this build (nor upstream's)")
+            if sp_config > 1:
+                raise ValueError(f"sequence_parallel_size={sp_config} with an mpu that has no sequence-parallel "
+                                 "groups (get_sequence_parallel_group); pass an mpu with them or leave the key out")
+        if hasattr(mpu, "get_data_parallel_group"):
+            engine.data_parallel_group = mpu.get_data_parallel_group()
+            engine.dp_world_size = int(mpu.get_data_parallel_world_size())
+        else:   # upstream's parallel_state_sp has no data-parallel accessors: dp = (dp x sp) / sp
+            engine.data_parallel_group = None
+            engine.dp_world_size = engine.seq_dp_world_size // engine.sequence_parallel_size
+        if engine.sequence_parallel_size == 1:
+            engine.seq_data_parallel_group = engine.data_parallel_group
+            engine.seq_dp_world_size = engine.dp_world_size
+        engine.mp_world_size = 1 if _sp_only(mpu) or not hasattr(mpu, "get_model_parallel_world_size") \
+            else int(mpu.get_model_parallel_world_size())
+        return
+    engine.mp_world_size = 1
+    engine.sequence_parallel_size = sp_config
+    if sp_config > 1:
+        from . import mesh
+
+        parallel = mesh.initialize(sequence=sp_config)
+        engine.data_parallel_group = parallel.group("data")
+        engine.dp_world_size = parallel.size("data")
+        engine.seq_data_parallel_group = parallel.group("sequence_data")
+        engine.seq_dp_world_size = parallel.size("sequence_data")
+        engine.seq_parallel_group = parallel.group("sequence")
+        return
+    engine.data_parallel_group = engine.seq_data_parallel_group = None
+    engine.dp_world_size = engine.seq_dp_world_size = engine.world_size
+
+
+def sequence_loss_factor(engine: Any, loss: torch.Tensor) -> int:
+    """1 when every SP rank holds the same loss (the replica's whole loss), else sp (each holds a share):
+    [Note: sequence-parallel gradient scale]. Collective over the SP group."""
+    sp = engine.sequence_parallel_size
+    if sp <= 1:
+        return 1
+    value = loss.detach().reshape(1).to(torch.float64)
+    gathered = [torch.empty_like(value) for _ in range(sp)]
+    ds_comm.all_gather(gathered, value, group=engine.seq_parallel_group)
+    same = all(torch.equal(g, gathered[0]) for g in gathered)
+    return 1 if same else sp

@@ -1,0 +1,1 @@
+"""Sequence parallelism (Ulysses / ALST): upstream's `deepspeed.runtime.sequence_parallel` package."""

@@ -1,0 +1,113 @@
+"""The engine under sequence parallelism: ZeRO 0-3, both loss conventions, against one process on the
+full sequences ([Note: sequence-parallel gradient scale] in deepspeed/runtime/engine_parallel.py).
+
+SGD, not Adam: Adam's update does not see a gradient scaled by sp, SGD's does, and so do the grad norm
+and clipping, which are compared too. Not bit-equal: the shards' partial sums reach the gradients in
+another order than the single process's, so ~1e-6 relative (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import run_distributed
+from sp_engine_jobs import reference, train_sp
+
+STEPS = 3
+
+
+def _check(results: list[dict], ref: dict, rtol: float = 2e-5, atol: float = 2e-6) -> None:
+    for rank, result in enumerate(results):
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(result["params"][name], value, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("convention", ["whole", "share"])
+def test_sp2_dp2_matches_full_sequence(stage, convention):
+    ref = reference(STEPS, dp=2, micro=2, gas=1, lr=0.5, clip=1.0)
+    results = run_distributed(4, train_sp, STEPS, 2, stage, convention, clip=1.0)
+    _check(results, ref)
+    for result in results:   # the norm the engine clipped with is the full model's, not sp x it
+        assert result["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_sp4_with_accumulation(stage):
+    ref = reference(STEPS, dp=1, micro=1, gas=2, lr=0.5, clip=0.0)
+    _check(run_distributed(4, train_sp, STEPS, 4, stage, "whole", micro=1, gas=2), ref)
+
+
+def test_sp2_world2_share_convention_bf16_tracks_fp32():
+    ref = reference(STEPS, dp=1, micro=2, gas=1, lr=0.5, clip=0.0)
+    _check(run_distributed(2, train_sp, STEPS, 2, 2, "share", dtype="bf16"), ref, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_saved_with_sp2_resumes_with_sp2_and_sp1(tmp_path, stage):
+    """ZeRO shards over data x sequence, so the files hold sp x dp partitions: they load at SP=2, at SP=1
+    on the same world (dp 4) and on another world size, and zero_to_fp32 consolidates them."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    adam = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    saved = run_distributed(4, train_sp, 2, 2, stage, "whole", extra=adam, save_dir=str(tmp_path))[0]
+    for world, sp in ((4, 2), (4, 1), (2, 1)):
+        loaded = run_distributed(world, train_sp, 0, sp, stage, "whole", extra=adam, load_dir=str(tmp_path))
+        for result in loaded:
+            for name, value in saved["params"].items():   # a load moves bytes: exact
+                assert torch.equal(result["params"][name], value), (world, sp, name)
+                assert torch.equal(result["exp_avg"][name], saved["exp_avg"][name]), (world, sp, name)
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="sp")
+    for name, value in saved["params"].items():
+        assert torch.equal(consolidated[name].float(), value), name
+
+
+def test_sp_groups_handed_over_as_mpu():
+    """`parallel_state_sp` as `mpu=` (what register_with_transformers returns) gives the same training."""
+    ref = reference(STEPS, dp=2, micro=2, gas=1, lr=0.5, clip=0.0)
+    _check(run_distributed(4, train_sp, STEPS, 2, 2, "share", via_mpu=True), ref)
+
+
+def _group_layout(sp: int) -> dict:
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
+    from deepspeed.utils import groups
+    import deepspeed.comm as dist
+
+    groups.mpu = None   # this pool's earlier jobs may have handed an engine another mpu (a pipeline grid)
+    mpu.initialize_sequence_parallel(sp)
+    probe = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(probe, group=groups._get_sequence_parallel_group())
+    return {"sp": (groups._get_sequence_parallel_rank(), groups._get_sequence_parallel_world_size()),
+            "dp": (groups._get_data_parallel_rank(), groups._get_data_parallel_world_size()),
+            "spdp": (groups._get_sequence_data_parallel_rank(), groups._get_sequence_data_parallel_world_size()),
+            "sum": probe.item(), "mp": groups._get_model_parallel_world_size()}
+
+
+def test_group_accessors_follow_upstreams_rank_order():
+    layout = run_distributed(4, _group_layout, 2)
+    assert [r["sp"] for r in layout] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert [r["dp"] for r in layout] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert [r["spdp"] for r in layout] == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    assert [r["sum"] for r in layout] == [1.0, 1.0, 5.0, 5.0]   # sequence groups [0, 1] and [2, 3]
+    assert all(r["mp"] == 1 for r in layout)
+
+
+def _loader_batches() -> list:
+    import deepspeed
+
+    from sp_engine_jobs import CausalMixLM
+
+    data = torch.utils.data.TensorDataset(torch.arange(16).view(16, 1))
+    engine, _, loader, _ = deepspeed.initialize(
+        model=CausalMixLM(), training_data=data,
+        config={"train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 2,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    return [batch[0].view(-1).tolist() for batch in loader]
+
+
+def test_sequence_ranks_share_their_replicas_batches():
+    """The engine's loader deals samples to data-parallel replicas: the SP ranks of one replica get the same."""
+    batches = run_distributed(4, _loader_batches)
+    assert batches[0] == batches[1] and batches[2] == batches[3]
+    assert sorted(sum(batches[0] + batches[2], [])) == list(range(16))   # the two replicas split the data
