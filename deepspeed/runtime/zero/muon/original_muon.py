@@ -102,13 +102,13 @@ def momentum_direction(grad: torch.Tensor, momentum: torch.Tensor, beta: float) 
     return grad.lerp(momentum, beta)
 
 
-def orthogonalize(direction: torch.Tensor, shape: torch.Size, ns_method: str) -> torch.Tensor:
+def orthogonalize(direction: torch.Tensor, shape: torch.Size, ns_method: str, steps: int = NS_STEPS) -> torch.Tensor:
     """NS of the whole matrix `direction` (any layout of `shape`'s elements in order), scaled by
     sqrt(max(1, rows/cols)); returned flat in the NS compute dtype (what travels back under ZeRO)."""
     matrix = direction.reshape(shape[0], -1)
     dtype = ns_compute_dtype(ns_method, direction.device)
     ns = newton_schulz_gram if ns_method == "gram" else newton_schulz_standard
-    update = ns(matrix, dtype)
+    update = ns(matrix, dtype, steps)
     update *= max(1, matrix.size(-2) / matrix.size(-1)) ** 0.5
     return update.reshape(-1)
 
@@ -121,3 +121,25 @@ def adam_direction(grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.
     bias1 = 1 - betas[0] ** step
     bias2 = 1 - betas[1] ** step
     return (exp_avg / bias1) / ((exp_avg_sq / bias2).sqrt() + eps)
+
+
+# --- upstream's module-level names (its tests and some clients call them) -----------------------
+def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int) -> torch.Tensor:
+    return newton_schulz_standard(G, ns_compute_dtype("standard", G.device), steps)
+
+
+def zeropower_via_gram_newtonschulz(G: torch.Tensor, steps: int) -> torch.Tensor:
+    return newton_schulz_gram(G, ns_compute_dtype("gram", G.device), steps)
+
+
+def muon_update(grad: torch.Tensor, momentum: torch.Tensor, beta: float = 0.95, ns_steps: int = NS_STEPS,
+                nesterov: bool = True, ns_method: str = "gram", is_expert_group: bool = False) -> torch.Tensor:
+    """Upstream's one-matrix Muon update: advances `momentum` in place and returns the scaled,
+    orthogonalised update as a (rows, rest) matrix in `grad`'s dtype."""
+    if is_expert_group:
+        raise NotImplementedError("muon_update(is_expert_group=True): per-expert Newton-Schulz needs expert "
+                                  "parallelism, which this build does not implement")
+    check_ns_method(ns_method)
+    direction = momentum_direction(grad, momentum, beta) if nesterov else momentum.lerp_(grad, 1 - beta)
+    update = orthogonalize(direction, grad.shape, ns_method, ns_steps)
+    return update.reshape(grad.shape[0], -1).to(grad.dtype)
