@@ -95,12 +95,30 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     # Every rank the same resolved config, or every rank the same error ([Note: cross-rank config agreement]).
     config_class = agree_config(config_or_build, "deepspeed.initialize")
     raw = config_class.raw
+    set_optimizer_flags(config_class, model)
     log_dist(f"DeepSpeed info: version={__version__} (pure-Python)", ranks=[0])
     engine = engine_class(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                           training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                           dist_init_required=dist_init_required, collate_fn=collate_fn, config=raw,
                           config_class=config_class)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def set_optimizer_flags(config_class: Any, model: torch.nn.Module) -> None:
+    """`"optimizer": {"type": "Muon"}`: tag each parameter `use_muon` by upstream's rule (matrices,
+    ndim >= 2, whose name contains neither "embed" nor "lm_head", are Muon's; embeddings, the
+    output head, biases and norms AdamW's). A tag the user set already is kept (upstream
+    overwrites it): that is how a model routes a parameter the name rule gets wrong."""
+    from .constants import MUON_OPTIMIZER
+
+    section = config_class.model.optimizer
+    name = section.type if section is not None else None
+    if not isinstance(name, str) or name.lower() != MUON_OPTIMIZER:
+        return
+    for param_name, p in model.named_parameters():
+        if not hasattr(p, "use_muon"):
+            lowered = param_name.lower()
+            p.use_muon = p.ndim >= 2 and "embed" not in lowered and "lm_head" not in lowered
 
 
 def _mesh_param_sequence(mesh_param: Any) -> int | None:

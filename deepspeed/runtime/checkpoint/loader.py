@@ -190,6 +190,10 @@ def _plan_optimizer_state(plan: LoadPlan) -> None:
     fields = reader.fields()
     keys = [k for g in hp.base.param_groups for k in g["params"]]
     index = {id(k): i for i, k in enumerate(keys)}
+    # A checkpoint holds every field for every group; an optimizer whose groups keep different
+    # state (MuonWithAuxAdam: momentum_buffer vs exp_avg/exp_avg_sq/step) takes only its own.
+    wanted_of = getattr(hp.base, "state_fields", None)
+    wanted = {id(k): wanted_of(g) for g in hp.base.param_groups for k in g["params"]} if wanted_of else {}
     by_key = {id(p.key): p for p in hp.pieces}
     state = {}
     step = reader.step
@@ -202,11 +206,13 @@ def _plan_optimizer_state(plan: LoadPlan) -> None:
                 state[index[id(key)]] = dict(hp.base.state[key])
             continue
         entry: dict[str, Any] = {}
+        own = wanted.get(id(key))
         for name in fields:
-            value = reader.read(piece.name, name, piece.start, piece.numel)
+            value = None if own is not None and name not in own else reader.read(piece.name, name, piece.start,
+                                                                                 piece.numel)
             if value is not None:
                 entry[name] = value.view_as(key)
-        if entry and step is not None:
+        if entry and step is not None and (own is None or "step" in own):
             entry["step"] = torch.tensor(float(step))
         if entry:
             state[index[id(key)]] = entry
