@@ -6,7 +6,7 @@ from typing import Any, Iterator, Literal, Optional
 
 from pydantic import Field
 
-from .base import DSModel, Int, Problem
+from .base import DSModel, Int, Problem, not_supported
 
 
 class LayerSpecConfig(DSModel):
@@ -69,8 +69,8 @@ class TensorParallelConfig(DSModel):
     def _problems(self) -> Iterator[Problem]:
         size = (self.tp or {}).get("tp_size", 1)
         if isinstance(size, int) and size > 1:
-            yield "tp.tp_size", ("inference tensor parallelism is not supported by this implementation; use "
-                                 "autotp_size for training")
+            yield "tp.tp_size", not_supported("inference tensor parallelism (tp.tp_size > 1)",
+                                              "remove it or set it to 1 (autotp_size is the training switch)")
         if self.preset_model is not None:
             from ....module_inject.tp_plan import PRESETS
 
