@@ -66,3 +66,25 @@ def test_tp_all_reduce_bytes_match_theory():
 def test_tp_zero3_refused():
     with pytest.raises(Exception, match="stage 3"):
         run_distributed(2, train_tp, "mlp", 1, 2, 3)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_checkpoint_resume_at_the_same_tp_size(tmp_path, stage):
+    """TP=2 x DP=2: each tensor rank writes its mp_rank_XX files (its slices and their optimizer state);
+    2 steps, save, resume in fresh processes, 1 more step equals 3 uninterrupted steps (SGD momentum)."""
+    import os
+
+    ref = reference("mlp", 3, dp=2, micro=2, lr=0.5, clip=0.0, momentum=0.9)
+    run_distributed(4, train_tp, "mlp", 2, 2, stage, momentum=0.9, save_dir=str(tmp_path))
+    names = sorted(os.listdir(tmp_path / "tp"))
+    assert "mp_rank_00_model_states.pt" in names and "mp_rank_01_model_states.pt" in names, names
+    _check(run_distributed(4, train_tp, "mlp", 1, 2, stage, momentum=0.9, load_dir=str(tmp_path), start=2), ref)
+
+
+def test_save_16bit_model_writes_whole_weights(tmp_path):
+    ref = reference("llama", 1, dp=1, micro=2, lr=0.5, clip=0.0)
+    run_distributed(2, train_tp, "llama", 1, 2, 1, save_16bit=str(tmp_path))
+    saved = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    assert sorted(saved) == sorted(ref["params"])
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(saved[name], value, rtol=2e-5, atol=2e-6, msg=lambda m: f"{name}: {m}")

@@ -62,9 +62,9 @@ def _loss(model: nn.Module, kind: str, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def reference(kind: str, steps: int, dp: int, micro: int, lr: float, clip: float) -> dict:
+def reference(kind: str, steps: int, dp: int, micro: int, lr: float, clip: float, momentum: float = 0.0) -> dict:
     model = build(kind)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     losses, norms = [], []
     for ids in make_data(steps, dp * micro):
         opt.zero_grad()
@@ -79,7 +79,8 @@ def reference(kind: str, steps: int, dp: int, micro: int, lr: float, clip: float
 
 def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: float = 0.5, clip: float = 0.0,
              via_init: bool = False, count_bytes: bool = False, save_dir: str | None = None,
-             load_dir: str | None = None, extra: dict | None = None) -> dict:
+             load_dir: str | None = None, extra: dict | None = None, start: int = 0, momentum: float = 0.0,
+             save_16bit: str | None = None) -> dict:
     """Every rank: its replica's micro-batch (rows [dp_rank*micro, (dp_rank+1)*micro) of the global batch).
     `via_init`: shard with deepspeed.tp_model_init first (transformers' way), else by the config alone."""
     import deepspeed
@@ -94,7 +95,7 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
     config.update(copy.deepcopy(extra or {}))
     if via_init:
         model = deepspeed.tp_model_init(model, tp_size=tp, dtype=torch.float32, config=config)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)   # made before the config path shards: same params
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)   # made before the config path shards: same params
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     if load_dir is not None:
         engine.load_checkpoint(load_dir)
@@ -109,7 +110,7 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
             return real(tensor, *args, **kwargs)
 
     losses, norms = [], []
-    for ids in make_data(steps, dp * micro):
+    for ids in make_data(start + steps, dp * micro)[start:]:
         x = ids[dp_rank * micro:(dp_rank + 1) * micro]
         if count_bytes:
             dist.all_reduce = counting
@@ -123,6 +124,8 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
         norms.append(engine.get_global_grad_norm())
     if save_dir is not None:
         engine.save_checkpoint(save_dir, tag="tp")
+    if save_16bit is not None:
+        engine.save_16bit_model(save_16bit)
     local = {n: p.numel() for n, p in engine.module.named_parameters()}
     sharded = {n for n, p in engine.module.named_parameters() if is_tensor_parallel(p)}
     params = list(engine.module.parameters())

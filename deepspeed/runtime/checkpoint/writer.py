@@ -207,6 +207,9 @@ def mp_rank(engine: Any) -> int:
     """The `mp_rank_XX` of this rank's files: its position among the ranks holding the other parts
     of its model replica (a pipeline stage's index), 0 without model parallelism (upstream's rule)."""
     mpu = getattr(engine, "mpu", None)
-    if mpu is None or not hasattr(mpu, "get_model_parallel_rank") or hasattr(mpu, "initialize_sequence_parallel"):
+    if mpu is None:   # AutoTP: the tensor rank (each writes its slices), as upstream's mp_rank_XX files
+        split = getattr(engine, "_split", None)
+        return split.tensor_rank if split is not None else 0
+    if not hasattr(mpu, "get_model_parallel_rank") or hasattr(mpu, "initialize_sequence_parallel"):
         return 0   # ALST's sp-only mpu names its sequence group "model parallel": those ranks share weights
     return int(mpu.get_model_parallel_rank())
