@@ -85,6 +85,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         if mesh_sp is not None:
             raw = {**raw, "sequence_parallel_size": mesh_sp}
         world_size = _data_parallel_size(raw, mpu, ds_comm.get_world_size(), model)
+        raw = _tp_counted_batch(raw, ds_comm.get_world_size(), world_size)
         return DeepSpeedConfig(raw, world_size=world_size)
 
     # No process group yet: validate first, so a bad config raises before the rendezvous. With one,
@@ -146,6 +147,27 @@ def _data_parallel_size(raw: dict, mpu: Any, world_size: int, model: Any = None)
                                        f"the world size ({world_size}): choose sizes whose product divides it")
         return world_size // (sp * tp)
     return world_size
+
+
+def _tp_counted_batch(raw: dict, world_size: int, dp: int) -> dict:
+    """transformers fills `train_batch_size` as micro x gas x world, counting tensor-parallel ranks as
+    replicas (upstream's config does too when no mpu is passed); the samples per step are micro x gas x dp.
+    That one value is taken as the TP-counted form and replaced by the true one (logged); other
+    mismatches stay errors."""
+    tp_section = raw.get("tensor_parallel")
+    if dp == world_size or not isinstance(tp_section, dict):
+        return raw
+    batch, micro, gas = (raw.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                               "gradient_accumulation_steps"))
+    sp = raw.get("sequence_parallel_size", 1)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (batch, micro, gas, sp)):
+        return raw
+    if batch != micro * gas * (world_size // sp) or batch == micro * gas * dp:
+        return raw
+    log_dist(f"train_batch_size={batch} counts the {world_size // sp // dp} tensor-parallel ranks of each replica "
+             f"(transformers' rule); the engine trains micro x gas x data-parallel = {micro * gas * dp} samples per "
+             "step", ranks=[0])
+    return {**raw, "train_batch_size": micro * gas * dp}
 
 
 def _is_pipeline_module(model: Any) -> bool:

@@ -88,3 +88,14 @@ def test_save_16bit_model_writes_whole_weights(tmp_path):
     assert sorted(saved) == sorted(ref["params"])
     for name, value in ref["params"].items():
         torch.testing.assert_close(saved[name], value, rtol=2e-5, atol=2e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_tp2_bf16_zero1_tracks_fp32():
+    """bf16 compute with fp32 masters: the sharded masters are the slices (the whole weights gathered here
+    are the bf16 ones), close to the fp32 reference."""
+    ref = reference("mlp", STEPS, dp=1, micro=2, lr=0.5, clip=1.0)
+    results = run_distributed(2, train_tp, "mlp", STEPS, 2, 1, clip=1.0, extra={"bf16": {"enabled": True}})
+    for result in results:
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(result["params"][name].float(), value, rtol=3e-2, atol=3e-2)
+        assert result["norms"] == pytest.approx(ref["norms"], rel=3e-2)
