@@ -12,7 +12,7 @@ from harness import run_distributed
 from tp_trainer_job import trainer_run
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_trainer_autotp2_matches_one_process(tmp_path, stage):
     ref = run_distributed(1, trainer_run, str(tmp_path / "ref"), 1, stage)[0]
     results = run_distributed(2, trainer_run, str(tmp_path / "tp"), 2, stage)

@@ -100,6 +100,8 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
     if load_dir is not None:
         engine.load_checkpoint(load_dir)
     dp, dp_rank = engine.dp_world_size, engine.get_data_parallel_rank()
+    rows = torch.utils.data.TensorDataset(torch.arange(64.0).view(32, 2))
+    first_batch = next(iter(engine.deepspeed_io(rows)))[0].tolist()   # this replica's first micro-batch
     assert dp == dist.get_world_size() // tp and engine.train_batch_size() == micro * dp
     counted: list[tuple[str, int]] = []
     if count_bytes:
@@ -134,4 +136,4 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
     after = {n: p.numel() for n, p in engine.module.named_parameters()}
     return {"params": full, "losses": losses, "norms": norms, "local_numel": local,
             "full_numel": full_numel, "after_numel": after, "sharded": sorted(sharded), "bytes": counted,
-            "tensor_rank": dist.get_rank() % tp}
+            "tensor_rank": dist.get_rank() % tp, "first_batch": first_batch}
