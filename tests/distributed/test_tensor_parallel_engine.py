@@ -77,10 +77,17 @@ def test_checkpoint_resume_at_the_same_tp_size(tmp_path, stage):
     import os
 
     ref = reference("mlp", 3, dp=2, micro=2, lr=0.5, clip=0.0, momentum=0.9)
-    run_distributed(4, train_tp, "mlp", 2, 2, stage, momentum=0.9, save_dir=str(tmp_path))
+    saved = run_distributed(4, train_tp, "mlp", 2, 2, stage, momentum=0.9, save_dir=str(tmp_path))[0]["params"]
     names = sorted(os.listdir(tmp_path / "tp"))
     assert "mp_rank_00_model_states.pt" in names and "mp_rank_01_model_states.pt" in names, names
     _check(run_distributed(4, train_tp, "mlp", 1, 2, stage, momentum=0.9, load_dir=str(tmp_path), start=2), ref)
+    if stage > 0:   # zero_to_fp32 joins the tensor ranks' slices: the whole fp32 weights
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="tp")
+        assert sorted(consolidated) == sorted(saved)
+        for name, value in saved.items():
+            assert torch.equal(consolidated[name].float(), value), name
 
 
 def test_save_16bit_model_writes_whole_weights(tmp_path):

@@ -76,6 +76,9 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
         ds_config=engine.config,
         ds_version=__version__,
     )
+    tp_dims = _tp_partition_dims(module)
+    if tp_dims:
+        out["tp_partition_dims"] = tp_dims   # zero_to_fp32 joins the tensor ranks' slices along these
     if hp is not None:
         out["optimizer_param_names"] = hp.optimizer_names
     reserved = set(out) & set(client_state)
@@ -197,6 +200,14 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _tp_partition_dims(module: Any) -> dict[str, int]:
+    """{parameter name: the dim AutoTP split it on} (empty without tensor-parallel layers)."""
+    from ...module_inject.layers import tp_layers
+
+    dims = {id(p): dim for layer in tp_layers(module) for p, dim in layer.sharded_params()}
+    return {n: dims[id(p)] for n, p in module.named_parameters() if id(p) in dims}
 
 
 def dp_rank(engine: Any) -> int:
