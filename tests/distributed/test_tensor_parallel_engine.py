@@ -55,14 +55,17 @@ def test_tp2_mlp_matches_one_process(stage, via_init):
             assert result["after_numel"][name] == result["local_numel"][name], name   # sliced again on exit
 
 
-def test_tp_all_reduce_bytes_match_theory():
-    """Per micro-batch, the MLP pair costs one all-reduce of [micro, seq, hidden] fp32 forward (row output)
-    and one backward (column input gradient); nothing else all-reduces during forward/backward at DP=1."""
+@pytest.mark.parametrize("kind,hidden,per_step", [
+    ("mlp", HIDDEN, 2),        # the pair: row output forward, column input gradient backward
+    ("llama", 64, 2 * 7 + 1),  # per layer: o_proj, down_proj forward; q, k, v, gate, up backward; lm_head's input
+])
+def test_tp_all_reduce_bytes_match_theory(kind, hidden, per_step):
+    """Every TP all-reduce of a forward/backward is one [micro, seq, hidden] fp32 tensor, as many as the
+    layers' theory says; nothing else all-reduces during forward/backward at DP=1."""
     micro = 2
-    results = run_distributed(2, train_tp, "mlp", 2, 2, 0, micro=micro, count_bytes=True)
-    per_step = [("torch.float32", micro * SEQ * HIDDEN * 4)] * 2
+    results = run_distributed(2, train_tp, kind, 2, 2, 0, micro=micro, count_bytes=True)
     for result in results:
-        assert result["bytes"] == per_step * 2
+        assert result["bytes"] == [("torch.float32", micro * SEQ * hidden * 4)] * per_step * 2
 
 
 def test_tp_zero3_refused():
