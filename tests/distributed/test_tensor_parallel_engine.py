@@ -102,12 +102,23 @@ def test_save_16bit_model_writes_whole_weights(tmp_path):
         torch.testing.assert_close(saved[name], value, rtol=2e-5, atol=2e-6, msg=lambda m: f"{name}: {m}")
 
 
-def test_tp2_bf16_zero1_tracks_fp32():
-    """bf16 compute with fp32 masters: the sharded masters are the slices (the whole weights gathered here
-    are the bf16 ones), close to the fp32 reference."""
+@pytest.mark.parametrize("precision", [{"bf16": {"enabled": True}},
+                                       {"fp16": {"enabled": True, "initial_scale_power": 8}}])
+def test_tp2_16bit_zero1_tracks_fp32(precision):
+    """bf16/fp16 compute with fp32 masters: the sharded masters are the slices (the whole weights gathered
+    here are the 16-bit ones), close to the fp32 reference; fp16's overflow check runs over the TP group."""
     ref = reference("mlp", STEPS, dp=1, micro=2, lr=0.5, clip=1.0)
-    results = run_distributed(2, train_tp, "mlp", STEPS, 2, 1, clip=1.0, extra={"bf16": {"enabled": True}})
+    results = run_distributed(2, train_tp, "mlp", STEPS, 2, 1, clip=1.0, extra=precision)
     for result in results:
         for name, value in ref["params"].items():
             torch.testing.assert_close(result["params"][name].float(), value, rtol=3e-2, atol=3e-2)
         assert result["norms"] == pytest.approx(ref["norms"], rel=3e-2)
+
+
+def test_tp2_dp2_activation_checkpointing_inside_the_tp_pair():
+    """deepspeed.checkpointing around the column/row pair: the recompute in backward repeats the row
+    all-reduce on every TP rank in the same order, and the result is the unsharded model's."""
+    ref = reference("mlp", STEPS, dp=2, micro=2, lr=0.5, clip=1.0)
+    results = run_distributed(4, train_tp, "mlp", STEPS, 2, 1, clip=1.0, checkpoint_block=True)
+    _check(results, ref)
+    _check_losses(results, ref, tp=2, dp=2)

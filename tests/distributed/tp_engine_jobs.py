@@ -31,10 +31,16 @@ class TinyMLPLM(nn.Module):
         self.norm = nn.LayerNorm(HIDDEN)
         self.block = _Block()
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.checkpoint_block = False   # deepspeed.checkpointing around the TP pair (recomputed in backward)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)
-        h = h + self.block(self.norm(h))
+        if self.checkpoint_block:
+            import deepspeed
+
+            h = h + deepspeed.checkpointing.checkpoint(self.block, self.norm(h))
+        else:
+            h = h + self.block(self.norm(h))
         logits = self.lm_head(h)
         return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
@@ -80,7 +86,7 @@ def reference(kind: str, steps: int, dp: int, micro: int, lr: float, clip: float
 def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: float = 0.5, clip: float = 0.0,
              via_init: bool = False, count_bytes: bool = False, save_dir: str | None = None,
              load_dir: str | None = None, extra: dict | None = None, start: int = 0, momentum: float = 0.0,
-             save_16bit: str | None = None) -> dict:
+             save_16bit: str | None = None, checkpoint_block: bool = False) -> dict:
     """Every rank: its replica's micro-batch (rows [dp_rank*micro, (dp_rank+1)*micro) of the global batch).
     `via_init`: shard with deepspeed.tp_model_init first (transformers' way), else by the config alone."""
     import deepspeed
@@ -88,6 +94,7 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
     from deepspeed.module_inject.layers import GatherReplacedLayerParams, is_tensor_parallel
 
     model = build(kind)
+    model.checkpoint_block = checkpoint_block
     full_numel = {n: p.numel() for n, p in model.named_parameters()}
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": clip,
               "zero_optimization": {"stage": stage}, "steps_per_print": 10**6,
