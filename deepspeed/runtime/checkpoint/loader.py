@@ -29,13 +29,13 @@ from ...checkpoint.reader import CheckpointReader
 from ...utils.progress import NoBar, min_bytes, progress
 from . import zero3_io
 from .hp_state import HpState
-from .writer import set_rng_state
+from .writer import mp_rank, set_rng_state
 
 DEEPSPEED_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
                   "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
                   "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
                   "mp_world_size", "ds_config", "ds_version", "optimizer_param_names",
-                  "checkpoint_parallel_dimensions"}
+                  "checkpoint_parallel_dimensions", "tp_partition_dims"}
 
 
 @dataclass
@@ -62,7 +62,7 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
         if tag is None:
             return None
     reader = engine._checkpoint_reader(load_dir, str(tag)) if hasattr(engine, "_checkpoint_reader") \
-        else CheckpointReader(load_dir, str(tag))
+        else CheckpointReader(load_dir, str(tag), mp_rank=mp_rank(engine))
     hp = HpState(engine) if engine._has_optimizer else None
     if hp is not None:
         trainable = {n for g in hp.groups for n, _ in g}

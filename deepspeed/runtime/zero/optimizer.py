@@ -90,11 +90,15 @@ def step_on_shards(wrapper: Any, shards: list[Any], culprit: str, comm_device: t
         if wrapper.overflow:
             applied = wrapper._skip_step(culprit)
         else:
-            if wrapper.clip > 0.0:
-                counted = [all(counted_in_norm(p) for p in shard.params) for shard in shards] \
-                    if wrapper.split is not None else None
+            if wrapper.clip > 0.0 and wrapper.split is not None:   # per parameter: the fragments
+                pieces = [(m.grad, counted_in_norm(shard.params[f.index], wrapper.split))
+                          for shard in shards for m, f in shard.fragment_masters if m.grad is not None]
+                wrapper._global_grad_norm = clip_sharded_grads([g for g, _ in pieces], wrapper.clip, comm_device,
+                                                               wrapper.group, wrapper.dp_world, wrapper.split,
+                                                               [c for _, c in pieces])
+            elif wrapper.clip > 0.0:
                 wrapper._global_grad_norm = clip_sharded_grads(grads, wrapper.clip, comm_device, wrapper.group,
-                                                               wrapper.dp_world, wrapper.split, counted)
+                                                               wrapper.dp_world)
             if wrapper.muon is not None:   # [Note: Muon under ZeRO]: whole-matrix Newton-Schulz
                 wrapper.muon.step()
             else:
