@@ -94,3 +94,72 @@ def _job(stage: int) -> dict:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_tiled_compute_zero_two_ranks(stage: int) -> None:
     assert run_distributed(2, _job, stage) == [{"ok": True}, {"ok": True}]
+
+
+# --- UlyssesSPFwdLossBwdWithLogits ---------------------------------------------------------------
+from dataclasses import dataclass  # noqa: E402
+
+
+@dataclass
+class _Out:
+    logits: torch.Tensor
+
+
+class TokenLM(nn.Module):
+    """Token-wise (no attention), so a sequence slice's logits are the full sequence's: the SP loss must
+    equal the full-sequence loss exactly. Hugging Face's surface: `.config.vocab_size`, `loss_function`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = type("Config", (), {"vocab_size": VOCAB})()
+        self.embed = nn.Embedding(VOCAB, H)
+        self.mlp = MLP()
+        self.lm_head = nn.Linear(H, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, use_cache: bool = False) -> _Out:
+        return _Out(self.lm_head(self.mlp(self.embed(input_ids))))
+
+    @staticmethod
+    def loss_function(logits, labels, vocab_size, shift_labels):
+        return F.cross_entropy(logits.float().reshape(-1, vocab_size), shift_labels.reshape(-1), ignore_index=-100)
+
+
+def _sp_batch(rank: int) -> dict:
+    n = (8, 12)[rank]   # different lengths on the two ranks
+    g = torch.Generator().manual_seed(7 + rank)
+    labels = torch.randint(0, VOCAB, (1, n), generator=g)
+    labels[0, [1, n // 2, n // 2 + 1]] = -100   # ignored tokens on and beside the slice edge
+    return {"input_ids": torch.randint(0, VOCAB, (1, n), generator=g), "position_ids": torch.arange(n)[None],
+            "labels": labels}
+
+
+def _sp_job(stage: int, shards) -> dict:
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.runtime.sequence_parallel.tiled_compute import UlyssesSPFwdLossBwdWithLogits
+    from deepspeed.utils import safe_get_full_grad
+    torch.manual_seed(0)
+    plain, model = TokenLM(), TokenLM()
+    model.load_state_dict(plain.state_dict())
+    config = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": stage}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    driver = UlyssesSPFwdLossBwdWithLogits(engine, model, torch.device("cpu"), num_loss_logit_shards=shards)
+    loss = driver.sp_fwd_loss_bwd(_sp_batch(dist.get_rank()))
+    grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+    ref = []
+    for r in range(2):   # the full sequences, one after the other, gradients accumulated
+        b = _sp_batch(r)
+        shift = F.pad(b["labels"], (0, 1), value=-100)[:, 1:]
+        full = TokenLM.loss_function(plain(b["input_ids"], b["position_ids"]).logits, None, VOCAB, shift)
+        full.backward()
+        ref.append(full.item())
+    torch.testing.assert_close(loss, sum(ref) / 2, rtol=1e-6, atol=1e-6)
+    for n, p in plain.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+    return {"ok": True}
+
+
+@pytest.mark.parametrize("stage,shards", [(2, 2), (3, 1)])
+def test_ulysses_fwd_loss_bwd_equals_full_sequence(stage: int, shards) -> None:
+    assert run_distributed(2, _sp_job, stage, shards) == [{"ok": True}, {"ok": True}]

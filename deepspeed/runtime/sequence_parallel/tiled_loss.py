@@ -165,13 +165,15 @@ class UlyssesSPFwdLossBwdWithLogits:
         seqlen = torch.tensor([batch["input_ids"].shape[1]], dtype=torch.int64, device=self.device)
         seqlens = [torch.zeros_like(seqlen) for _ in range(self.sp_world_size)]
         dist.all_gather(seqlens, seqlen, group=self.sp_group)
+        lengths = [int(n) for n in seqlens]
+        longest = max(lengths)
         batches: list[dict] = [defaultdict(dict) for _ in range(self.sp_world_size)]
-        for key, value in batch.items():
-            value = value.to(self.device)
-            parts = [torch.zeros((value.shape[0], int(n)), dtype=value.dtype, device=value.device) for n in seqlens]
+        for key, value in batch.items():   # padded to the longest (gloo gathers equal shapes), then cut back
+            value = torch.nn.functional.pad(value.to(self.device), (0, longest - value.shape[1]))
+            parts = [torch.empty_like(value) for _ in lengths]
             dist.all_gather(parts, value.contiguous(), group=self.sp_group)
             for rank, part in enumerate(parts):
-                batches[rank][key] = part
+                batches[rank][key] = part[:, :lengths[rank]]
         return batches
 
     def sp_fwd_loss_bwd(self, batch: dict) -> float:
@@ -187,10 +189,11 @@ class UlyssesSPFwdLossBwdWithLogits:
                                  f"divide by the sequence parallel size {self.sp_world_size}")
             chunk = seqlen // self.sp_world_size
             labels = sub.pop("labels")
-            # tokens each rank's slice counts (upstream's weights): its labels, less the one lost to the shift
-            counted = [int((labels[:, r * chunk:(r + 1) * chunk] != IGNORE_INDEX).sum()) for r in range(self.sp_world_size)]
-            counts = [n - 1 if n > 1 else n for n in counted]
-            sub["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
+            shift = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
+            sub["shift_labels"] = shift
+            # the tokens each rank's loss averages over: its slice of the shifted labels (upstream estimates
+            # them from the unshifted slice less one, which is off where a slice edge meets a -100)
+            counts = [int((shift[:, r * chunk:(r + 1) * chunk] != IGNORE_INDEX).sum()) for r in range(self.sp_world_size)]
             local = {k: v[:, self.sp_rank * chunk:(self.sp_rank + 1) * chunk] for k, v in sub.items()}
             shift_labels = local.pop("shift_labels")
             self.forward(local)
