@@ -43,8 +43,13 @@ class Model(nn.Module):
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.lm_head(x).view(-1, VOCAB), y.view(-1), reduction="sum")
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         h = self._mlp(self.mlp2, self._mlp(self.mlp1, x))
+        if y is None:   # hidden states: the caller computes the loss outside the engine's forward
+            return h
+        return self.loss(h, y)
+
+    def loss(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if not self.tiled:
             return self._loss(self, h, y) / y.numel()
         from deepspeed.runtime.sequence_parallel.tiled_compute import TiledFusedLogitsLoss
@@ -57,7 +62,7 @@ def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(1, SEQLENS[rank], H, generator=g), torch.randint(0, VOCAB, (1, SEQLENS[rank]), generator=g)
 
 
-def _job(stage: int) -> dict:
+def _job(stage: int, outside: bool = False) -> dict:
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.utils import safe_get_full_grad
@@ -71,7 +76,9 @@ def _job(stage: int) -> dict:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     x, y = _data(rank)
     x = x.requires_grad_(True)
-    loss = engine(x, y)
+    # outside: the tiled loss is the first node of the backward, outside every module's forward (TRL's
+    # fused LM-head loss): its nested backwards must not start (and end) ZeRO-3's backward
+    loss = engine.module.loss(engine(x), y) if outside else engine(x, y)
     engine.backward(loss)
     grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
     ref_losses = []
@@ -91,9 +98,9 @@ def _job(stage: int) -> dict:
     return {"ok": True}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_tiled_compute_zero_two_ranks(stage: int) -> None:
-    assert run_distributed(2, _job, stage) == [{"ok": True}, {"ok": True}]
+@pytest.mark.parametrize("stage,outside", [(2, False), (3, False), (3, True)])
+def test_tiled_compute_zero_two_ranks(stage: int, outside: bool) -> None:
+    assert run_distributed(2, _job, stage, outside) == [{"ok": True}, {"ok": True}]
 
 
 # --- UlyssesSPFwdLossBwdWithLogits ---------------------------------------------------------------
