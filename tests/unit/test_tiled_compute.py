@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from deepspeed.runtime.sequence_parallel.tiled_compute import (SequenceTiledCompute, TiledFusedLogitsLoss,
+from deepspeed.runtime.sequence_parallel.tiled_compute import (AutogradComputeMLP, SequenceTiledCompute, TiledFusedLogitsLoss,
                                                                 TiledLoss, TiledMLP, sequence_tiled_compute)
 
 H, VOCAB = 16, 40
@@ -56,6 +56,14 @@ def test_one_shard_is_bit_equal() -> None:
     torch.manual_seed(0)
     m, x = MLP(), torch.randn(2, 7, H)
     _assert_same(_grads(m, x, MLP.forward), _grads(m, x, _tiled(1)), rtol=0, atol=0)
+
+
+def test_autograd_compute_mlp_is_bit_equal() -> None:
+    """The whole-input recompute runs the same kernels on the same shapes as plain PyTorch."""
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(2, 7, H)
+    _assert_same(_grads(m, x, MLP.forward), _grads(m, x, lambda m, x: AutogradComputeMLP.apply(MLP.forward, m, x)),
+                 rtol=0, atol=0)
 
 
 def test_tiled_mlp_bf16_tracks_fp32() -> None:

@@ -68,6 +68,27 @@ class TiledMLP(torch.autograd.Function):
         return None, None, None if x_grad is None else x_grad.view_as(x), None, None
 
 
+class AutogradComputeMLP(torch.autograd.Function):
+    """`AutogradComputeMLP.apply(fn, self, x)`: `fn(self, x)` with nothing kept but `x`, recomputed whole in
+    backward (upstream's untiled form of TiledMLP, kept as the simplest recompute-in-backward example)."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable, self: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.fn, ctx.module = fn, self
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(self, x)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+        (x, ) = ctx.saved_tensors
+        piece = leaf(x, ctx.needs_input_grad[2])
+        with torch.enable_grad():
+            out = ctx.fn(ctx.module, piece)
+        torch.autograd.backward(out, grad_out)
+        return None, None, piece.grad
+
+
 def sequence_tiled_compute(fn: Callable, seqlen: int, shards: int, kwargs_to_shard: dict, kwargs_to_pass: dict,
                            grad_requiring_tensor_key: str, compute_params: Any = None,
                            output_unshard_dimension: int = 1, output_reduction: str | None = "mean") -> Any:
@@ -152,5 +173,5 @@ class SequenceTiledCompute(torch.autograd.Function):
         return (None, ) * 9 + tuple(arg_grads)
 
 
-__all__ = ["TiledMLP", "sequence_tiled_compute", "SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledLoss",
-           "UlyssesSPFwdLossBwdWithLogits", "shard_bounds"]
+__all__ = ["TiledMLP", "AutogradComputeMLP", "sequence_tiled_compute", "SequenceTiledCompute", "TiledFusedLogitsLoss",
+           "TiledLoss", "UlyssesSPFwdLossBwdWithLogits", "shard_bounds"]
