@@ -149,7 +149,8 @@ def _sp_job(stage: int, shards) -> dict:
     plain, model = TokenLM(), TokenLM()
     model.load_state_dict(plain.state_dict())
     config = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     driver = UlyssesSPFwdLossBwdWithLogits(engine, model, torch.device("cpu"), num_loss_logit_shards=shards)
     loss = driver.sp_fwd_loss_bwd(_sp_batch(dist.get_rank()))

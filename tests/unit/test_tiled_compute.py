@@ -10,8 +10,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from deepspeed.runtime.sequence_parallel.tiled_compute import (AutogradComputeMLP, SequenceTiledCompute, TiledFusedLogitsLoss,
-                                                                TiledLoss, TiledMLP, sequence_tiled_compute)
+from deepspeed.runtime.sequence_parallel.tiled_compute import (AutogradComputeMLP, SequenceTiledCompute,
+                                                                TiledFusedLogitsLoss, TiledLoss, TiledMLP,
+                                                                sequence_tiled_compute)
 
 H, VOCAB = 16, 40
 
@@ -150,7 +151,8 @@ def test_tiled_fused_logits_loss(with_mask) -> None:
     head, x, y = Head(), torch.randn(2, 11, H), torch.randint(0, VOCAB, (2, 11))
     mask = (torch.rand(2, 11) > 0.3).long() if with_mask else None
     flat = (x.view(-1, H), y.view(-1), None if mask is None else mask.view(-1))
-    cases = [("sum", 3), ("sum", 50)] if with_mask else [("sum", 3), ("mean", 3), ("mean", 50)]   # a masked 1-token mean is nan
+    # (with a mask, a 1-token slice's mean can be nan: "sum" only)
+    cases = [("sum", 3), ("sum", 50)] if with_mask else [("sum", 3), ("mean", 3), ("mean", 50)]
     for reduction, shards in cases:
         fn = _loss_fn("sum" if reduction == "sum" else "mean")
         bounds = [(s, min(s + -(-22 // min(shards, 22)), 22)) for s in range(0, 22, -(-22 // min(shards, 22)))]

@@ -124,10 +124,11 @@ class SequenceTiledCompute(torch.autograd.Function):
         sharded = dict(zip(keys_to_shard, args[:n_shard]))
         for k, v in sharded.items():
             if not torch.is_tensor(v) or v.dim() < 2 or v.shape[1] != seqlen:
-                raise ValueError(f"sequence_tiled_compute: kwargs_to_shard[{k!r}] must be a tensor [bs, seqlen={seqlen}, "
-                                 f"...], got {tuple(v.shape) if torch.is_tensor(v) else type(v).__name__}")
-        ctx.fn, ctx.dim, ctx.reduction, ctx.params = fn, output_unshard_dimension, output_reduction, \
-            grad_params(compute_params)
+                got = tuple(v.shape) if torch.is_tensor(v) else type(v).__name__
+                raise ValueError(f"sequence_tiled_compute: kwargs_to_shard[{k!r}] must be a tensor "
+                                 f"[bs, seqlen={seqlen}, ...], got {got}")
+        ctx.fn, ctx.dim, ctx.reduction = fn, output_unshard_dimension, output_reduction
+        ctx.params = grad_params(compute_params)
         ctx.bounds = shard_bounds(seqlen, shards)
         ctx.keys_to_shard, ctx.key = keys_to_shard, grad_requiring_tensor_key
         ctx.index = (keys_to_shard + keys_to_pass).index(grad_requiring_tensor_key)

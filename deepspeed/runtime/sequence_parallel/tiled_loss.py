@@ -193,7 +193,8 @@ class UlyssesSPFwdLossBwdWithLogits:
             sub["shift_labels"] = shift
             # the tokens each rank's loss averages over: its slice of the shifted labels (upstream estimates
             # them from the unshifted slice less one, which is off where a slice edge meets a -100)
-            counts = [int((shift[:, r * chunk:(r + 1) * chunk] != IGNORE_INDEX).sum()) for r in range(self.sp_world_size)]
+            counts = [int((shift[:, r * chunk:(r + 1) * chunk] != IGNORE_INDEX).sum())
+                      for r in range(self.sp_world_size)]
             local = {k: v[:, self.sp_rank * chunk:(self.sp_rank + 1) * chunk] for k, v in sub.items()}
             shift_labels = local.pop("shift_labels")
             self.forward(local)
