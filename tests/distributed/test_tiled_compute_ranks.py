@@ -1,4 +1,4 @@
-"""TiledMLP and TiledFusedLogitsLoss under the engine at 2 ranks (ZeRO 2 and 3): the averaged gradients
+"""TiledMLP and TiledFusedLogitsLoss under the engine at 2 ranks (ZeRO 1, 2 and 3): the averaged gradients
 equal plain PyTorch's, with the ranks' sequences of different lengths so their shard counts differ
 (the ZeRO-3 gathers and reductions must not depend on them), and the tiled loss first in the backward
 (its nested backwards must not end the ZeRO-3 backward early: [Note: tiled backward])."""
@@ -98,7 +98,7 @@ def _job(stage: int, outside: bool = False) -> dict:
     return {"ok": True}
 
 
-@pytest.mark.parametrize("stage,outside", [(2, False), (3, False), (3, True)])
+@pytest.mark.parametrize("stage,outside", [(1, False), (2, False), (3, False), (3, True)])
 def test_tiled_compute_zero_two_ranks(stage: int, outside: bool) -> None:
     assert run_distributed(2, _job, stage, outside) == [{"ok": True}, {"ok": True}]
 
