@@ -310,5 +310,5 @@ def _shard(batch: dict, sp_rank: int, sp_world_size: int) -> dict:
         batch["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
     out = {}
     for k, v in batch.items():
-        out[k] = v[:, chunk * sp_rank:chunk * (sp_rank + 1)].cpu() if torch.is_tensor(v) else v
+        out[k] = v[:, chunk * sp_rank:chunk * (sp_rank + 1)].cpu().contiguous() if torch.is_tensor(v) else v
     return out
