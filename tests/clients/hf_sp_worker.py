@@ -37,7 +37,10 @@ import torch  # noqa: E402
 import hf_common as C  # noqa: E402
 import sp_common as S  # noqa: E402
 
-SP, MICRO, STEPS, LR, CLIP, N = 2, 2, 8, 1.0, 1.0, 16
+# MICRO = 1: wt-spattn's adapter returns non-contiguous shards on CPU for batches of 2+ samples, which
+# transformers' loss cannot `view` (see test_sequence_parallel_models.py::test_adapter_shards_are_contiguous)
+SP, MICRO, STEPS, LR, CLIP = 2, 1, 8, 1.0, 1.0
+N = STEPS * MICRO   # one epoch: every sample once
 VARIANTS = {
     "trainer-z2": dict(stage=2, tiled=False),
     "trainer-z3": dict(stage=3, tiled=False),

@@ -278,3 +278,19 @@ def train_gpt(steps: int, sp: int, stage: int, micro: int = 2, lr: float = 0.5, 
         losses.append(float(whole))
         norms.append(engine.get_global_grad_norm())
     return _results(engine, losses, norms, grads0)
+
+
+def adapter_shards(micro: int, sp: int) -> list[dict]:
+    """The adapter's shards of one batch of `micro` samples: per shard, each tensor's contiguity."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+    from deepspeed.utils import groups
+
+    groups.mpu = None
+    parallel_state_sp.initialize_sequence_parallel(sp)
+    batch = llama_data(1, 1, micro, 0)[0][0]
+    loader = UlyssesSPDataLoaderAdapter(torch.utils.data.DataLoader([batch], batch_size=None),
+                                        sp_rank=groups._get_sequence_parallel_rank(),
+                                        sp_group=groups._get_sequence_parallel_group(), sp_world_size=sp,
+                                        device=torch.device("cpu"))
+    return [{k: v.is_contiguous() for k, v in shard.items() if torch.is_tensor(v)} for shard in loader]

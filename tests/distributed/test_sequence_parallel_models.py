@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from sp_models_jobs import gpt_reference, llama_reference, train_gpt, train_llama
+from sp_models_jobs import adapter_shards, gpt_reference, llama_reference, train_gpt, train_llama
 
 STEPS, LR, CLIP = 10, 0.5, 1.0
 
@@ -70,3 +70,13 @@ def test_gpt_distributed_attention_local_share_loss(sp, stage):
     dp = 4 // sp
     ref = gpt_reference(STEPS, dp=dp, micro=2, lr=LR, clip=CLIP)
     _check(run_distributed(4, train_gpt, STEPS, sp, stage, lr=LR, clip=CLIP), ref, dp=dp)
+
+
+@pytest.mark.xfail(strict=True, reason="wt-spattn: UlyssesSPDataLoaderAdapter slices [:, a:b] and .cpu() is a no-op "
+                   "on CPU, so with 2+ samples a batch's shards are non-contiguous and transformers' ForCausalLMLoss "
+                   "(shift_labels.view(-1)) raises under Trainer/Accelerate; when fixed, drop this mark and set "
+                   "MICRO = 2 in tests/clients/hf_sp_worker.py")
+def test_adapter_shards_are_contiguous():
+    """What a client's loss does with them: `shift_labels.view(-1)` needs contiguous shards."""
+    for rank, shards in enumerate(run_distributed(2, adapter_shards, 2, 2)):
+        assert shards and all(all(s.values()) for s in shards), (rank, shards)
