@@ -152,6 +152,7 @@ def run_trainer(name: str, root: str, data) -> dict:
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             if model.training:
+                assert inputs["input_ids"].shape[1] == S.SEQ // SP and "labels" not in inputs, inputs.keys()
                 group = sp_group()
                 seen.append(tuple(S.gather_shards(inputs[k], group) for k in ("input_ids", "position_ids",
                                                                                "shift_labels")))
@@ -212,7 +213,7 @@ def run_accelerate(name: str, data) -> dict:
     seen, losses, norms = [], [], []
     for batch in loader:
         shift = batch["shift_labels"]
-        assert "labels" not in batch
+        assert batch["input_ids"].shape[1] == S.SEQ // SP and "labels" not in batch, batch.keys()
         seen.append(tuple(S.gather_shards(batch[k], group) for k in ("input_ids", "position_ids", "shift_labels")))
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         local = model.module.loss_function(logits=logits, labels=None, shift_labels=shift,
