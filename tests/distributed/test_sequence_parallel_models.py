@@ -72,10 +72,6 @@ def test_gpt_distributed_attention_local_share_loss(sp, stage):
     _check(run_distributed(4, train_gpt, STEPS, sp, stage, lr=LR, clip=CLIP), ref, dp=dp)
 
 
-@pytest.mark.xfail(strict=True, reason="wt-spattn: UlyssesSPDataLoaderAdapter slices [:, a:b] and .cpu() is a no-op "
-                   "on CPU, so with 2+ samples a batch's shards are non-contiguous and transformers' ForCausalLMLoss "
-                   "(shift_labels.view(-1)) raises under Trainer/Accelerate; when fixed, drop this mark and set "
-                   "MICRO = 2 in tests/clients/hf_sp_worker.py")
 def test_adapter_shards_are_contiguous():
     """What a client's loss does with them: `shift_labels.view(-1)` needs contiguous shards."""
     for rank, shards in enumerate(run_distributed(2, adapter_shards, 2, 2)):
