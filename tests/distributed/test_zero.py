@@ -96,17 +96,25 @@ def test_zero_memory_and_communication_are_counted(world: int) -> None:
     assert "all_reduce" not in r0["backward_comm"]
 
 
-def _live_tensor_bytes(engine, opt) -> dict:
-    """Bytes of the distinct tensor storages Python can reach (gc), next to what the layout
-    says a rank holds between steps: the parameters (4Ψ, fp32), the master shard and AdamW's two
-    states (3 x 4 x shard). Asks no engine object what it holds beyond the sizes."""
+def _reachable_tensors() -> list:
     import gc
 
     gc.collect()
+    return [obj for obj in gc.get_objects()
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.numel() > 1]
+
+
+def _live_tensor_bytes(engine, opt, before: list) -> dict:
+    """Bytes of the distinct tensor storages Python can reach (gc) that were not there before the
+    engine (`before`, held alive so no new storage reuses their addresses: what earlier jobs in this
+    worker left in libraries' globals is not the engine's), next to what the layout says a rank holds
+    between steps: the parameters (4Ψ, fp32), the master shard and AdamW's two states (3 x 4 x shard).
+    Asks no engine object what it holds beyond the sizes."""
+    old = {t.untyped_storage().data_ptr() for t in before}
     storages: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.numel() > 1:
-            storage = obj.untyped_storage()
+    for obj in _reachable_tensors():
+        storage = obj.untyped_storage()
+        if storage.data_ptr() not in old:
             storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
     params = sum(sb.param_flat.numel() for sb in opt.buckets) * 4
     return {"counted": sum(storages.values()), "expected": params + 3 * 4 * opt.shard_numel()}
@@ -117,6 +125,7 @@ def stage2_gradient_memory(bucket: int, overlap: bool = True, stage: int = 2) ->
 
     cfg = _config(micro=2, gas=2, zero_optimization={"stage": stage, "reduce_bucket_size": bucket,
                                                      "overlap_comm": overlap})
+    before = _reachable_tensors()
     engine, opt, _, _ = deepspeed.initialize(model=make_model(), config=cfg)
     for _ in range(2):
         engine.backward(engine(torch.randn(2, 16), torch.tensor([0, 1])))
@@ -125,7 +134,7 @@ def stage2_gradient_memory(bucket: int, overlap: bool = True, stage: int = 2) ->
     sizes = [b.shard_numel * 2 for b in reducer.buckets]
     freed = all(b.shard_grad is None for b in reducer.buckets) and \
         all(m.grad is None for g in opt.optimizer.param_groups for m in g["params"])
-    live = _live_tensor_bytes(engine, opt)
+    live = _live_tensor_bytes(engine, opt, before)
     return {"after_backward": reducer.live_buffer_numel(), "peak": reducer.peak_live_numel,
             "largest": max(sizes), "largest_two": sum(sorted(sizes)[-2:]), "total": sum(sizes),
             "grads_none": all(p.grad is None for p in engine.module.parameters()),
