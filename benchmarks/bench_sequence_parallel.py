@@ -79,6 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ds-venv", default=os.environ.get("DS_VENV", "/tmp/ds-venv"))
     p.add_argument("--job-timeout", type=int, default=1800, help="seconds before a job is killed")
     p.add_argument("--json", default=None, help="also write every job's per-rank results here")
+    p.add_argument("--from-json", default=None, help="comma list of --json files: print their rows as one table")
     p.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     p.add_argument("--sp-size", type=int, help=argparse.SUPPRESS)
     p.add_argument("--tiled-on", type=int, help=argparse.SUPPRESS)
@@ -393,7 +394,7 @@ def launch(args, impl: str, sp: int, tiled: int) -> dict:
     return bz.launch(args, impl, sp, tiled, script=os.path.abspath(__file__), argv_of=worker_argv)
 
 
-def summarize(impl: str, sp: int, tiled: int, job: dict) -> dict:
+def summarize(impl: str, sp: int, tiled: int, job: dict, budget: float) -> dict:
     row = dict(impl=impl, sp=sp, tiled=tiled)
     ranks = job.get("ranks", [])
     errors = [r["error"] for r in ranks if "error" in r]
@@ -402,7 +403,8 @@ def summarize(impl: str, sp: int, tiled: int, job: dict) -> dict:
         return row
     r0 = ranks[0]
     row.update(version=r0["version"], max_seq=r0["search"]["max_seq"], capped=r0["search"]["capped"],
-               search=[(s["seq"], round(s["peak_max"] / MIB, 2), s["trained"]) for s in r0["search"]["log"]])
+               search=[(s["seq"], round(s["peak_max"] / MIB, 2), s["trained"] and s["peak_max"] <= budget)
+                       for s in r0["search"]["log"]])
     if "at_max" in r0:
         row["act_at_max"] = max(r["at_max"]["peak"] for r in ranks)
         row["rss_at_max"] = max(r["at_max"]["rss"] for r in ranks)
@@ -415,21 +417,25 @@ def summarize(impl: str, sp: int, tiled: int, job: dict) -> dict:
 
 
 def print_tables(rows: list[dict], args) -> None:
+    rows = sorted(rows, key=lambda r: (r["tiled"], r["sp"], r["impl"] != "ours"))
     base = {(r["impl"], r["tiled"]): r for r in rows if r["sp"] == 1 and "error" not in r}
     print(f"\n### (a) longest global sequence within {args.budget_mib:g} MiB counted activations per rank\n")
     print("| impl | SP | TiledMLP + tiled loss | max seq (global) | tokens/rank | counted act. at max, MiB/rank "
-          "| peak RSS at max, MiB (max rank) | vs SP=1 |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
+          "| peak RSS at max, MiB (max rank) | vs SP=1 | vs DeepSpeed |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    ds = {(r["sp"], r["tiled"]): r for r in rows if r["impl"] == "deepspeed" and r.get("max_seq")}
     for r in rows:
         tag = "yes" if r["tiled"] else "no"
         if "error" in r:
-            print(f"| {r['impl']} | {r['sp']} | {tag} | failed: {r['error'][:200]} | | | | |")
+            print(f"| {r['impl']} | {r['sp']} | {tag} | failed: {r['error'][:200]} | | | | | |")
             continue
         b = base.get((r["impl"], r["tiled"]))
         vs = f"{r['max_seq'] / b['max_seq']:.2f}x" if b and b.get("max_seq") else ""
         cap = "≥" if r["capped"] else ""
+        d = ds.get((r["sp"], r["tiled"]))
+        vs_ds = f"{r['max_seq'] / d['max_seq']:.2f}x" if d and r["impl"] != "deepspeed" else ""
         print(f"| {r['impl']} | {r['sp']} | {tag} | {cap}{r['max_seq']} | {r['max_seq'] // r['sp']} "
-              f"| {r.get('act_at_max', 0) / MIB:.1f} | {r.get('rss_at_max', 0) / MIB:.0f} | {vs} |")
+              f"| {r.get('act_at_max', 0) / MIB:.1f} | {r.get('rss_at_max', 0) / MIB:.0f} | {vs} | {vs_ds} |")
     print(f"\n### (b) step at {args.time_seq} global tokens (median of {args.steps}; wall = slowest rank, "
           "CPU = summed over ranks)\n")
     print("| impl | SP | TiledMLP + tiled loss | counted act., MiB/rank | x of SP=1 | wall s/step | vs SP=1 "
@@ -454,6 +460,13 @@ def print_tables(rows: list[dict], args) -> None:
 
 
 def driver(args) -> int:
+    if args.from_json:
+        rows = []
+        for path in args.from_json.split(","):
+            with open(path) as f:
+                rows += json.load(f)["rows"]
+        print_tables(rows, args)
+        return 0
     # Large blocks go straight to mmap and back to the OS when freed, so RSS follows the live tensors.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     rows, raw = [], []
@@ -463,7 +476,7 @@ def driver(args) -> int:
                 t0 = time.time()
                 job = launch(args, impl, sp, tiled)
                 raw.append(dict(impl=impl, sp=sp, tiled=tiled, job=job))
-                row = summarize(impl, sp, tiled, job)
+                row = summarize(impl, sp, tiled, job, args.budget_mib * MIB)
                 rows.append(row)
                 print(f"[{impl} sp={sp} tiled={tiled}] {time.time() - t0:.0f}s "
                       f"{row.get('error') or 'max_seq=%s' % row.get('max_seq')}", flush=True)
