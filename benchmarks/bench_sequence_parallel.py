@@ -26,7 +26,9 @@ Memory is *counted*, not sampled from the allocator (CPU has no ``max_memory_all
 keeps is charged once per storage (views of one storage share the charge, parameters are
 not charged) until the graph releases it, and the peak of the live total is the step's
 activation memory. That includes what a tiled function saves and what its recompute saves
-inside backward. Peak RSS (psutil, sampled every 2 ms during the step) is shown beside it.
+inside backward. Each step also records the peak up to the end of the loss's forward
+(``fwd_peak``) and what is still held then (``fwd_live``, the bytes kept for backward), so the
+JSON shows whether a step peaks in forward or in backward. Peak RSS (psutil, sampled every 2 ms during the step) is shown beside it.
 
 (a) For each (impl, SP, tiled) the longest global sequence whose step (forward + backward +
 optimizer step) keeps every rank's counted activation peak within ``--budget-mib``: lengths
@@ -301,6 +303,7 @@ class Job:
         trained = True
         with rss, self.counter:
             loss = self.loss(batch)
+            fwd_peak, fwd_live = self.counter.peak, self.counter.live
             if budget is not None and self.agree_max(self.counter.peak) > budget:
                 trained = False
                 del loss
@@ -316,6 +319,7 @@ class Job:
         assert self.counter.live == 0 or not trained, (
             f"{self.counter.live} saved bytes still held after backward: {list(self.counter.refs.values())[:8]}")
         out = dict(seq=seq, peak=self.counter.peak, peak_max=self.agree_max(self.counter.peak), trained=trained,
+                   fwd_peak=fwd_peak, fwd_live=fwd_live,
                    rss=rss.peak, wall=wall, cpu=cpu)
         if trained:
             out["loss"] = loss_value
