@@ -18,8 +18,8 @@ directory outside the repo, with a private ``TORCH_EXTENSIONS_DIR``; its
 ``/dev/shm/deepspeed_allreduce_buffer_*`` files are removed after each job. World = SP.
 
 Model: a tiny Llama from a local ``LlamaConfig`` (no hub): hidden 128, 2 layers, 8 heads, 4 kv
-heads, intermediate 512, vocab 8192 (so the logits weigh as in a real LLM), fp32, sdpa attention (causal, no mask), micro batch 1,
-ZeRO stage 0, ``torch.optim.AdamW``. One thread per rank.
+heads, intermediate 512, vocab 8192 (so the logits weigh as in a real LLM), fp32, sdpa attention
+(causal, no mask), micro batch 1, ZeRO stage 0, ``torch.optim.AdamW``. One thread per rank.
 
 Memory is *counted*, not sampled from the allocator (CPU has no ``max_memory_allocated``):
 ``torch.autograd.graph.saved_tensors_hooks`` wrap forward and backward, each tensor autograd
@@ -28,7 +28,8 @@ not charged) until the graph releases it, and the peak of the live total is the 
 activation memory. That includes what a tiled function saves and what its recompute saves
 inside backward. Each step also records the peak up to the end of the loss's forward
 (``fwd_peak``) and what is still held then (``fwd_live``, the bytes kept for backward), so the
-JSON shows whether a step peaks in forward or in backward. Peak RSS (psutil, sampled every 2 ms during the step) is shown beside it.
+JSON shows whether a step peaks in forward or in backward. Peak RSS (psutil, sampled every 2 ms
+during the step) is shown beside it.
 
 (a) For each (impl, SP, tiled) the longest global sequence whose step (forward + backward +
 optimizer step) keeps every rank's counted activation peak within ``--budget-mib``: lengths
@@ -104,6 +105,8 @@ class SavedBytes:
     Parameters are not activations and are never charged."""
 
     def __init__(self, params):
+        import torch
+        self.tensor_type = torch.Tensor
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
         self.refs: dict[int, list] = {}
         self.live = self.peak = 0
@@ -113,7 +116,7 @@ class SavedBytes:
         self.peak = self.live
 
     def _pack(self, t):
-        if not isinstance(t, __import__("torch").Tensor) or t.device.type == "meta":
+        if not isinstance(t, self.tensor_type) or t.device.type == "meta":
             return t
         storage = t.untyped_storage()
         key = storage.data_ptr()
