@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean upstream-tests
+.PHONY: demo test bench clean upstream-tests gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,12 @@ test: $(STAMP)
 # UPSTREAM=/path/to/DeepSpeed checkout; UPSTREAM_SELECT picks folders/files under its tests/.
 upstream-tests:
 	UPSTREAM="$(UPSTREAM)" bash tools/upstream_tests/run.sh
+
+# The one-call CUDA check for a session lent a GPU (docs/gpu.md). No $(STAMP): the device copy of
+# the tree has no .venv, so it runs with the image's python (PYTHON=... to choose one) and the
+# wheels carried in .whl/ (tools/gpu/fetch_wheels.sh). GPU_CHECK_ARGS=--dry-run checks the plumbing.
+gpu-check:
+	bash tools/gpu/check.sh $(GPU_CHECK_ARGS)
 
 bench: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/bench_dp.py

@@ -38,6 +38,7 @@ _LAZY = {
     "config": ("deepspeed.config", None),
     "checkpoint": ("deepspeed.checkpoint", None),
     "tp_model_init": ("deepspeed.runtime.builder", "tp_model_init"),
+    "set_optimizer_flags": ("deepspeed.runtime.builder", "set_optimizer_flags"),
     "OnDevice": ("deepspeed.utils.init_on_device", "OnDevice"),
     "checkpointing": ("deepspeed.runtime.activation_checkpointing.checkpointing", None),
     "DeepSpeedTransformerConfig": ("deepspeed.ops.transformer", "DeepSpeedTransformerConfig"),

@@ -84,7 +84,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         raw = load_config_dict(_config_from_args(args, config, config_params))
         if mesh_sp is not None:
             raw = {**raw, "sequence_parallel_size": mesh_sp}
-        world_size = _data_parallel_size(raw, mpu, ds_comm.get_world_size())
+        world_size = _data_parallel_size(raw, mpu, ds_comm.get_world_size(), model)
+        raw = _tp_counted_batch(raw, ds_comm.get_world_size(), world_size)
         return DeepSpeedConfig(raw, world_size=world_size)
 
     # No process group yet: validate first, so a bad config raises before the rendezvous. With one,
@@ -95,12 +96,30 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     # Every rank the same resolved config, or every rank the same error ([Note: cross-rank config agreement]).
     config_class = agree_config(config_or_build, "deepspeed.initialize")
     raw = config_class.raw
+    set_optimizer_flags(config_class, model)
     log_dist(f"DeepSpeed info: version={__version__} (pure-Python)", ranks=[0])
     engine = engine_class(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                           training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                           dist_init_required=dist_init_required, collate_fn=collate_fn, config=raw,
                           config_class=config_class)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def set_optimizer_flags(config_class: Any, model: torch.nn.Module) -> None:
+    """`"optimizer": {"type": "Muon"}`: tag each parameter `use_muon` by upstream's rule (matrices,
+    ndim >= 2, whose name contains neither "embed" nor "lm_head", are Muon's; embeddings, the
+    output head, biases and norms AdamW's). A tag the user set already is kept (upstream
+    overwrites it): that is how a model routes a parameter the name rule gets wrong."""
+    from .constants import MUON_OPTIMIZER
+
+    section = config_class.model.optimizer
+    name = section.type if section is not None else None
+    if not isinstance(name, str) or name.lower() != MUON_OPTIMIZER:
+        return
+    for param_name, p in model.named_parameters():
+        if not hasattr(p, "use_muon"):
+            lowered = param_name.lower()
+            p.use_muon = p.ndim >= 2 and "embed" not in lowered and "lm_head" not in lowered
 
 
 def _mesh_param_sequence(mesh_param: Any) -> int | None:
@@ -120,23 +139,53 @@ def _mesh_param_sequence(mesh_param: Any) -> int | None:
     return sp
 
 
-def _data_parallel_size(raw: dict, mpu: Any, world_size: int) -> int:
-    """Replicas for batch arithmetic: the mpu's data-parallel size, else world / sequence_parallel_size
-    (upstream's rule: sequence-parallel ranks share one micro-batch)."""
+def _data_parallel_size(raw: dict, mpu: Any, world_size: int, model: Any = None) -> int:
+    """Replicas for batch arithmetic: the mpu's data-parallel size, else world / (sequence_parallel_size x
+    tensor-parallel size) (upstream's rule: sequence- and tensor-parallel ranks share one micro-batch)."""
+    from .engine_parallel import engine_tensor_parallel_size
+
     if mpu is not None:
         if hasattr(mpu, "get_data_parallel_world_size"):
             return int(mpu.get_data_parallel_world_size())
         if hasattr(mpu, "get_sequence_data_parallel_world_size"):   # upstream's parallel_state_sp
             return int(mpu.get_sequence_data_parallel_world_size()) // int(mpu.get_sequence_parallel_world_size())
     sp = raw.get("sequence_parallel_size", 1)
-    if isinstance(sp, int) and not isinstance(sp, bool) and sp > 1:
+    sp = sp if isinstance(sp, int) and not isinstance(sp, bool) and sp > 1 else 1
+    tp = engine_tensor_parallel_size(model, raw) if model is not None else 1
+    if sp * tp > 1:
         if world_size % sp:
             from .config import DeepSpeedConfigError
 
             raise DeepSpeedConfigError(f"sequence_parallel_size={sp} must divide the world size ({world_size}): "
                                        f"choose a divisor of {world_size}")
-        return world_size // sp
+        if world_size % (sp * tp):
+            from .config import DeepSpeedConfigError
+
+            raise DeepSpeedConfigError(f"tensor_parallel.autotp_size={tp} x sequence_parallel_size={sp} must divide "
+                                       f"the world size ({world_size}): choose sizes whose product divides it")
+        return world_size // (sp * tp)
     return world_size
+
+
+def _tp_counted_batch(raw: dict, world_size: int, dp: int) -> dict:
+    """transformers fills `train_batch_size` as micro x gas x world, counting tensor-parallel ranks as
+    replicas (upstream's config does too when no mpu is passed); the samples per step are micro x gas x dp.
+    That one value is taken as the TP-counted form and replaced by the true one (logged); other
+    mismatches stay errors."""
+    tp_section = raw.get("tensor_parallel")
+    if dp == world_size or not isinstance(tp_section, dict):
+        return raw
+    batch, micro, gas = (raw.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                               "gradient_accumulation_steps"))
+    sp = raw.get("sequence_parallel_size", 1)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (batch, micro, gas, sp)):
+        return raw
+    if batch != micro * gas * (world_size // sp) or batch == micro * gas * dp:
+        return raw
+    log_dist(f"train_batch_size={batch} counts the {world_size // sp // dp} tensor-parallel ranks of each replica "
+             f"(transformers' rule); the engine trains micro x gas x data-parallel = {micro * gas * dp} samples per "
+             "step", ranks=[0])
+    return {**raw, "train_batch_size": micro * gas * dp}
 
 
 def _is_pipeline_module(model: Any) -> bool:
@@ -149,14 +198,33 @@ def _is_pipeline_module(model: Any) -> bool:
 
 def tp_model_init(model: torch.nn.Module, tp_size: int, dtype: torch.dtype | None = None, config: Any = None,
                   **kwargs: Any) -> torch.nn.Module:
-    """AutoTP entry point (transformers calls it for `tp_size` > 1). Tensor parallelism is not
-    implemented in this build: tp_size 1 returns `model` (cast to `dtype`), larger sizes raise."""
-    if tp_size is not None and int(tp_size) > 1:
-        from .engine_setup import NotSupportedYet
+    """AutoTP: shard `model`'s Linear layers over `tp_size` ranks in place and return it (cast to
+    `dtype`). transformers' `deepspeed_init` and OpenRLHF call it before `deepspeed.initialize`; the
+    sharding plan comes from `config["tensor_parallel"]` (layer specs, preset), else the model's
+    Hugging Face tp_plan, else the automatic rule ([Note: the AutoTP plan] in module_inject/tp_plan.py).
+    Collective: every rank calls it; TP rank 0's weights are the ones sliced."""
+    from .. import comm as ds_comm
+    from .config import load_config_dict
+    from ..module_inject.auto_tp import (broadcast_for_tensor_parallel, cast, shard_model, tensor_parallel_section,
+                                         tp_size_from_config)
+    from . import mesh
 
-        raise NotSupportedYet(f"deepspeed.tp_model_init(tp_size={tp_size}): automatic tensor parallelism (AutoTP) "
-                              "is not implemented in this build of deepspeed; use tp_size=1 or ZeRO")
-    return model.to(dtype) if dtype is not None else model
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"deepspeed.tp_model_init: tp_size must be an integer >= 1, got {tp_size!r}")
+    configured = tp_size_from_config(config)
+    if configured > 1 and configured != tp_size:
+        raise ValueError(f"deepspeed.tp_model_init(tp_size={tp_size}) but the config's tensor_parallel.autotp_size is "
+                         f"{configured}; make them agree")
+    model = cast(model, dtype)
+    if tp_size == 1:
+        return model
+    ds_comm.init_distributed(dist_init_required=None, verbose=False)
+    sp = (load_config_dict(config).get("sequence_parallel_size", 1) if config is not None else 1) or 1
+    parallel = mesh.initialize(sequence=int(sp), tensor=tp_size)
+    group = parallel.group("tensor")
+    broadcast_for_tensor_parallel(model, group)
+    shard_model(model, tp_size, tensor_parallel_section(config), group)
+    return model
 
 
 def default_inference_config() -> dict:

@@ -387,7 +387,7 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
             if clip > 0.0 and split is not None:   # pipeline stages: the norm of the whole model
                 params = [p for p in self.module.parameters() if p.grad is not None]
                 self._global_grad_norm = clip_sharded_grads([p.grad for p in params], clip, self.device, None, 1,
-                                                            split, [counted_in_norm(p) for p in params])
+                                                            split, [counted_in_norm(p, split) for p in params])
             elif clip > 0.0:
                 params = [p for p in self.module.parameters() if p.grad is not None]
                 norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip, foreach=True) if params else None

@@ -40,9 +40,13 @@ def setup_parallel_groups(engine: Any, mpu: Any, config_class: Any) -> None:
     sequence_parallel_size / seq_parallel_group  ranks that share one sample's sequence
     mp_world_size                                model-parallel size (1 under ALST's sp-only mpu)
 
-    A group of None is the whole world."""
+    A group of None is the whole world. With tensor parallelism ([Note: AutoTP in the engine])
+    the groups come from the mesh with its tensor dim."""
     sp_config = int(config_class.model.sequence_parallel_size)
     engine.seq_parallel_group = None
+    engine._split = None
+    if _setup_tensor_parallel(engine, mpu, config_class, sp_config):
+        return
     if mpu is not None:
         groups.mpu = mpu
         if hasattr(mpu, "get_sequence_parallel_world_size"):
@@ -103,3 +107,55 @@ def sequence_loss_factor(engine: Any, loss: torch.Tensor) -> int:
     ds_comm.all_gather(gathered, value, group=engine.seq_parallel_group)
     same = all(torch.equal(g, gathered[0]) for g in gathered)
     return 1 if same else sp
+
+
+def engine_tensor_parallel_size(module: Any, raw: dict) -> int:
+    """The TP size: the config's `tensor_parallel.autotp_size`, else the size the module was already
+    sharded for (`tp_model_init`); the two must agree."""
+    from ..module_inject.auto_tp import tp_size_from_config
+    from ..module_inject.layers import tensor_parallel_size
+
+    configured, sharded = tp_size_from_config(raw), tensor_parallel_size(module)
+    if configured > 1 and sharded > 1 and configured != sharded:
+        raise ValueError(f"tensor_parallel.autotp_size={configured} but the model was sharded by tp_model_init for "
+                         f"tp_size={sharded}; make them agree")
+    return max(configured, sharded)
+
+
+def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) -> bool:
+    """[Note: AutoTP in the engine]
+    Tensor-parallel ranks hold slices of one replica and see the same batch: the mesh's `data` group
+    (batch arithmetic, the data loader) and `sequence_data` group (ZeRO's partition, the gradient
+    average, the initial broadcast) leave the tensor dim out. The model is sharded here when the
+    config asks for it and `tp_model_init` has not done so. Gradient-norm clipping and the overflow
+    check combine over the tensor group too, counting each sharded parameter's slices once and each
+    replicated parameter on TP rank 0 only (`SplitModel.tensor_rank`). False without TP."""
+    tp = engine_tensor_parallel_size(engine.module, config_class.raw)
+    if tp <= 1:
+        return False
+    from .engine_setup import NotSupportedYet
+    from .mesh import initialize as mesh_initialize
+    from .optimizer_wrapper import SplitModel
+    from ..module_inject.auto_tp import broadcast_for_tensor_parallel, shard_model
+    from ..module_inject.layers import tensor_parallel_size
+
+    if mpu is not None:
+        raise ValueError(f"tensor_parallel.autotp_size={tp} with a client `mpu`: the mesh makes the tensor-parallel "
+                         "groups; pass no mpu (or leave autotp_size out and shard with your mpu's layers)")
+    if int(config_class.model.zero_optimization.stage) == 3:
+        raise NotSupportedYet(f"tensor_parallel.autotp_size={tp} with zero_optimization.stage 3: AutoTP composes with "
+                              "ZeRO stages 0, 1 and 2 here (stage 3 with TP is not implemented); use stage 1 or 2")
+    parallel = mesh_initialize(sequence=sp, tensor=tp)
+    tensor_group = parallel.group("tensor")
+    if tensor_parallel_size(engine.module) == 1:   # not yet sharded by tp_model_init: the config asks for it
+        broadcast_for_tensor_parallel(engine.module, tensor_group)
+        shard_model(engine.module, tp, dict(config_class.raw.get("tensor_parallel") or {}), tensor_group)
+    engine.mp_world_size = tp
+    engine.sequence_parallel_size = sp
+    engine.data_parallel_group = parallel.group("data")
+    engine.dp_world_size = parallel.size("data")
+    engine.seq_data_parallel_group = parallel.group("sequence_data")
+    engine.seq_dp_world_size = parallel.size("sequence_data")
+    engine.seq_parallel_group = parallel.group("sequence") if sp > 1 else None
+    engine._split = SplitModel(tensor_group, tensor_rank=parallel.rank("tensor"))
+    return True

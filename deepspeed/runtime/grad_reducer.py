@@ -224,7 +224,7 @@ class GradBucketReducer:
         bucket = self.buckets[bucket_index]
         self.seen.add(id(param))
         self._bind(bucket, position)
-        if not self._armed:
+        if not self._armed or not getattr(param, "ds_grad_is_ready", True):   # more to come: tiled compute
             return
         if bucket_index < self._next_launch:
             name = self.names.get(id(param), f"shape {tuple(param.shape)}")

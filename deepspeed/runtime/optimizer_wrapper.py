@@ -22,16 +22,24 @@ from .base_optimizer import DeepSpeedOptimizer
 
 @dataclass(frozen=True)
 class SplitModel:
-    """The model is split across ranks beyond data parallelism (pipeline stages): overflow flags
-    and gradient norms are combined over `model_group` (the ranks holding the other parts of
-    this replica) as well, and parameters marked `ds_pipe_replicated` (a tied weight's copies
-    on its later stages) are left out of the norm, so each counts once."""
+    """The model is split across ranks beyond data parallelism (pipeline stages, tensor slices):
+    overflow flags and gradient norms are combined over `model_group` (the ranks holding the other
+    parts of this replica) as well, and copies are left out of the norm so each parameter counts
+    once: parameters marked `ds_pipe_replicated` (a tied weight's copies on later stages) and,
+    under tensor parallelism, the replicated (unsharded) parameters on tensor ranks other than 0."""
 
     model_group: Any
+    tensor_rank: int = 0
 
 
-def counted_in_norm(param: torch.Tensor) -> bool:
-    return not getattr(param, "ds_pipe_replicated", False)
+def counted_in_norm(param: torch.Tensor, split: "SplitModel | None" = None) -> bool:
+    if getattr(param, "ds_pipe_replicated", False):
+        return False
+    if split is not None and split.tensor_rank != 0:
+        from ..module_inject.layers import is_tensor_parallel
+
+        return is_tensor_parallel(param)
+    return True
 
 
 def clip_sharded_grads(grads: list[torch.Tensor], max_norm: float, comm_device: torch.device, group: Any,

@@ -10,6 +10,9 @@ This mirrors upstream ``DeepSpeedEngine._configure_basic_optimizer`` (0.19.8):
   when offloading); ``Adagrad`` -> ``torch.optim.Adagrad`` (:class:`DeepSpeedCPUAdagrad`
   when offloading).
 * ``MuAdam`` / ``MuAdamW`` / ``MuSGD`` come from the optional ``mup`` package.
+* ``Muon`` -> :class:`deepspeed.runtime.zero.muon.muon_optimizer.MuonWithAuxAdam`, one Muon param
+  group (the parameters tagged ``use_muon=True``) and one AdamW group (the others), as upstream
+  (0.18.9+): ``muon_lr`` / ``adam_lr`` override ``lr`` for their half (see :func:`build_muon`).
 * Any other name is looked up in ``torch.optim`` (e.g. ``SGD``, ``RMSprop``).
 
 Unlike upstream, a misspelt type or parameter key is a ``ValueError`` that names the
@@ -31,7 +34,6 @@ from .constants import (ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAM_W_MODE, ADAM_W_M
 
 # Names upstream once accepted (or still lists) that this build does not implement, with why.
 _UNSUPPORTED = {
-    MUON_OPTIMIZER: "Muon is not implemented in this pure-Python build",
     "onebitadam": "1-bit optimizers were removed upstream and are not implemented here",
     "zerooneadam": "1-bit optimizers were removed upstream and are not implemented here",
     "onebitlamb": "1-bit optimizers were removed upstream and are not implemented here",
@@ -52,8 +54,8 @@ def torch_optimizer_names() -> list[str]:
 
 def supported_optimizer_names() -> list[str]:
     """Every accepted ``optimizer.type`` spelling, for error messages."""
-    ds = ["Adam", "AdamW", "Lamb", "Lion", "Adagrad", "MuAdam (needs mup)", "MuAdamW (needs mup)", "MuSGD (needs mup)"]
-    shadowed = {ADAM_OPTIMIZER, ADAMW_OPTIMIZER, ADAGRAD_OPTIMIZER, *_UNSUPPORTED}
+    ds = ["Adam", "AdamW", "Lamb", "Lion", "Adagrad", "Muon", "MuAdam (needs mup)", "MuAdamW (needs mup)", "MuSGD (needs mup)"]
+    shadowed = {ADAM_OPTIMIZER, ADAMW_OPTIMIZER, ADAGRAD_OPTIMIZER, MUON_OPTIMIZER, *_UNSUPPORTED}
     return ds + [name for name in torch_optimizer_names() if name.lower() not in shadowed]
 
 
@@ -120,6 +122,46 @@ def _build_adam(type_name: str, params: dict, model_parameters, on_cpu_offload: 
     return FusedAdam(model_parameters, **params, adam_w_mode=effective_w_mode)
 
 
+# upstream's engine reads these keys for each half (muon_lr / adam_lr override lr there)
+_MUON_KEYS = ("lr", "momentum", "weight_decay", "muon_lr", "ns_method")
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "adam_lr")
+
+
+def build_muon(params: dict, model_parameters: list) -> torch.optim.Optimizer:
+    """``MuonWithAuxAdam`` over the parameters' ``use_muon`` tags (set by ``deepspeed.initialize``,
+    see ``set_optimizer_flags``): group ``muon-params`` gets lr/muon_lr, momentum, weight_decay,
+    ns_method; group ``adam-params`` lr/adam_lr, betas, eps, weight_decay. Param-group dicts are
+    flattened (their options dropped), as upstream does."""
+    from .zero.muon.muon_optimizer import MuonWithAuxAdam
+    from .zero.muon.original_muon import check_ns_method
+
+    for key in params:
+        if key not in _MUON_KEYS + _ADAM_KEYS:
+            accepted = ", ".join(dict.fromkeys(_MUON_KEYS + _ADAM_KEYS))
+            raise ValueError(f"optimizer.params.{key}: not a parameter of optimizer type 'Muon'; accepted keys: "
+                             f"{accepted}")
+    if "ns_method" in params:
+        check_ns_method(params["ns_method"], "optimizer.params.ns_method")
+    flat = [p for item in model_parameters for p in (item["params"] if isinstance(item, dict) else [item])]
+    untagged = [tuple(p.shape) for p in flat if not hasattr(p, "use_muon")]
+    if untagged:
+        raise ValueError(f"optimizer.type 'Muon': {len(untagged)} parameter(s) (shapes {untagged[:4]}) have no "
+                         "use_muon attribute; deepspeed.initialize tags the model's parameters, or set "
+                         "param.use_muon = True (hidden matrices) / False (embeddings, heads, biases, norms)")
+    groups = []
+    for use_muon, keys, override, name in ((True, _MUON_KEYS, "muon_lr", "muon-params"),
+                                           (False, _ADAM_KEYS, "adam_lr", "adam-params")):
+        members = [p for p in flat if bool(p.use_muon) == use_muon and p.requires_grad]
+        if members:
+            options = {k: params[k] for k in keys if k in params and k != override}
+            if override in params:
+                options["lr"] = params[override]
+            if "betas" in options:
+                options["betas"] = tuple(options["betas"])
+            groups.append(dict(params=members, use_muon=use_muon, name=name, **options))
+    return MuonWithAuxAdam(groups)
+
+
 def _resolve(name: str, type_name: str, on_cpu_offload: bool) -> Callable[..., torch.optim.Optimizer]:
     """The constructor for a non-Adam ``optimizer.type`` (lower-cased ``name``)."""
     if name == LAMB_OPTIMIZER:
@@ -177,6 +219,8 @@ def build_optimizer(
     name = type_name.lower()
     if name in (ADAM_OPTIMIZER, ADAMW_OPTIMIZER):
         return _build_adam(type_name, params, model_parameters, on_cpu_offload)
+    if name == MUON_OPTIMIZER:
+        return build_muon(params, model_parameters)
     if ADAM_W_MODE in params or TORCH_ADAM_PARAM in params:
         key = ADAM_W_MODE if ADAM_W_MODE in params else TORCH_ADAM_PARAM
         raise ValueError(f"optimizer.params.{key}: only valid for optimizer type Adam/AdamW, got {type_name!r}")

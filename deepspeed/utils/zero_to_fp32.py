@@ -715,6 +715,9 @@ def _lazy_state_dict(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
     _info(f"Detected checkpoint of type zero stage {ckpt.stage}, world_size: {ckpt.world_size}"
           + (f" (written by deepspeed=={ckpt.ds_version})" if ckpt.ds_version else ""))
     parts = [ckpt]
+    tp_dims = ckpt.model0.get("tp_partition_dims")
+    if ckpt.mp_world_size > 1 and tp_dims and ckpt.stage in (1, 2):
+        return _tp_state_dict(ckpt, tp_dims, exclude_frozen_parameters)
     if ckpt.mp_world_size > 1:
         if ckpt.model0.get("module") is not None or ckpt.stage > 2:
             raise ZeroCheckpointError(f"'{ds_dir}' has {ckpt.mp_world_size} model-parallel ranks: consolidating "
@@ -739,6 +742,29 @@ def _lazy_state_dict(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
     total = sum(v.numel() for v in {id(v): v for v in state.values()}.values())
     _info(f"Reconstructed state dict: {len(state)} entries ({n_params} distinct tensors), {total} elements")
     return state
+
+
+def _tp_state_dict(ckpt, tp_dims, exclude_frozen_parameters):
+    """AutoTP at ZeRO 1-2: each tensor rank's files hold its slices (`tp_partition_dims` names the dim of
+    each sliced parameter); the whole parameter is its slices joined in tensor-rank order, the others
+    are equal on every tensor rank (rank 0's are taken)."""
+    parts = [ckpt] + [_Checkpoint(ckpt.ds_dir, mp_rank=m) for m in range(1, ckpt.mp_world_size)]
+    _info(f"AutoTP checkpoint: {ckpt.mp_world_size} tensor-parallel ranks")
+    states = []
+    for part in parts:
+        state = OrderedDict(_buffers(part))
+        if not exclude_frozen_parameters:
+            state.update(_frozen(part))
+        state.update(_trainable_stage12(part))
+        states.append(state)
+    out = OrderedDict()
+    for name, value in states[0].items():
+        dim = tp_dims.get(name)
+        out[name] = value if dim is None else torch.cat([s[name].contiguous() for s in states], dim=dim)
+    for alias, target in (ckpt.model0.get(SHARED_PARAMS) or {}).items():
+        if target in out:
+            out[alias] = out[target]
+    return out
 
 
 # =============================================================================== public API

@@ -39,16 +39,18 @@ def test_module_level_names_resolve_after_bare_import() -> None:
     assert deepspeed.version == deepspeed.__version__      # OpenRLHF compares `deepspeed.version`
 
 
-def test_features_not_built_say_so() -> None:
+def test_tp_model_init_surface() -> None:
     """AutoTP: OpenRLHF calls tp_model_init (then module_inject's GatherReplacedLayerParams) only for
-    tensor_parallel_size > 1, so the first call is the one that explains."""
+    tensor_parallel_size > 1; tp_size 1 returns the model itself, a bad size names the argument."""
     import deepspeed
-    from deepspeed.runtime.engine_setup import NotSupportedYet
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams  # noqa: F401 (OpenRLHF's import)
 
-    with pytest.raises(NotSupportedYet, match="AutoTP"):
-        deepspeed.tp_model_init(model=torch.nn.Linear(2, 2), tp_size=2, dtype=torch.bfloat16)
     layer = torch.nn.Linear(2, 2)
     assert deepspeed.tp_model_init(model=layer, tp_size=1, dtype=torch.float32) is layer
+    with pytest.raises(ValueError, match="tp_size must be an integer >= 1"):
+        deepspeed.tp_model_init(model=layer, tp_size=0)
+    with pytest.raises(ValueError, match="autotp_size is 4"):
+        deepspeed.tp_model_init(model=layer, tp_size=2, config={"tensor_parallel": {"autotp_size": 4}})
 
 
 class _Net(torch.nn.Module):

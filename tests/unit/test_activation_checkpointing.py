@@ -291,6 +291,7 @@ def test_retain_graph_second_backward(kind: str) -> None:
     torch.testing.assert_close(lin.weight.grad, 2 * first, rtol=0, atol=0)   # g + g is exact
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA RNG replay and CPU-kept inputs")
 @pytest.mark.parametrize("kind", list(FNS))
 def test_cuda_dropout_bit_equal_and_inputs_kept_on_cpu(kind: str, _process_owner) -> None:

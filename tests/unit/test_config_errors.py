@@ -260,7 +260,7 @@ NOT_SUPPORTED = [  # (key, enabled value, disabled value)
     ("hybrid_engine", {"enabled": True}, {"enabled": False, "max_out_tokens": 512}),
     ("data_efficiency", {"enabled": True}, {"enabled": False}),
     ("compile", {"deepcompile": True}, {"deepcompile": False}),
-    ("tensor_parallel", {"autotp_size": 2}, {"autotp_size": 0}),
+    ("tensor_parallel", {"tp": {"tp_size": 2}}, {"autotp_size": 0}),
     ("expert_parallel", {"enabled": True}, {"enabled": False}),
     ("weight_quantization", {"quantized_initialization": {}}, {"enabled": False}),
     ("datastates_ckpt", {}, False),

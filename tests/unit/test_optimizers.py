@@ -401,7 +401,7 @@ def test_build_optimizer_keeps_param_groups_and_hyperparameters():
         ("OneBitAdam", {}, r"optimizer\.type: got 'OneBitAdam'.*Supported.*Adam, AdamW, Lamb"),
         ("ZeroOneAdam", {}, r"optimizer\.type: got 'ZeroOneAdam'"),
         ("OneBitLamb", {}, r"optimizer\.type: got 'OneBitLamb'"),
-        ("Muon", {}, r"optimizer\.type: got 'Muon'; Muon is not implemented"),
+        ("Muon", {"nesterov": True}, r"optimizer\.params\.nesterov: not a parameter of optimizer type 'Muon'"),
         ("NoSuchOpt", {}, r"optimizer\.type: got 'NoSuchOpt'"),
         ("Adam", {"lrr": 0.1}, r"optimizer\.params\.lrr: .*accepted keys: lr, bias_correction"),
         ("Adam", {"torch_adam": True, "bias_correction": False}, r"optimizer\.params\.bias_correction"),

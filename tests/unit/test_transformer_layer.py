@@ -356,6 +356,7 @@ def test_flags_without_dropout_match_hf():
 
 # ---------------------------------------------------------------- CUDA (when a GPU is lent)
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_cuda_matches_cpu(dtype):

@@ -29,13 +29,13 @@ from ...checkpoint.reader import CheckpointReader
 from ...utils.progress import NoBar, min_bytes, progress
 from . import zero3_io
 from .hp_state import HpState
-from .writer import set_rng_state
+from .writer import mp_rank, set_rng_state
 
 DEEPSPEED_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
                   "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
                   "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
                   "mp_world_size", "ds_config", "ds_version", "optimizer_param_names",
-                  "checkpoint_parallel_dimensions"}
+                  "checkpoint_parallel_dimensions", "tp_partition_dims"}
 
 
 @dataclass
@@ -62,7 +62,7 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
         if tag is None:
             return None
     reader = engine._checkpoint_reader(load_dir, str(tag)) if hasattr(engine, "_checkpoint_reader") \
-        else CheckpointReader(load_dir, str(tag))
+        else CheckpointReader(load_dir, str(tag), mp_rank=mp_rank(engine))
     hp = HpState(engine) if engine._has_optimizer else None
     if hp is not None:
         trainable = {n for g in hp.groups for n, _ in g}
@@ -190,6 +190,10 @@ def _plan_optimizer_state(plan: LoadPlan) -> None:
     fields = reader.fields()
     keys = [k for g in hp.base.param_groups for k in g["params"]]
     index = {id(k): i for i, k in enumerate(keys)}
+    # A checkpoint holds every field for every group; an optimizer whose groups keep different
+    # state (MuonWithAuxAdam: momentum_buffer vs exp_avg/exp_avg_sq/step) takes only its own.
+    wanted_of = getattr(hp.base, "state_fields", None)
+    wanted = {id(k): wanted_of(g) for g in hp.base.param_groups for k in g["params"]} if wanted_of else {}
     by_key = {id(p.key): p for p in hp.pieces}
     state = {}
     step = reader.step
@@ -202,11 +206,13 @@ def _plan_optimizer_state(plan: LoadPlan) -> None:
                 state[index[id(key)]] = dict(hp.base.state[key])
             continue
         entry: dict[str, Any] = {}
+        own = wanted.get(id(key))
         for name in fields:
-            value = reader.read(piece.name, name, piece.start, piece.numel)
+            value = None if own is not None and name not in own else reader.read(piece.name, name, piece.start,
+                                                                                 piece.numel)
             if value is not None:
                 entry[name] = value.view_as(key)
-        if entry and step is not None:
+        if entry and step is not None and (own is None or "step" in own):
             entry["step"] = torch.tensor(float(step))
         if entry:
             state[index[id(key)]] = entry

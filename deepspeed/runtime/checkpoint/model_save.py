@@ -37,11 +37,14 @@ def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool =
     ds_comm.arrive_and_wait("_zero3_consolidated_16bit_state_dict", hint=_ALL_RANKS)
     if engine._stage3 is not None:
         return _gathered_state_dict(engine, exclude_frozen_parameters)
+    from ...module_inject.layers import gather_full_state_dict, tp_layers
+
+    # AutoTP: the whole weights, all-gathered over each tensor-parallel group (every rank takes part)
+    state = gather_full_state_dict(engine.module) if tp_layers(engine.module) else engine.module.state_dict()
     if engine.global_rank != 0:
         return None
     frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
-    return {k: own_storage(v) for k, v in engine.module.state_dict().items()
-            if not (exclude_frozen_parameters and k in frozen)}
+    return {k: own_storage(v) for k, v in state.items() if not (exclude_frozen_parameters and k in frozen)}
 
 
 def _gathered_state_dict(engine: Any, exclude_frozen_parameters: bool) -> dict | None:

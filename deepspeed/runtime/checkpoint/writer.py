@@ -76,6 +76,9 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
         ds_config=engine.config,
         ds_version=__version__,
     )
+    tp_dims = _tp_partition_dims(module)
+    if tp_dims:
+        out["tp_partition_dims"] = tp_dims   # zero_to_fp32 joins the tensor ranks' slices along these
     if hp is not None:
         out["optimizer_param_names"] = hp.optimizer_names
     reserved = set(out) & set(client_state)
@@ -199,6 +202,14 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _tp_partition_dims(module: Any) -> dict[str, int]:
+    """{parameter name: the dim AutoTP split it on} (empty without tensor-parallel layers)."""
+    from ...module_inject.layers import tp_layers
+
+    dims = {id(p): dim for layer in tp_layers(module) for p, dim in layer.sharded_params()}
+    return {n: dims[id(p)] for n, p in module.named_parameters() if id(p) in dims}
+
+
 def dp_rank(engine: Any) -> int:
     return ds_comm.get_rank(engine.seq_data_parallel_group)
 
@@ -207,6 +218,9 @@ def mp_rank(engine: Any) -> int:
     """The `mp_rank_XX` of this rank's files: its position among the ranks holding the other parts
     of its model replica (a pipeline stage's index), 0 without model parallelism (upstream's rule)."""
     mpu = getattr(engine, "mpu", None)
-    if mpu is None or not hasattr(mpu, "get_model_parallel_rank") or hasattr(mpu, "initialize_sequence_parallel"):
+    if mpu is None:   # AutoTP: the tensor rank (each writes its slices), as upstream's mp_rank_XX files
+        split = getattr(engine, "_split", None)
+        return split.tensor_rank if split is not None else 0
+    if not hasattr(mpu, "get_model_parallel_rank") or hasattr(mpu, "initialize_sequence_parallel"):
         return 0   # ALST's sp-only mpu names its sequence group "model parallel": those ranks share weights
     return int(mpu.get_model_parallel_rank())

@@ -96,7 +96,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             return self._skip_step(self._first_bad_parameter())
         masters = [p for p in self.master_params() if p.grad is not None]
         if self.clip > 0.0 and self.split is not None:   # pipeline: the norm of the whole model
-            counted = [counted_in_norm(self._model_param_of.get(id(m), m)) for m in masters]
+            counted = [counted_in_norm(self._model_param_of.get(id(m), m), self.split) for m in masters]
             self._global_grad_norm = clip_sharded_grads([m.grad for m in masters], self.clip, masters[0].device
                                                         if masters else torch.device("cpu"), None, 1, self.split,
                                                         counted)

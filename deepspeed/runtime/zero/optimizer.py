@@ -19,6 +19,7 @@ from ...utils.timer import OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_STEP_TIMER, time
 from ..base_optimizer import ZeROOptimizer
 from ..optimizer_wrapper import OptimizerWrapper, clip_sharded_grads, counted_in_norm  # noqa: F401
 from ..precision.policy import PrecisionPolicy
+from .muon.sharded import ShardedMuon
 from .partition import BucketPartition
 
 
@@ -89,12 +90,19 @@ def step_on_shards(wrapper: Any, shards: list[Any], culprit: str, comm_device: t
         if wrapper.overflow:
             applied = wrapper._skip_step(culprit)
         else:
-            if wrapper.clip > 0.0:
-                counted = [all(counted_in_norm(p) for p in shard.params) for shard in shards] \
-                    if wrapper.split is not None else None
+            if wrapper.clip > 0.0 and wrapper.split is not None:   # per parameter: the fragments
+                pieces = [(m.grad, counted_in_norm(shard.params[f.index], wrapper.split))
+                          for shard in shards for m, f in shard.fragment_masters if m.grad is not None]
+                wrapper._global_grad_norm = clip_sharded_grads([g for g, _ in pieces], wrapper.clip, comm_device,
+                                                               wrapper.group, wrapper.dp_world, wrapper.split,
+                                                               [c for _, c in pieces])
+            elif wrapper.clip > 0.0:
                 wrapper._global_grad_norm = clip_sharded_grads(grads, wrapper.clip, comm_device, wrapper.group,
-                                                               wrapper.dp_world, wrapper.split, counted)
-            wrapper.optimizer.step()
+                                                               wrapper.dp_world)
+            if wrapper.muon is not None:   # [Note: Muon under ZeRO]: whole-matrix Newton-Schulz
+                wrapper.muon.step()
+            else:
+                wrapper.optimizer.step()
             applied = True
     finally:
         release_fragment_grads(shards)
@@ -236,6 +244,9 @@ class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
         self.buckets = [_ShardedBucket(b, reducer, self.dp_rank, self.dp_world, master_dtype, device)
                         for b in reducer.buckets]
         self._fragments_of, self.model_param_groups = attach_fragment_masters(optimizer, self.buckets, names)
+        self.muon = ShardedMuon.maybe(optimizer, self.buckets, [[p.shape for p in sb.params] for sb in self.buckets],
+                                      self.model_param_groups, group,
+                                      self.buckets[0].param_flat.device if self.buckets else device, names)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad()

@@ -40,17 +40,6 @@ def _key_true(key: str) -> Callable[[Any], bool]:
     return lambda value: isinstance(value, dict) and bool(value.get(key, False))
 
 
-def _tensor_parallel(value: Any) -> bool:
-    if not isinstance(value, dict):
-        return value is not None
-    tp = value.get("tp") or value.get("tensor_parallel") or {}
-    return _as_int(value.get("autotp_size", 0)) > 1 or _as_int(tp.get("tp_size", 1)) > 1
-
-
-def _as_int(value: Any) -> int:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 2
-
-
 def _present(value: Any) -> bool:
     """Enabled by being there at all, unless it says enabled: false."""
     return value is not None and value is not False and not (isinstance(value, dict) and value.get("enabled") is False)
@@ -63,7 +52,6 @@ UNSUPPORTED_SECTIONS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "hybrid_engine": (_flag(), "the hybrid (RLHF) engine", _OFF),
     "data_efficiency": (_flag(), "data efficiency (curriculum sampling / random-LTD)", _OFF),
     "compile": (_key_true("deepcompile"), "DeepCompile", "remove it or set deepcompile: false"),
-    "tensor_parallel": (_tensor_parallel, "AutoTP tensor parallelism", "remove it or set autotp_size to 0"),
     "expert_parallel": (_flag(), "AutoEP expert parallelism", _OFF),
     "weight_quantization": (_flag(default=True), "weight quantization", _OFF),
     "datastates_ckpt": (_present, "DataStates checkpointing", "remove it"),
@@ -102,8 +90,6 @@ class UnsupportedSections(DSModel):
     """Curriculum data sampling / random-LTD (not supported here)."""
     compile: Unsupported = None
     """DeepCompile (not supported here)."""
-    tensor_parallel: Unsupported = None
-    """AutoTP tensor parallelism (not supported here)."""
     expert_parallel: Unsupported = None
     """AutoEP expert parallelism (not supported here)."""
     weight_quantization: Unsupported = None

@@ -82,6 +82,17 @@ from .units import UnitPlan, add_external_parameter, external_parameters, plan_u
 _LIVE: "weakref.WeakSet[Stage3Coordinator]" = weakref.WeakSet()   # told about external parameters
 
 
+def begin_backward_of(params: list[nn.Parameter]) -> None:
+    """Start now, in the running (outer) graph task, the backward of every engine owning one of
+    `params`: a node that runs nested backwards over them (tiled compute, [Note: tiled backward] in
+    sequence_parallel/tiled_compute.py) must not let the first nested task start it, or its epilogue
+    would run when that task ends, before the other shards."""
+    units = {unit_of(p) for p in params} - {None}
+    for coordinator in list(_LIVE):
+        if units & coordinator._unit_set:
+            coordinator._begin_backward()
+
+
 def external_parameters_changed(module: nn.Module) -> None:
     """register/unregister_external_parameter after initialize: re-plan the engines holding `module`."""
     for coordinator in list(_LIVE):
@@ -381,6 +392,8 @@ class Stage3Coordinator:
     def _grad_accumulated(self, position: int, index: int, param: nn.Parameter) -> None:
         unit = self.units[position]
         self._begin_backward()
+        if not getattr(param, "ds_grad_is_ready", True):   # more nested backwards add to it: [Note: tiled backward]
+            return
         if unit.grad_arrived(index) and unit not in self._by_module:
             self.reducer.add(unit)
 

@@ -24,6 +24,7 @@ from ....utils.timer import OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_STEP_TIMER, tim
 from ...base_optimizer import ZeROOptimizer
 from ...optimizer_wrapper import OptimizerWrapper
 from ...precision.policy import PrecisionPolicy
+from ..muon.sharded import ShardedMuon
 from ..optimizer import MasterShard, PartitionedStateDict, attach_fragment_masters, step_on_shards
 from .coordinator import Stage3Coordinator
 from .sharded_param import ShardedUnit
@@ -85,6 +86,8 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
                       for u in coordinator.units if any(id(p) in trained for p in u.params)]
         self._comm_device = coordinator.units[0].flat.device if coordinator.units else torch.device("cpu")
         self._fragments_of, self.model_param_groups = attach_fragment_masters(optimizer, self.units, names)
+        self.muon = ShardedMuon.maybe(optimizer, self.units, [list(um.unit.shapes) for um in self.units],
+                                      self.model_param_groups, group, self._comm_device, names)
         self._offload_view: Any = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

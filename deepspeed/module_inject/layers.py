@@ -1,0 +1,250 @@
+"""Tensor-parallel Linear layers (AutoTP), at upstream's import path.
+
+[Note: tensor-parallel Linear pair]
+A column-parallel layer (`LinearLayer`) holds rows [r*n/tp, (r+1)*n/tp) of the weight (and bias): its
+output is this rank's slice of the features. A row-parallel layer (`LinearAllreduce`) holds the matching
+columns of its weight: its partial products are summed over the tensor-parallel group, then the (whole,
+replicated) bias is added. Megatron's f/g pair makes the two differentiable: the column layer's input
+passes `copy_to_tensor_parallel` (identity forward, all-reduce of the input gradient backward, since each
+rank's slice contributes part of it) and the row layer's output `reduce_from_tensor_parallel` (all-reduce
+forward, identity backward). So every rank sees the same activations outside the pair, replicated
+parameters (norms, embeddings, row biases) get identical gradients on every TP rank, and sharded ones
+get their slice of the full gradient. Collectives go through deepspeed.comm.
+
+The parameters stay the module's own Parameter objects (their `.data` becomes the slice), so optimizer
+parameter lists made before sharding stay valid. A sharded parameter carries upstream's Megatron-style
+flag `tensor_model_parallel = True` (clients and upstream's norm helpers read it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from .. import comm as dist
+
+DS_TENSOR_MODEL_PARALLEL = "tensor_model_parallel"
+DS_IS_REPLACED_MODULE = "ds_is_replaced_module"
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """True for a parameter sharded over the tensor-parallel group."""
+    return bool(getattr(param, DS_TENSOR_MODEL_PARALLEL, False))
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, group: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return None, grad
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, group: Any, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return None, grad
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather of the last dim forward; this rank's slice of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, group: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.group, ctx.width = group, x.shape[-1]
+        ctx.rank = dist.get_rank(group)
+        pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, x.contiguous(), group=group)
+        return torch.cat(pieces, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return None, grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous()
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _CopyToTP.apply(group, x)
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _ReduceFromTP.apply(group, x)
+
+
+def gather_from_tensor_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _GatherFromTP.apply(group, x)
+
+
+class TensorParallel_Layer(nn.Module):
+    """Base of the tensor-parallel layers: the group, this rank's index in it, and the dim it splits."""
+
+    partition_dim: int = 0   # of the weight: 0 for column-parallel, 1 for row-parallel
+    tp_overlap_comm: bool = False   # upstream's switch; accepted, the all-reduce is not overlapped here
+
+    def __init__(self, mp_group: Any, name: str | None = None) -> None:
+        super().__init__()
+        self.mp_group = mp_group
+        self.tp_world_size = dist.get_world_size(mp_group) if mp_group is not None else 1
+        self.tp_index = dist.get_rank(mp_group) if mp_group is not None else 0
+        self.world_size, self.rank = self.tp_world_size, self.tp_index   # upstream's older names
+        self.name = name
+        self.support_training = True
+
+    def _slice(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        size = full.shape[dim] // self.tp_world_size
+        return full.narrow(dim, self.tp_index * size, size).detach().clone().contiguous()
+
+    def _mark(self, param: torch.Tensor) -> None:
+        setattr(param, DS_TENSOR_MODEL_PARALLEL, True)
+        setattr(param, DS_IS_REPLACED_MODULE, True)
+
+    def sharded_params(self) -> list[tuple[nn.Parameter, int]]:
+        """(parameter, the dim it is split on) for each sharded parameter."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def full_param(self, param: torch.Tensor, dim: int) -> torch.Tensor:
+        """The whole parameter, all-gathered over the group (collective)."""
+        if self.tp_world_size == 1:
+            return param.data.clone()
+        pieces = [torch.empty_like(param.data) for _ in range(self.tp_world_size)]
+        dist.all_gather(pieces, param.data.contiguous(), group=self.mp_group)
+        return torch.cat(pieces, dim=dim)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, " \
+               f"tp_world_size={self.tp_world_size}, tp_index={self.tp_index}"
+
+
+class LinearLayer(TensorParallel_Layer):
+    """Column-parallel Linear ([Note: tensor-parallel Linear pair]); `gather_output` all-gathers the
+    features so the layer's output is whole (Hugging Face's `colwise_gather_output`)."""
+
+    partition_dim = 0
+
+    def __init__(self, module: nn.Linear, mp_group: Any = None, skip_partition: bool = False,
+                 gather_output: bool = False, name: str | None = None, **kwargs: Any) -> None:
+        super().__init__(mp_group, name)
+        self.weight, self.bias = module.weight, module.bias
+        self.in_features, self.out_features = module.in_features, module.out_features
+        self.gather_output = gather_output
+        if not skip_partition and self.tp_world_size > 1:
+            self.weight.data = self._slice(self.weight.data, 0)
+            if self.bias is not None:
+                self.bias.data = self._slice(self.bias.data, 0)
+        self._mark(self.weight)
+        if self.bias is not None:
+            self._mark(self.bias)
+
+    def sharded_params(self) -> list[tuple[nn.Parameter, int]]:
+        return [(p, 0) for p in (self.weight, self.bias) if p is not None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_world_size > 1:
+            x = copy_to_tensor_parallel(x, self.mp_group)
+        out = nn.functional.linear(x, self.weight, self.bias)
+        if self.gather_output and self.tp_world_size > 1:
+            out = gather_from_tensor_parallel(out, self.mp_group)
+        return out
+
+
+class LinearAllreduce(TensorParallel_Layer):
+    """Row-parallel Linear ([Note: tensor-parallel Linear pair]): partial products all-reduced over the
+    group, then the replicated bias added."""
+
+    partition_dim = 1
+
+    def __init__(self, module: nn.Linear, mp_group: Any = None, skip_partition: bool = False,
+                 name: str | None = None, **kwargs: Any) -> None:
+        super().__init__(mp_group, name)
+        self.weight, self.bias = module.weight, module.bias
+        self.in_features, self.out_features = module.in_features, module.out_features
+        if not skip_partition and self.tp_world_size > 1:
+            self.weight.data = self._slice(self.weight.data, 1)
+        self._mark(self.weight)
+
+    def sharded_params(self) -> list[tuple[nn.Parameter, int]]:
+        return [(self.weight, 1)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = nn.functional.linear(x, self.weight)
+        if self.tp_world_size > 1:
+            out = reduce_from_tensor_parallel(out, self.mp_group)
+        return out + self.bias if self.bias is not None else out
+
+
+def tp_layers(module: nn.Module) -> list[TensorParallel_Layer]:
+    return [m for m in module.modules() if isinstance(m, TensorParallel_Layer)]
+
+
+def tensor_parallel_size(module: nn.Module) -> int:
+    """The TP size the module was sharded for (1 when it holds no tensor-parallel layer)."""
+    sizes = {layer.tp_world_size for layer in tp_layers(module)}
+    if len(sizes) > 1:
+        raise ValueError(f"the model holds tensor-parallel layers of different sizes {sorted(sizes)}")
+    return sizes.pop() if sizes else 1
+
+
+class GatherReplacedLayerParams:
+    """Context manager: inside it the given parameters of AutoTP layers are whole (all-gathered over
+    the tensor-parallel group); on exit each is this rank's slice again, cut from the whole value
+    (so weights loaded inside the block are kept) and written back into the parameter's original
+    storage (ZeRO-1/2 hold parameters as views of their flat buffers). Parameters of other layers
+    are left alone; collective over the tensor-parallel group (every TP rank enters it)."""
+
+    def __init__(self, params: Iterable[torch.Tensor] | torch.Tensor, module: nn.Module, enabled: bool = True) -> None:
+        self.module = module
+        self.params = [params] if isinstance(params, torch.Tensor) else list(params)
+        owners = {}
+        if enabled:
+            for layer in tp_layers(module):
+                for p, dim in layer.sharded_params():
+                    owners[id(p)] = (layer, dim)
+        self._targets = [(p, *owners[id(p)]) for p in self.params if id(p) in owners]
+        self.enabled = enabled and bool(self._targets)
+        self._shards: list[torch.Tensor] = []
+
+    def __enter__(self) -> None:
+        if not self.enabled:
+            return
+        self._shards = []
+        for p, layer, dim in self._targets:
+            self._shards.append(p.data)
+            p.data = layer.full_param(p, dim)
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.enabled:
+            return
+        with torch.no_grad():
+            for (p, layer, dim), shard in zip(self._targets, self._shards):
+                shard.copy_(layer._slice(p.data, dim))
+                p.data = shard
+        self._shards = []
+
+
+def gather_full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state dict with every AutoTP parameter whole (collective over the TP group)."""
+    full: dict[int, torch.Tensor] = {}
+    for layer in tp_layers(module):
+        for p, dim in layer.sharded_params():
+            full[id(p)] = layer.full_param(p, dim)
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    state = module.state_dict()
+    by_name = {names[i]: t for i, t in full.items() if i in names}
+    return {k: by_name.get(k, v) for k, v in state.items()}

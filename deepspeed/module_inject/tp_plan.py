@@ -1,0 +1,235 @@
+"""AutoTP's sharding plan: which Linear layers are column-parallel, row-parallel or replicated (pure).
+
+[Note: the AutoTP plan]
+A plan maps each `nn.Linear`'s module name to a `LayerPlan` (column / row / skip, and whether a column
+layer gathers its output). It is decided from the first source that applies, in this order:
+
+1. explicit `tensor_parallel.partition_config.layer_specs` (regexes matched, as upstream, with
+   `re.match` against "<module>.weight"; with `preset_model` and `use_default_specs` the explicit specs
+   come first and the preset's follow); a Linear no spec matches stays replicated;
+2. `preset_model` alone (built-in specs for common architectures);
+3. the Hugging Face model's `tp_plan` (the model's `_tp_plan`, its base model's, and the config's
+   `base_model_tp_plan` under the base model's prefix): `colwise` -> column, `rowwise` -> row,
+   `colwise_gather_output`/`colwise_rep` -> column with the output gathered; other styles are refused;
+4. upstream's automatic rule: in each module whose direct children hold two or more Linear layers,
+   the output projections (o_proj, down_proj, out_proj, dense_4h_to_h, fc2, wo, w2, c_proj) are row-
+   parallel and the others column-parallel; where none of those names occur, the last Linear is row-
+   parallel and the ones before it column-parallel. A Linear alone in its parent, the LM head
+   (lm_head / embed_out) and Linear layers tied to an embedding stay replicated.
+
+A column layer needs `out_features`, a row layer `in_features`, divisible by the TP size; and a model
+whose config has head counts needs `num_attention_heads` and `num_key_value_heads` divisible by it
+(else a head would be split across ranks). Anything else is refused with an error naming the layer;
+uneven shards are not made.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from torch import nn
+
+COLUMN, ROW, SKIP = "column", "row", "skip"
+ROW_NAMES = frozenset({"o_proj", "down_proj", "out_proj", "dense_4h_to_h", "fc2", "wo", "w2", "c_proj"})
+HEAD_NAMES = frozenset({"lm_head", "embed_out"})
+HF_STYLES = {"colwise": (COLUMN, False), "rowwise": (ROW, False), "colwise_gather_output": (COLUMN, True),
+             "colwise_rep": (COLUMN, True)}
+_LLAMA_LIKE = ({"patterns": [r".*\.(o_proj|down_proj)\.weight$"], "partition_type": ROW},
+               {"patterns": [r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$"], "partition_type": COLUMN})
+PRESETS: dict[str, tuple[dict, ...]] = {name: _LLAMA_LIKE for name in ("llama", "mistral", "qwen2", "qwen3")}
+PRESETS["phi3"] = ({"patterns": [r".*\.(o_proj|down_proj)\.weight$"], "partition_type": ROW},)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    kind: str                  # COLUMN, ROW or SKIP
+    gather_output: bool = False
+    source: str = "auto"       # which rule decided it (for error messages and docs)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One layer spec: regexes over "<module>.weight", what to do with the layers they match."""
+
+    patterns: tuple[str, ...]
+    kind: str
+    gather_output: bool = False
+    model_types: tuple[str, ...] | None = None
+
+    def matches(self, weight_name: str, model_type: str | None) -> bool:
+        if self.model_types is not None and (model_type or "").lower() not in {t.lower() for t in self.model_types}:
+            return False
+        return any(re.match(p, weight_name) for p in self.patterns)
+
+
+def spec_from_dict(raw: dict, where: str) -> Spec:
+    kind = str(raw.get("partition_type", COLUMN)).lower()
+    if kind not in (COLUMN, ROW, SKIP):
+        raise ValueError(f"{where}.partition_type={raw.get('partition_type')!r}: expected 'column', 'row' or 'skip'")
+    if raw.get("shape") is not None:
+        raise ValueError(f"{where}.shape={raw['shape']!r}: sub-parameter (fused) partitioning is not supported "
+                         "here; split the fused layer or leave it replicated with partition_type 'skip'")
+    if raw.get("partition_dim") not in (None, 0 if kind == COLUMN else 1) and kind != SKIP:
+        raise ValueError(f"{where}.partition_dim={raw['partition_dim']!r}: a {kind} layer is split on dim "
+                         f"{0 if kind == COLUMN else 1} (the only one supported)")
+    patterns = raw.get("patterns") or []
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    for p in patterns:
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise ValueError(f"{where}.patterns: {p!r} is not a valid regular expression ({e})") from None
+    types = raw.get("model_types")
+    return Spec(tuple(patterns), kind, bool(raw.get("gather_output", False)),
+                tuple(types) if types is not None else None)
+
+
+def specs_from_config(tp_config: dict) -> list[Spec] | None:
+    """The explicit and preset specs of a `tensor_parallel` section, None when it has neither."""
+    preset = tp_config.get("preset_model")
+    partition = tp_config.get("partition_config") or None
+    if preset is None and partition is None:
+        return None
+    specs: list[Spec] = []
+    if partition is not None:
+        for i, raw in enumerate(partition.get("layer_specs") or []):
+            specs.append(spec_from_dict(dict(raw), f"tensor_parallel.partition_config.layer_specs[{i}]"))
+    if preset is not None and (partition is None or partition.get("use_default_specs", True)):
+        if str(preset).lower() not in PRESETS:
+            raise ValueError(f"tensor_parallel.preset_model={preset!r}: unknown preset; known: {sorted(PRESETS)}")
+        specs += [spec_from_dict(s, f"preset {preset}") for s in PRESETS[str(preset).lower()]]
+    return specs
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's Hugging Face tp_plan with keys relative to `model` (empty when it has none)."""
+    plan: dict[str, str] = {}
+    config = getattr(model, "config", None)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    has_base = bool(prefix) and isinstance(getattr(model, prefix, None), nn.Module)
+    lead = f"{prefix}." if has_base else ""
+    for key, style in (getattr(config, "base_model_tp_plan", None) or {}).items():
+        plan[lead + key] = style
+    base = getattr(model, prefix, None) if has_base else None
+    for key, style in (getattr(base, "_tp_plan", None) or {}).items():
+        plan[lead + key] = style
+    for key, style in (getattr(type(model), "_tp_plan", None) or {}).items():
+        plan.setdefault(key, style)
+    for key, style in (getattr(model, "_tp_plan", None) or {}).items():
+        plan[key] = style
+    return plan
+
+
+def _hf_regex(key: str) -> str:
+    return "(?:.*\\.)?" + re.escape(key).replace("\\*", "[^.]+")
+
+
+def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and name]
+
+
+def _tied_to_embedding(model: nn.Module) -> set[str]:
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return {name for name, m in _linears(model) if id(m.weight) in embeddings}
+
+
+def _from_specs(model: nn.Module, specs: list[Spec]) -> dict[str, LayerPlan]:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    plan = {}
+    for name, _ in _linears(model):
+        spec = next((s for s in specs if s.matches(name + ".weight", model_type)), None)
+        plan[name] = LayerPlan(spec.kind, spec.gather_output, "layer_specs") if spec else \
+            LayerPlan(SKIP, False, "layer_specs")
+    return plan
+
+
+def _from_hf(model: nn.Module, hf_plan: dict[str, str]) -> dict[str, LayerPlan]:
+    """Entries for non-Linear modules (embedding_rowwise, norms) leave those whole; a Linear whose
+    entry has a style AutoTP does not provide is refused."""
+    compiled = [(re.compile(_hf_regex(k)), k, str(s).lower()) for k, s in hf_plan.items()]
+    plan = {}
+    for name, _ in _linears(model):
+        hit = next(((key, style) for rx, key, style in compiled if rx.fullmatch(name)), None)
+        if hit is None or hit[1] == "replicated_with_grad_allreduce":
+            plan[name] = LayerPlan(SKIP, False, "tp_plan")
+        elif hit[1] in HF_STYLES:
+            plan[name] = LayerPlan(*HF_STYLES[hit[1]], "tp_plan")
+        else:
+            raise ValueError(f"AutoTP: layer {name!r} has Hugging Face tp_plan style {hit[1]!r} (key {hit[0]!r}), "
+                             f"which AutoTP does not support (supported for Linear layers: {sorted(HF_STYLES)}); "
+                             "give tensor_parallel.partition_config.layer_specs for this model instead")
+    return plan
+
+
+def _automatic(model: nn.Module) -> dict[str, LayerPlan]:
+    plan = {name: LayerPlan(SKIP) for name, _ in _linears(model)}
+    for parent_name, parent in model.named_modules():
+        children = [(n, c) for n, c in parent.named_children() if isinstance(c, nn.Linear) and n not in HEAD_NAMES]
+        if len(children) < 2:
+            continue
+        named_rows = [n for n, _ in children if n in ROW_NAMES]
+        rows = set(named_rows) if named_rows else {children[-1][0]}
+        for n, _ in children:
+            full = f"{parent_name}.{n}" if parent_name else n
+            plan[full] = LayerPlan(ROW if n in rows else COLUMN)
+    return plan
+
+
+def build_plan(model: nn.Module, tp_size: int, tp_config: dict | None = None) -> dict[str, LayerPlan]:
+    """The plan for every Linear of `model` ([Note: the AutoTP plan]); raises ValueError naming the
+    layer when a sharded dimension does not divide by `tp_size`."""
+    tp_config = dict(tp_config or {})
+    specs = specs_from_config(tp_config)
+    hf_plan = hf_tp_plan(model) if specs is None else {}
+    if specs is not None:
+        plan = _from_specs(model, specs)
+    elif hf_plan:
+        plan = _from_hf(model, hf_plan)
+    else:
+        plan = _automatic(model)
+    for name in _tied_to_embedding(model):   # a vocabulary-parallel embedding is not provided: keep both whole
+        plan[name] = LayerPlan(SKIP, False, "tied to an embedding")
+    check_plan(model, plan, tp_size)
+    return plan
+
+
+def check_plan(model: nn.Module, plan: dict[str, LayerPlan], tp_size: int) -> None:
+    modules = dict(model.named_modules())
+    for name, layer in plan.items():
+        linear = modules[name]
+        if layer.kind == COLUMN and linear.out_features % tp_size:
+            raise ValueError(f"AutoTP: layer {name!r} (Linear {linear.in_features}->{linear.out_features}) is column-"
+                             f"parallel ({layer.source}) but out_features={linear.out_features} is not divisible by "
+                             f"autotp_size={tp_size}; choose a tp size that divides it or mark the layer 'skip' in "
+                             "tensor_parallel.partition_config.layer_specs")
+        if layer.kind == ROW and linear.in_features % tp_size:
+            raise ValueError(f"AutoTP: layer {name!r} (Linear {linear.in_features}->{linear.out_features}) is row-"
+                             f"parallel ({layer.source}) but in_features={linear.in_features} is not divisible by "
+                             f"autotp_size={tp_size}; choose a tp size that divides it or mark the layer 'skip' in "
+                             "tensor_parallel.partition_config.layer_specs")
+    if any(layer.kind != SKIP for layer in plan.values()):
+        check_heads(getattr(model, "config", None), tp_size)
+
+
+def check_heads(config: Any, tp_size: int) -> None:
+    """Attention heads are the unit of a column split of q/k/v: each must stay on one rank."""
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if isinstance(heads, int) and heads % tp_size:
+            raise ValueError(f"AutoTP: the model config's {key}={heads} is not divisible by autotp_size={tp_size}: "
+                             "a head would be split across ranks; choose a tp size that divides every head count")
+
+
+def summary(plan: dict[str, LayerPlan]) -> dict[str, list[str]]:
+    """{kind: [layer names]} (for logs and tests)."""
+    out: dict[str, list[str]] = {COLUMN: [], ROW: [], SKIP: []}
+    for name, layer in plan.items():
+        out[layer.kind].append(name)
+    return out
+
+
+def sharded_names(plan: dict[str, LayerPlan]) -> Iterable[str]:
+    return (name for name, layer in plan.items() if layer.kind != SKIP)

@@ -1,0 +1,124 @@
+"""AutoTP in the engine ([Note: AutoTP in the engine] in deepspeed/runtime/engine_parallel.py): TP=2 on
+2 ranks and TP=2 x DP=2 on 4 ranks, ZeRO 0-2, against one process training the unsharded model on the
+same global batch. Not bit-equal: the row layers' partial products are summed in another order, so
+~1e-6 relative (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import run_distributed
+from tp_engine_jobs import HIDDEN, SEQ, reference, train_tp
+
+STEPS = 3
+
+
+def _check(results: list[dict], ref: dict, rtol: float = 2e-5, atol: float = 2e-6) -> None:
+    for rank, result in enumerate(results):
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(result["params"][name], value, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def _check_losses(results: list[dict], ref: dict, tp: int, dp: int) -> None:
+    for rank, result in enumerate(results):
+        dp_rank = rank // tp
+        want = [ref["losses"][step * dp + dp_rank] for step in range(STEPS)]
+        assert result["losses"] == pytest.approx(want, rel=1e-5), rank
+
+
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), 2])
+def test_tp2_dp2_llama_matches_one_process(stage):
+    ref = reference("llama", STEPS, dp=2, micro=2, lr=0.5, clip=1.0)
+    results = run_distributed(4, train_tp, "llama", STEPS, 2, stage, clip=1.0)
+    _check(results, ref)
+    _check_losses(results, ref, tp=2, dp=2)
+    for result in results:   # the clipped norm is the whole model's: shards once, replicated once
+        assert result["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+    batches = [r["first_batch"] for r in results]   # deepspeed_io: TP peers (0,1), (2,3) share a batch
+    assert batches[0] == batches[1] and batches[2] == batches[3] and batches[0] != batches[2]
+
+
+@pytest.mark.parametrize("stage,via_init", [(0, False), (2, True)])
+def test_tp2_mlp_matches_one_process(stage, via_init):
+    ref = reference("mlp", STEPS, dp=1, micro=2, lr=0.5, clip=0.5)
+    results = run_distributed(2, train_tp, "mlp", STEPS, 2, stage, clip=0.5, via_init=via_init)
+    _check(results, ref)
+    _check_losses(results, ref, tp=2, dp=1)
+    for result in results:
+        assert result["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+        assert result["sharded"] == ["block.down.weight", "block.up.bias", "block.up.weight"]
+        for name, numel in result["full_numel"].items():   # 1/tp of every sharded weight, whole otherwise
+            share = 2 if name in result["sharded"] else 1
+            assert result["local_numel"][name] * share == numel, name
+            assert result["after_numel"][name] == result["local_numel"][name], name   # sliced again on exit
+
+
+@pytest.mark.parametrize("kind,hidden,per_step", [
+    ("mlp", HIDDEN, 2),        # the pair: row output forward, column input gradient backward
+    ("llama", 64, 2 * 7 + 1),  # per layer: o_proj, down_proj forward; q, k, v, gate, up backward; lm_head's input
+])
+def test_tp_all_reduce_bytes_match_theory(kind, hidden, per_step):
+    """Every TP all-reduce of a forward/backward is one [micro, seq, hidden] fp32 tensor, as many as the
+    layers' theory says; nothing else all-reduces during forward/backward at DP=1."""
+    micro = 2
+    results = run_distributed(2, train_tp, kind, 2, 2, 0, micro=micro, count_bytes=True)
+    for result in results:
+        assert result["bytes"] == [("torch.float32", micro * SEQ * hidden * 4)] * per_step * 2
+
+
+def test_tp_zero3_refused():
+    with pytest.raises(Exception, match="stage 3"):
+        run_distributed(2, train_tp, "mlp", 1, 2, 3)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_checkpoint_resume_at_the_same_tp_size(tmp_path, stage):
+    """TP=2 x DP=2: each tensor rank writes its mp_rank_XX files (its slices and their optimizer state);
+    2 steps, save, resume in fresh processes, 1 more step equals 3 uninterrupted steps (SGD momentum)."""
+    import os
+
+    ref = reference("mlp", 3, dp=2, micro=2, lr=0.5, clip=0.0, momentum=0.9)
+    saved = run_distributed(4, train_tp, "mlp", 2, 2, stage, momentum=0.9, save_dir=str(tmp_path))[0]["params"]
+    names = sorted(os.listdir(tmp_path / "tp"))
+    assert "mp_rank_00_model_states.pt" in names and "mp_rank_01_model_states.pt" in names, names
+    _check(run_distributed(4, train_tp, "mlp", 1, 2, stage, momentum=0.9, load_dir=str(tmp_path), start=2), ref)
+    if stage > 0:   # zero_to_fp32 joins the tensor ranks' slices: the whole fp32 weights
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="tp")
+        assert sorted(consolidated) == sorted(saved)
+        for name, value in saved.items():
+            assert torch.equal(consolidated[name].float(), value), name
+
+
+def test_save_16bit_model_writes_whole_weights(tmp_path):
+    ref = reference("llama", 1, dp=1, micro=2, lr=0.5, clip=0.0)
+    run_distributed(2, train_tp, "llama", 1, 2, 1, save_16bit=str(tmp_path))
+    saved = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    assert sorted(saved) == sorted(ref["params"])
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(saved[name], value, rtol=2e-5, atol=2e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("precision", [{"bf16": {"enabled": True}},
+                                       {"fp16": {"enabled": True, "initial_scale_power": 8}}])
+def test_tp2_16bit_zero1_tracks_fp32(precision):
+    """bf16/fp16 compute with fp32 masters: the sharded masters are the slices (the whole weights gathered
+    here are the 16-bit ones), close to the fp32 reference; fp16's overflow check runs over the TP group."""
+    ref = reference("mlp", STEPS, dp=1, micro=2, lr=0.5, clip=1.0)
+    results = run_distributed(2, train_tp, "mlp", STEPS, 2, 1, clip=1.0, extra=precision)
+    for result in results:
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(result["params"][name].float(), value, rtol=3e-2, atol=3e-2)
+        assert result["norms"] == pytest.approx(ref["norms"], rel=3e-2)
+
+
+def test_tp2_dp2_activation_checkpointing_inside_the_tp_pair():
+    """deepspeed.checkpointing around the column/row pair: the recompute in backward repeats the row
+    all-reduce on every TP rank in the same order, and the result is the unsharded model's."""
+    ref = reference("mlp", STEPS, dp=2, micro=2, lr=0.5, clip=1.0)
+    results = run_distributed(4, train_tp, "mlp", STEPS, 2, 1, clip=1.0, checkpoint_block=True)
+    _check(results, ref)
+    _check_losses(results, ref, tp=2, dp=2)

@@ -1,0 +1,146 @@
+"""Jobs for the engine under AutoTP tensor parallelism: each TP rank holds slices of its replica's
+Linear layers and sees its replica's micro-batch; the result must equal one process training the
+unsharded model on the same global batch (SGD, so gradient scale errors show in the parameters)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+VOCAB, HIDDEN, SEQ = 32, 16, 6
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(HIDDEN, 4 * HIDDEN)
+        self.down = nn.Linear(4 * HIDDEN, HIDDEN)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(h)))
+
+
+class TinyMLPLM(nn.Module):
+    """Embedding -> LayerNorm -> MLP block (column up, row down by the automatic rule) -> lm_head (whole)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.block = _Block()
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.checkpoint_block = False   # deepspeed.checkpointing around the TP pair (recomputed in backward)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        if self.checkpoint_block:
+            import deepspeed
+
+            h = h + deepspeed.checkpointing.checkpoint(self.block, self.norm(h))
+        else:
+            h = h + self.block(self.norm(h))
+        logits = self.lm_head(h)
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def build(kind: str) -> nn.Module:
+    torch.manual_seed(1234)
+    if kind == "mlp":
+        return TinyMLPLM()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                         num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64)
+    config._attn_implementation = "eager"
+    return LlamaForCausalLM(config)
+
+
+def make_data(steps: int, batch: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (batch, SEQ), generator=g) for _ in range(steps)]
+
+
+def _loss(model: nn.Module, kind: str, ids: torch.Tensor) -> torch.Tensor:
+    if kind == "mlp":
+        return model(ids, ids.roll(-1, dims=1))
+    return model(input_ids=ids, labels=ids).loss
+
+
+def reference(kind: str, steps: int, dp: int, micro: int, lr: float, clip: float, momentum: float = 0.0) -> dict:
+    model = build(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    losses, norms = [], []
+    for ids in make_data(steps, dp * micro):
+        opt.zero_grad()
+        for d in range(dp):
+            loss = _loss(model, kind, ids[d * micro:(d + 1) * micro])
+            (loss / dp).backward()
+            losses.append(float(loss.detach()))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))))
+        opt.step()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms, "losses": losses}
+
+
+def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: float = 0.5, clip: float = 0.0,
+             via_init: bool = False, count_bytes: bool = False, save_dir: str | None = None,
+             load_dir: str | None = None, extra: dict | None = None, start: int = 0, momentum: float = 0.0,
+             save_16bit: str | None = None, checkpoint_block: bool = False) -> dict:
+    """Every rank: its replica's micro-batch (rows [dp_rank*micro, (dp_rank+1)*micro) of the global batch).
+    `via_init`: shard with deepspeed.tp_model_init first (transformers' way), else by the config alone."""
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams, is_tensor_parallel
+
+    model = build(kind)
+    model.checkpoint_block = checkpoint_block
+    full_numel = {n: p.numel() for n, p in model.named_parameters()}
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": clip,
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10**6,
+              "tensor_parallel": {"autotp_size": tp}}
+    config.update(copy.deepcopy(extra or {}))
+    if via_init:
+        model = deepspeed.tp_model_init(model, tp_size=tp, dtype=torch.float32, config=config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)   # made before the config path shards: same params
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    if load_dir is not None:
+        engine.load_checkpoint(load_dir)
+    dp, dp_rank = engine.dp_world_size, engine.get_data_parallel_rank()
+    rows = torch.utils.data.TensorDataset(torch.arange(64.0).view(32, 2))
+    first_batch = next(iter(engine.deepspeed_io(rows)))[0].tolist()   # this replica's first micro-batch
+    assert dp == dist.get_world_size() // tp and engine.train_batch_size() == micro * dp
+    counted: list[tuple[str, int]] = []
+    if count_bytes:
+        real = dist.all_reduce
+
+        def counting(tensor, *args, **kwargs):
+            counted.append((str(tensor.dtype), tensor.numel() * tensor.element_size()))
+            return real(tensor, *args, **kwargs)
+
+    losses, norms = [], []
+    for ids in make_data(start + steps, dp * micro)[start:]:
+        x = ids[dp_rank * micro:(dp_rank + 1) * micro]
+        if count_bytes:
+            dist.all_reduce = counting
+        try:
+            loss = engine(x, x.roll(-1, dims=1)) if kind == "mlp" else engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+        finally:
+            dist.all_reduce = real if count_bytes else dist.all_reduce
+        engine.step()
+        losses.append(float(loss.detach()))
+        norms.append(engine.get_global_grad_norm())
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir, tag="tp")
+    if save_16bit is not None:
+        engine.save_16bit_model(save_16bit)
+    local = {n: p.numel() for n, p in engine.module.named_parameters()}
+    sharded = {n for n, p in engine.module.named_parameters() if is_tensor_parallel(p)}
+    params = list(engine.module.parameters())
+    with GatherReplacedLayerParams(params, engine.module, enabled=True):
+        full = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    after = {n: p.numel() for n, p in engine.module.named_parameters()}
+    return {"params": full, "losses": losses, "norms": norms, "local_numel": local,
+            "full_numel": full_numel, "after_numel": after, "sharded": sorted(sharded), "bytes": counted,
+            "tensor_rank": dist.get_rank() % tp, "first_batch": first_batch}

@@ -1,0 +1,111 @@
+"""The AutoTP sharding plan ([Note: the AutoTP plan] in deepspeed/module_inject/tp_plan.py): pure, no processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from deepspeed.module_inject.tp_plan import COLUMN, ROW, SKIP, build_plan, hf_tp_plan, summary
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+
+
+def _llama(heads: int = 4, kv: int = 2, hidden: int = 64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
+                                        intermediate_size=128, num_hidden_layers=2, vocab_size=32))
+
+
+class _Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(8, 8) for _ in range(4))
+
+
+class _Net(nn.Module):
+    def __init__(self, mid: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.attn = _Attn()
+        self.mlp = nn.Sequential(nn.Linear(8, mid), nn.GELU(), nn.Linear(mid, 8))
+        self.proj = nn.Linear(8, 8)   # alone in its parent (the root also holds lm_head): whole
+        self.lm_head = nn.Linear(8, 10)
+
+
+def test_hf_tp_plan_of_llama_wins_over_the_automatic_rule():
+    model = _llama()
+    plan = hf_tp_plan(model)
+    assert plan["model.layers.*.self_attn.o_proj"] == "rowwise" and plan["lm_head"] == "colwise_gather_output"
+    built = build_plan(model, 2)
+    got = summary(built)
+    assert got[ROW] == [f"model.layers.{i}.{n}" for i in range(2) for n in ("self_attn.o_proj", "mlp.down_proj")]
+    assert len(got[COLUMN]) == 11 and got[SKIP] == []
+    assert built["lm_head"].gather_output and built["lm_head"].source == "tp_plan"
+
+
+def test_automatic_rule_names_then_last_linear():
+    plan = summary(build_plan(_Net(), 2))
+    assert plan[ROW] == ["attn.o_proj", "mlp.2"]
+    assert plan[COLUMN] == ["attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.0"]
+    assert plan[SKIP] == ["proj", "lm_head"]
+
+
+def test_layer_specs_first_then_replicated():
+    config = {"partition_config": {"layer_specs": [
+        {"patterns": [r".*\.o_proj\.weight$"], "partition_type": "row"},
+        {"patterns": [r".*\.[qkv]_proj\.weight$"], "partition_type": "column"}]}}
+    plan = summary(build_plan(_llama(), 2, config))
+    assert plan[ROW] == ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
+    assert len(plan[COLUMN]) == 6 and "lm_head" in plan[SKIP] and "model.layers.0.mlp.down_proj" in plan[SKIP]
+
+
+def test_model_types_and_preset():
+    spec = {"patterns": [r".*o_proj\.weight$"], "partition_type": "row", "model_types": ["gpt2"]}
+    plan = summary(build_plan(_llama(), 2, {"partition_config": {"layer_specs": [spec]}}))
+    assert plan[ROW] == [] and plan[COLUMN] == []
+    preset = summary(build_plan(_llama(), 2, {"preset_model": "llama"}))
+    assert len(preset[ROW]) == 4 and len(preset[COLUMN]) == 10 and preset[SKIP] == ["lm_head"]
+
+
+def test_uneven_dimension_refused_naming_the_layer():
+    with pytest.raises(ValueError, match=r"'mlp\.0'.*out_features=15 is not divisible by autotp_size=2"):
+        build_plan(_Net(mid=15), 2)
+    with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by autotp_size=4"):
+        build_plan(_llama(heads=4, kv=2, hidden=64), 4)
+
+
+def test_unsupported_style_and_tied_head():
+    model = _llama()
+    model._tp_plan = {"lm_head": "sequence_parallel"}
+    with pytest.raises(ValueError, match="'lm_head' has Hugging Face tp_plan style 'sequence_parallel'"):
+        build_plan(model, 2)
+    net = _Net()
+    net.lm_head = nn.Linear(8, 10)
+    net.lm_head.weight = net.embed.weight
+    net.mlp[2] = nn.Linear(16, 8)
+    assert build_plan(net, 2)["lm_head"].kind == SKIP
+
+
+def test_config_section_accepted_and_checked():
+    ok = DeepSpeedConfig({"train_batch_size": 2, "tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": False,
+                          "preset_model": "llama", "partition_config": {"use_default_specs": True, "layer_specs": [
+                              {"patterns": ["x"], "partition_type": "row"}]}}}, world_size=1)
+    assert ok.model.tensor_parallel.autotp_size == 2
+    for bad, where in (({"preset_model": "nope"}, "preset_model"),
+                       ({"partition_config": {"layer_specs": [{"patterns": ["x"], "shape": [2, -1]}]}}, "shape"),
+                       ({"partition_config": {"layer_specs": [{"partition_type": "diagonal"}]}}, "partition_type"),
+                       ({"autotp_size": -1}, "autotp_size")):
+        with pytest.raises(DeepSpeedConfigError, match=where):
+            DeepSpeedConfig({"train_batch_size": 2, "tensor_parallel": bad}, world_size=1)
+
+
+def test_sharded_layer_forward_equals_linear_without_group():
+    """tp size 1 (no group): the layers are plain Linear maths (the sharded case runs in tests/distributed)."""
+    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer
+
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 6), nn.Linear(6, 3)
+    x = torch.randn(2, 4)
+    want = b(a(x))
+    assert torch.equal(LinearAllreduce(b, None)(LinearLayer(a, None)(x)), want)
