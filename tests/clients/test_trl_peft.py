@@ -10,24 +10,18 @@ downloaded. At ZeRO-3, SFT/DPO/GRPO failed in backward with `The size of tensor 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-from test_hf_clients import HERE, _command, _free_port, _run  # noqa: E402
+from test_hf_clients import run_under_deepspeed_launcher  # noqa: E402
 
 VARIANTS = ["sft:2", "sft:3", "dpo:2", "dpo:3", "grpo:2", "grpo:3", "lora:3"]
 
 
 def test_trl_and_peft_match_ddp_under_deepspeed_launcher(tmp_path):
-    cmd = _command("deepspeed", ["-m", "deepspeed.launcher.runner"]) + [
-        "--num_gpus", "2", "--master_port", str(_free_port()),
-        os.path.join(HERE, "trl_peft_worker.py"), "--out", str(tmp_path), "--variants", ",".join(VARIANTS)]
-    result = _run(cmd)
-    assert sorted(result) == sorted(VARIANTS)
+    result = run_under_deepspeed_launcher("trl_peft_worker.py", tmp_path, VARIANTS)
     for name, r in result.items():
         assert len(r["deepspeed"]) == len(r["ddp"]) == 3, name
         assert r["worst_rel"] <= 1e-6, (name, r)

@@ -25,6 +25,13 @@ DEFAULTS = {
     "gradient_clipping": 1.0,
     "communication_data_type": None,
     "seq_parallel_communication_data_type": "fp32",
+    "tensor_parallel.autotp_size": 0,
+    "tensor_parallel.tp_overlap_comm": False,
+    "tensor_parallel.preset_model": None,
+    "tensor_parallel.partition_config": None,
+    "tensor_parallel.dtype": None,
+    "tensor_parallel.keep_module_on_host": False,
+    "tensor_parallel.injection_policy_tuple": None,
     "prescale_gradients": False,
     "gradient_predivide_factor": 1.0,
     "gradient_allreduce_op": "mean",
@@ -214,7 +221,8 @@ def test_defaults_cover_every_scalar_key():
                                         "zero_optimization.mics_hierarchical_params_gather",
                                         "zero_optimization.zeropp_loco_param", "zero_optimization.leaf_module.classes",
                                         "aio.thread_count",  # legacy key Lightning writes; upstream ignores it
-                                        "checkpoint.async_save"}  # this build's own key (default False)
+                                        "checkpoint.async_save",  # this build's own key (default False)
+                                        "tensor_parallel.tensor_parallel"}  # attribute `tp`: inference sub-section
     missing = [leaf for leaf in leaves(RootConfig) if leaf not in DEFAULTS and leaf not in skip]
     assert missing == []
 

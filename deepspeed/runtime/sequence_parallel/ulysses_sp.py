@@ -1,0 +1,314 @@
+"""ALST (Arctic Long Sequence Training) for Hugging Face models: upstream's `ulysses_sp` module.
+
+`UlyssesSPAttentionHF.register_with_transformers(...)` replaces the attention function transformers
+dispatches to (`ALL_ATTENTION_FUNCTIONS[core_attn_implementation]`) with one that exchanges q/k/v from
+sequence shards to head shards (`deepspeed.sequence.layer._SeqAllToAll`, through `deepspeed.comm`), runs
+the core implementation on the full sequence for `H/sp` heads, and exchanges the output back. Replacing
+the core key rather than registering a new one keeps every transformers branch that tests
+`config._attn_implementation == "sdpa"` (or "flash_attention_2") on its usual path.
+`UlyssesSPDataLoaderAdapter` feeds it: every batch of the wrapped loader is shared by the sequence group
+and each rank gets its slice of the sequence, with `labels` already shifted (`shift_labels`).
+The tiled-compute names (`TiledMLP`, `TiledFusedLogitsLoss`, `sequence_tiled_compute`,
+`UlyssesSPFwdLossBwdWithLogits`, ...) live in `tiled_compute.py` and are re-exported here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ... import comm as dist
+from ...sequence.layer import _DimZeroAllToAll, _SeqAllToAll  # noqa: F401  (upstream imports it from here)
+
+_TILED_NAMES = ("TiledMLP", "TiledFusedLogitsLoss", "sequence_tiled_compute", "SequenceTiledCompute",
+                "UlyssesSPFwdLossBwdWithLogits", "AutogradComputeMLP", "TiledLoss")
+
+# attention implementations that need a full 4-D mask (O(n^2)); ALST drops masks, as upstream
+_UNSUPPORTED = ("eager", "paged|eager")
+_FLASH = ("flash_attention_2", "flash_attention_3")
+# flex_attention takes causality from its BlockMask, built for the local length: without the mask it would
+# attend to future tokens, so it is refused rather than silently wrong (upstream rebuilds a causal mask)
+_REFUSED = {"flex_attention": "its causal BlockMask is built for the local shard; use 'sdpa'"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TILED_NAMES:
+        from . import tiled_compute
+        return getattr(tiled_compute, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class UlyssesSPAttentionHF(torch.nn.Module):
+    """Sequence-parallel wrapper around one transformers attention function.
+
+    Called as transformers calls an attention function: `(module, query, key, value, attention_mask,
+    **kwargs)` with q/k/v `[bs, heads, sl_local, head_size]`; returns `([bs, sl_local, heads * head_size],
+    attn_weights)`. Key/value heads fewer than the group (MQA, GQA with kv < sp) are replicated so that
+    each rank gets one, the copies' gradients summing back into the original head.
+    """
+
+    def __init__(self, attn, batch_size: int, attn_head_count: int, attn_head_size: int, kv_head_count: int,
+                 num_hidden_layers: int, process_group: Any, seq_length_is_variable: bool = False,
+                 local_seq_length: Optional[int] = None, global_seq_length: Optional[int] = None,
+                 disable_in_eval: bool = False) -> None:
+        super().__init__()
+        self.attn = attn
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.sp_rank = dist.get_rank(process_group)
+        self.batch_size = batch_size
+        self.seq_length_is_variable = seq_length_is_variable
+        self.local_seq_length = local_seq_length
+        self.global_seq_length = global_seq_length
+        self.disable_in_eval = disable_in_eval
+        self.attn_head_size = attn_head_size
+        self.attn_head_count = attn_head_count
+        self.global_kv_head_count = kv_head_count
+        self.num_hidden_layers = num_hidden_layers
+        self.core_attn_implementation = None  # set by register_with_transformers
+        if attn_head_count % self.world_size != 0:
+            raise ValueError(f"Attention head count {attn_head_count} is not divisible by SP size {self.world_size}")
+        if not (kv_head_count % self.world_size == 0 or self.world_size % kv_head_count == 0):
+            raise ValueError(f"KV attention head count {kv_head_count} is not divisible by SP size "
+                             f"{self.world_size} or vice versa")
+        self.local_q_head_count = attn_head_count // self.world_size
+        self.kv_replication_factor = max(self.world_size // kv_head_count, 1)
+        self.local_kv_head_count = max(kv_head_count // self.world_size, 1)
+
+    def _check_shapes(self, query: Tensor, key: Tensor) -> None:
+        bs, hc, sl_l, hs = query.shape
+        if self.seq_length_is_variable:
+            self.local_seq_length = sl_l
+            self.global_seq_length = sl_l * self.world_size
+        want_q = (self.batch_size, self.attn_head_count, self.local_seq_length, self.attn_head_size)
+        want_kv = (self.batch_size, self.global_kv_head_count, self.local_seq_length, self.attn_head_size)
+        if tuple(query.shape) != want_q or tuple(key.shape) != want_kv:
+            raise ValueError(f"[rank {dist.get_rank()}] Ulysses SP attention: query {tuple(query.shape)} / key "
+                             f"{tuple(key.shape)} do not match the registered shapes {want_q} / {want_kv} "
+                             "([batch, heads, local seqlen, head size]; micro_batch_size and seq_length given to "
+                             "register_with_transformers)")
+
+    def forward(self, module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                *args: Any, **kwargs: Any):
+        if not module.training and self.disable_in_eval:
+            return self.attn(module, query, key, value, attention_mask, *args, **kwargs)
+        self._check_shapes(query, key)
+        if "position_ids" not in kwargs or kwargs["position_ids"] is None:
+            raise ValueError("Ulysses SP requires position_ids in every forward() call (the global positions of "
+                             "this rank's tokens; UlyssesSPDataLoaderAdapter provides them)")
+        # the core attention sees the whole sequence: hand it the whole sequence's positions
+        pos = kwargs["position_ids"].contiguous()
+        parts = [torch.empty_like(pos) for _ in range(self.world_size)]
+        dist.all_gather(parts, pos, group=self.process_group)
+        kwargs["position_ids"] = torch.cat(parts, dim=-1)
+
+        if self.kv_replication_factor > 1:
+            key = key.repeat_interleave(self.kv_replication_factor, dim=1)
+            value = value.repeat_interleave(self.kv_replication_factor, dim=1)
+        # [bs, hc, sl_l, hs] -> [bs, hc_l, sl, hs]: scatter heads (dim 1), gather sequence (dim 2)
+        seq_sizes = [self.local_seq_length] * self.world_size
+        q, k, v = (_SeqAllToAll.apply(self.process_group, t, 1, 2, 0, None, None, None, True, seq_sizes)
+                   for t in (query, key, value))
+
+        groups_before = getattr(module, "num_key_value_groups", None)
+        if groups_before is not None:
+            module.num_key_value_groups = q.shape[1] // k.shape[1]
+        try:
+            context, attn_weights = self.attn(module, q, k, v, attention_mask, *args, **kwargs)
+        finally:
+            if groups_before is not None:
+                module.num_key_value_groups = groups_before
+        # core attention returns [bs, sl, hc_l, hs]: scatter the sequence (dim 1), gather heads (dim 2)
+        heads = [context.shape[2]] * self.world_size
+        out = _SeqAllToAll.apply(self.process_group, context.contiguous(), 1, 2, 0, None, None, None, True, heads)
+        return out.reshape(out.shape[0], out.shape[1], -1), attn_weights
+
+    @classmethod
+    def register_with_transformers(cls, model_name_or_path, core_attn_implementation, sequence_parallel_size,
+                                   micro_batch_size, seq_length=None, seq_length_is_variable=True,
+                                   disable_in_eval=False, max_length=None):
+        """Make the sequence-parallel groups and route `core_attn_implementation` through Ulysses.
+
+        `model_name_or_path`: a model (or anything with `.config`, e.g. a PEFT wrapper), a config, or a hub
+        name / local path. Returns the `mpu` (`parallel_state_sp`) for `deepspeed.initialize(mpu=...)`, or
+        None when `sequence_parallel_size == 1`.
+        """
+        if sequence_parallel_size == 1:
+            return None
+        if max_length is not None and seq_length is None:
+            seq_length = max_length  # upstream's deprecated name
+        if not seq_length_is_variable and seq_length is None:
+            raise ValueError("register_with_transformers: either seq_length_is_variable must be True or seq_length "
+                             "must be the fixed sequence length of every batch")
+        if core_attn_implementation in _UNSUPPORTED:
+            raise ValueError(f"{core_attn_implementation} attn_implementation isn't supported by Ulysses sequence "
+                             "parallelism because it requires a 4D attention_mask (O(n^2) memory). Use 'sdpa', "
+                             "'flash_attention_2' (where installed) or 'flex_attention'.")
+        if core_attn_implementation in _REFUSED:
+            raise ValueError(f"core_attn_implementation='{core_attn_implementation}' is not supported with Ulysses "
+                             f"sequence parallelism here: {_REFUSED[core_attn_implementation]}")
+        hf_config = _hf_config(model_name_or_path)
+        model_impl = getattr(hf_config, "_attn_implementation", None)
+        if model_impl is not None and model_impl != core_attn_implementation:
+            raise ValueError(f"core_attn_implementation='{core_attn_implementation}' does not match model config "
+                             f"attn_implementation='{model_impl}'. Set both to the same value so the sequence-"
+                             "parallel wrapper intercepts the active attention path.")
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        if isinstance(core_attn_implementation, str) and re.search(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$",
+                                                                   core_attn_implementation):
+            from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
+            lazy_import_flash_attention(core_attn_implementation)  # hub kernels register lazily
+        if core_attn_implementation not in ALL_ATTENTION_FUNCTIONS:
+            raise ValueError(f"{core_attn_implementation} is not a valid attn_implementation. The choices are "
+                             f"{ALL_ATTENTION_FUNCTIONS.valid_keys()}")
+        if core_attn_implementation in _FLASH and not _flash_available(core_attn_implementation):
+            raise ValueError(f"core_attn_implementation='{core_attn_implementation}' needs the flash-attn package, "
+                             "which is not installed; use 'sdpa'")
+
+        from . import parallel_state_sp as mpu
+
+        mpu.initialize_sequence_parallel(sequence_parallel_size=sequence_parallel_size)
+        core = ALL_ATTENTION_FUNCTIONS[core_attn_implementation]
+        core = getattr(core, "_ulysses_core", core)  # registering again wraps the original, not our wrapper
+        if seq_length_is_variable:
+            local_len = global_len = None
+        else:
+            if seq_length % sequence_parallel_size != 0:
+                raise ValueError(f"seq_length={seq_length} is not divisible by sequence_parallel_size="
+                                 f"{sequence_parallel_size}")
+            local_len, global_len = seq_length // sequence_parallel_size, seq_length
+        arch = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        head_size = getattr(arch, "head_dim", None) or arch.hidden_size // arch.num_attention_heads
+        kv_heads = getattr(arch, "num_key_value_heads", None) or arch.num_attention_heads
+        uattn = cls(attn=core, batch_size=micro_batch_size, attn_head_count=arch.num_attention_heads,
+                    attn_head_size=head_size, kv_head_count=kv_heads, num_hidden_layers=arch.num_hidden_layers,
+                    process_group=mpu.get_sequence_parallel_group(), seq_length_is_variable=seq_length_is_variable,
+                    local_seq_length=local_len, global_seq_length=global_len, disable_in_eval=disable_in_eval)
+        uattn.core_attn_implementation = core_attn_implementation
+
+        def uattn_wrapper(module, query, key, value, attention_mask, *args, **kwargs):
+            # The mask transformers built is for the local shard's length and would be O(n^2) at full
+            # length: drop it and rely on causality (+ position_ids for packed sequences), as upstream.
+            return uattn(module, query, key, value, None, *args, **kwargs)
+
+        uattn_wrapper._ulysses_core = core
+        uattn_wrapper._ulysses_attention = uattn
+        ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = uattn_wrapper
+        return mpu
+
+
+def _hf_config(model_name_or_path: Any) -> Any:
+    if hasattr(model_name_or_path, "config"):  # a model, or a PEFT wrapper with a config attribute
+        return model_name_or_path.config
+    if hasattr(model_name_or_path, "num_attention_heads") or hasattr(model_name_or_path, "get_text_config"):
+        return model_name_or_path  # already a config
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model_name_or_path)
+
+
+def _flash_available(impl: str) -> bool:
+    import transformers.utils as tu
+    check = {"flash_attention_2": "is_flash_attn_2_available", "flash_attention_3": "is_flash_attn_3_available"}
+    fn = getattr(tu, check[impl], None)
+    return bool(fn and fn())
+
+
+class UlyssesSPDataLoaderAdapter:
+    """Wrap a DataLoader so the ranks of a sequence group train on one batch at a time, each its slice.
+
+    Every `sp_world_size` steps it takes one batch from each rank's loader, shares them over the group
+    (`deepspeed.comm` all_gather; batches may differ in length between ranks), and yields them one after
+    the other: step i is rank i's batch, cut along the sequence (dim 1) into `sp_world_size` equal slices,
+    this rank getting slice `sp_rank`. `labels` become `shift_labels` (labels shifted left by one, -100 at
+    the end) before the cut, so the token at a slice's edge keeps its target from the next slice. Batches
+    must carry `input_ids` and `position_ids`; non-tensor entries are copied; the length is
+    `len(dl) * sp_world_size`. Slices are handed out on CPU, as upstream (at long sequences the
+    prefill holds `sp_world_size` batches); the training loop moves them to its device.
+    """
+
+    def __init__(self, dl, sp_rank: int, sp_group: Any, sp_world_size: int, device: Any) -> None:
+        self.dl = dl
+        self.sp_rank = sp_rank
+        self.sp_group = sp_group
+        self.sp_world_size = sp_world_size
+        self.device = device
+        self.iter = iter(dl)
+        self.micro_batches: deque = deque()
+
+    def __len__(self) -> int:
+        return len(self.dl) * self.sp_world_size
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.micro_batches:
+            self.refill()
+        return self.micro_batches.popleft()
+
+    def __getattr__(self, name: str) -> Any:
+        # sampler, dataset, batch_size, set_epoch...: the wrapped loader's (Trainer and Accelerate read them)
+        if name == "dl":
+            raise AttributeError(name)
+        return getattr(self.dl, name)
+
+    def refill(self) -> None:
+        try:
+            batch = next(self.iter)
+        except StopIteration:
+            self.iter = iter(self.dl)  # the next epoch starts afresh
+            raise
+        if "position_ids" not in batch:
+            raise ValueError("Ulysses SP requires `position_ids` in every dataloader batch so that each token keeps "
+                             "its global position after sequence sharding (torch.arange(seq_len) per sample, or "
+                             "reset at document boundaries for packed sequences)")
+        seqlen = batch["input_ids"].shape[1]
+        for k, v in batch.items():
+            if torch.is_tensor(v) and (v.dim() < 2 or v.shape[1] != seqlen):
+                raise ValueError(f"{k}'s shape {tuple(v.shape)} must match input_ids's shape "
+                                 f"{tuple(batch['input_ids'].shape)} in its first two dims")
+        lens = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.sp_world_size)]
+        dist.all_gather(lens, torch.tensor([seqlen], dtype=torch.int64, device=self.device), group=self.sp_group)
+        lens = [int(x.item()) for x in lens]
+
+        per_rank: list[dict] = [{} for _ in range(self.sp_world_size)]
+        for k, v in batch.items():
+            if torch.is_tensor(v):
+                v = v.to(self.device)
+                # ranks' batches may differ in length: gather at the longest (gloo needs equal sizes), then trim
+                longest = max(lens)
+                padded = v.new_zeros((v.shape[0], longest, *v.shape[2:]))
+                padded[:, :seqlen] = v
+                parts = [torch.empty_like(padded) for _ in lens]
+                with torch.no_grad():
+                    dist.all_gather(parts, padded, group=self.sp_group)
+                parts = [part[:, :n] for part, n in zip(parts, lens)]
+            else:
+                parts = [None] * self.sp_world_size
+                dist.all_gather_object(parts, v, group=self.sp_group)
+            for rank, part in enumerate(parts):
+                per_rank[rank][k] = part
+
+        for sample in per_rank:
+            self.micro_batches.append(_shard(sample, self.sp_rank, self.sp_world_size))
+
+
+def _shard(batch: dict, sp_rank: int, sp_world_size: int) -> dict:
+    """This rank's slice of one batch, with `labels` turned into `shift_labels` first."""
+    seq_length = batch["input_ids"].shape[1]
+    if seq_length % sp_world_size != 0:
+        raise ValueError(f"batch's seqlen={seq_length} isn't divisible by sp-size={sp_world_size}")
+    chunk = seq_length // sp_world_size
+    if "labels" in batch:
+        # the model cannot shift labels itself: the next token may live on the next rank
+        labels = batch.pop("labels")
+        batch["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    out = {}
+    for k, v in batch.items():
+        out[k] = v[:, chunk * sp_rank:chunk * (sp_rank + 1)].cpu().contiguous() if torch.is_tensor(v) else v
+    return out

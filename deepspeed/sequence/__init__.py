@@ -1,0 +1,1 @@
+"""Sequence parallelism for hand-built models: `deepspeed.sequence.layer.DistributedAttention` (Ulysses)."""
