@@ -122,3 +122,13 @@ def test_tp2_dp2_activation_checkpointing_inside_the_tp_pair():
     results = run_distributed(4, train_tp, "mlp", STEPS, 2, 1, clip=1.0, checkpoint_block=True)
     _check(results, ref)
     _check_losses(results, ref, tp=2, dp=2)
+
+
+@pytest.mark.parametrize("how", ["config", "tp_model_init", "client"])
+def test_muon_with_tp_refused_on_every_rank(how):
+    """Newton-Schulz on a TP slice is not Muon's update of the whole matrix: initialize refuses the pair,
+    naming both, on every rank (none hangs)."""
+    from tp_engine_jobs import muon_with_tp
+
+    for message in run_distributed(2, muon_with_tp, how):
+        assert message.startswith("NotSupportedYet:") and "Muon" in message and "autotp_size=2" in message, message

@@ -144,3 +144,30 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
     return {"params": full, "losses": losses, "norms": norms, "local_numel": local,
             "full_numel": full_numel, "after_numel": after, "sharded": sorted(sharded), "bytes": counted,
             "tensor_rank": dist.get_rank() % tp, "first_batch": first_batch}
+
+
+def muon_with_tp(how: str) -> str:
+    """Muon with AutoTP, three ways in: the config's Muon + autotp_size ("config"), tp_model_init then the
+    config's Muon ("tp_model_init"), tp_model_init then a client MuonWithAuxAdam ("client"). Returns what
+    initialize raised on this rank (every rank must raise, none hang)."""
+    import deepspeed
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    model = build("mlp")
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "Muon", "params": {"lr": 0.01}}, "tensor_parallel": {"autotp_size": 2}}
+    optimizer = None
+    if how != "config":
+        model = deepspeed.tp_model_init(model, tp_size=2, dtype=torch.float32)
+    if how == "tp_model_init":
+        del config["tensor_parallel"]
+    if how == "client":
+        del config["optimizer"]
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        others = [p for p in model.parameters() if p.ndim != 2]
+        optimizer = MuonWithAuxAdam([dict(params=matrices, use_muon=True), dict(params=others, use_muon=False)])
+    try:
+        deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    except Exception as exc:   # noqa: BLE001 - the test checks the type and the message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

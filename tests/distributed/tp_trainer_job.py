@@ -54,3 +54,47 @@ def trainer_run(out: str, tp: int, stage: int, steps: int = 4) -> dict:
     path = os.path.join(out, "model.safetensors")
     saved = load_file(path) if os.path.exists(path) else torch.load(os.path.join(out, "pytorch_model.bin"))
     return {"losses": losses, "saved": {k: v.float() for k, v in saved.items()}, "tp": sharded_for}
+
+
+def accelerate_run(tp: int, steps: int = 3, micro: int = 4, lr: float = 0.5, clip: float = 1.0) -> dict:
+    """Accelerate's hand-written loop, `accelerator.prepare(model, optimizer, loader)`, with
+    `tensor_parallel.autotp_size` in the DeepSpeed config (ZeRO-1): initialize shards the model, Accelerate's
+    `tp` mesh gives both TP ranks the same batches. Then OpenRLHF's weight sync: one parameter at a time
+    inside `deepspeed.module_inject.layers.GatherReplacedLayerParams([param], model, enabled=True)`."""
+    import deepspeed
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from tp_engine_jobs import build, make_data
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+              "gradient_clipping": clip, "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
+              "tensor_parallel": {"autotp_size": tp}}
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config),
+                      kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    model = build("llama")
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    rows = torch.cat(make_data(steps, micro))       # the reference's global batches, in order
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows), batch_size=micro, shuffle=False)
+    engine, optimizer, loader = acc.prepare(model, optimizer, loader)
+    losses, batches = [], []
+    for (ids,) in loader:
+        loss = engine(input_ids=ids, labels=ids).loss
+        acc.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+        batches.append(ids[:, 0].tolist())
+    module = acc.unwrap_model(engine)
+    local = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    full, inside = {}, {}
+    for name, param in module.named_parameters():
+        with deepspeed.module_inject.layers.GatherReplacedLayerParams([param], module, enabled=True):
+            full[name] = param.data.detach().clone()          # what OpenRLHF broadcasts to vLLM
+            inside[name] = tuple(param.shape)
+    after = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    return {"losses": losses, "batches": batches, "params": full, "local": local, "inside": inside,
+            "after": after, "tp_world": deepspeed.utils.groups.get_tensor_model_parallel_world_size()}
