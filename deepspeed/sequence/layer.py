@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from .. import comm as dist
+from .. import comm as ds_comm
 
 
 def shard_sizes(total: int, parts: int) -> list[int]:
@@ -35,8 +35,8 @@ def _exchange(x: Tensor, scatter_dim: int, gather_dim: int, group: Any, scatter_
               gather_sizes: Sequence[int]) -> Tensor:
     """Send piece j of `x` (cut along `scatter_dim` by `scatter_sizes`) to rank j; concatenate the pieces
     received from every rank along `gather_dim` (rank j's piece is `gather_sizes[j]` long there)."""
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+    world = ds_comm.get_world_size(group)
+    rank = ds_comm.get_rank(group)
     if len(scatter_sizes) != world or sum(scatter_sizes) != x.shape[scatter_dim]:
         raise ValueError(f"all-to-all: scatter sizes {list(scatter_sizes)} do not split dim {scatter_dim} "
                          f"(size {x.shape[scatter_dim]}) over {world} ranks")
@@ -55,7 +55,7 @@ def _exchange(x: Tensor, scatter_dim: int, gather_dim: int, group: Any, scatter_
         recv_shapes.append(shape)
     out_splits = [int(torch.Size(s).numel()) for s in recv_shapes]
     recv = torch.empty(sum(out_splits), dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
+    ds_comm.all_to_all_single(recv, send.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
                            group=group)
     parts = [chunk.view(shape) for chunk, shape in zip(recv.split(out_splits), recv_shapes)]
     return torch.cat(parts, dim=gather_dim)
@@ -71,8 +71,24 @@ def _gather_sizes(x: Tensor, gather_idx: int, group: Any, world: int,
         return [x.shape[gather_idx]]
     mine = torch.tensor([x.shape[gather_idx]], dtype=torch.int64, device=x.device)
     sizes = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(sizes, mine, group=group)
+    ds_comm.all_gather(sizes, mine, group=group)
     return [int(n.item()) for n in sizes]
+
+
+def all_gather_varlen(x: Tensor, dim: int, group: Any, lengths: Optional[Sequence[int]] = None) -> list[Tensor]:
+    """Every rank's `x`, whose size along `dim` may differ by rank, in rank order: padded with zeros to the
+    longest (gloo gathers equal shapes only), gathered, cut back. `lengths`: every rank's size along `dim`
+    when already known (else one small all_gather asks the group). Not differentiable."""
+    world = ds_comm.get_world_size(group)
+    lengths = _gather_sizes(x, dim, group, world, lengths)
+    longest = max(lengths)
+    if x.shape[dim] < longest:
+        pad = list(x.shape)
+        pad[dim] = longest - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    ds_comm.all_gather(parts, x.contiguous(), group=group)
+    return [part.narrow(dim, 0, n) for part, n in zip(parts, lengths)]
 
 
 def single_all_to_all(input: Tensor, scatter_idx: int, gather_idx: int, batch_dim_idx: int = 0, group: Any = None,
@@ -85,7 +101,7 @@ def single_all_to_all(input: Tensor, scatter_idx: int, gather_idx: int, batch_di
     when not given the group is asked. Runs synchronously (`async_op` must be False)."""
     if async_op:
         raise ValueError("single_all_to_all: async_op=True is not supported; the exchange runs synchronously")
-    world = dist.get_world_size(group)
+    world = ds_comm.get_world_size(group)
     return _exchange(input, scatter_idx, gather_idx, group, shard_sizes(input.shape[scatter_idx], world),
                      _gather_sizes(input, gather_idx, group, world, gather_sizes))
 
@@ -97,7 +113,7 @@ class _SeqAllToAll(torch.autograd.Function):
     def forward(ctx: Any, group: Any, input: Tensor, scatter_idx: int, gather_idx: int, batch_dim_idx: int = 0,
                 stream: Any = None, handle: Any = None, type: Any = None, is_fwd: bool = True,
                 gather_sizes: Optional[Sequence[int]] = None) -> Tensor:
-        world = dist.get_world_size(group)
+        world = ds_comm.get_world_size(group)
         scatter_sizes = shard_sizes(input.shape[scatter_idx], world)
         gather_sizes = _gather_sizes(input, gather_idx, group, world, gather_sizes)
         ctx.group, ctx.scatter_idx, ctx.gather_idx = group, scatter_idx, gather_idx
@@ -117,12 +133,12 @@ class _DimZeroAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, group: Any, input: Tensor) -> Tensor:
-        world = dist.get_world_size(group)
+        world = ds_comm.get_world_size(group)
         if input.shape[0] != world:
             raise ValueError(f"_DimZeroAllToAll: dim 0 is {input.shape[0]}, expected the group's world size {world}")
         ctx.group = group
         output = torch.empty_like(input, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(output, input.contiguous(), group=group)
+        ds_comm.all_to_all_single(output, input.contiguous(), group=group)
         return output
 
     @staticmethod
@@ -156,7 +172,7 @@ class DistributedAttention(Module):
         if rotary_pos_emb is not None:
             raise ValueError("DistributedAttention: rotary_pos_emb is not supported here; apply rotary embeddings "
                              "to q and k (with their global positions) before calling")
-        world = dist.get_world_size(self.spg)
+        world = ds_comm.get_world_size(self.spg)
         heads, kv_heads = query.shape[self.scatter_idx], key.shape[self.scatter_idx]
         if kv_heads != heads and (heads % world or kv_heads % world):
             raise ValueError(f"DistributedAttention: with {kv_heads} key/value heads for {heads} query heads (GQA) "
@@ -174,6 +190,6 @@ class DistributedAttention(Module):
                                       None, True, head_sizes)
         # a local attention that flattened heads into the last dim: gather along it
         last = context.dim() - 1
-        width = context.shape[last] // head_sizes[dist.get_rank(self.spg)]
+        width = context.shape[last] // head_sizes[ds_comm.get_rank(self.spg)]
         return _SeqAllToAll.apply(self.spg, context, self.gather_idx, last, batch_dim_idx, None, None, None, True,
                                   [h * width for h in head_sizes])

@@ -84,3 +84,11 @@ def reference_training(config: dict, steps: int, world: int, model_cls: type = T
             edit(model, len(losses) - 1)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return losses, state, first_grads
+
+
+def assert_params_close(results: list[dict], ref: dict, rtol: float = 2e-5, atol: float = 2e-6) -> None:
+    """Every rank's `params` (name -> whole tensor) against the single-process reference's."""
+    for rank, result in enumerate(results):
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(result["params"][name], value, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")

@@ -11,16 +11,13 @@ import pytest
 import torch
 
 from harness import run_distributed
+from models import assert_params_close
 from sp_engine_jobs import reference, train_sp
 
 STEPS = 3
 
 
-def _check(results: list[dict], ref: dict, rtol: float = 2e-5, atol: float = 2e-6) -> None:
-    for rank, result in enumerate(results):
-        for name, value in ref["params"].items():
-            torch.testing.assert_close(result["params"][name], value, rtol=rtol, atol=atol,
-                                       msg=lambda m: f"rank {rank} {name}: {m}")
+_check = assert_params_close
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -9,16 +9,13 @@ import pytest
 import torch
 
 from harness import run_distributed
+from models import assert_params_close
 from tp_engine_jobs import HIDDEN, SEQ, reference, train_tp
 
 STEPS = 3
 
 
-def _check(results: list[dict], ref: dict, rtol: float = 2e-5, atol: float = 2e-6) -> None:
-    for rank, result in enumerate(results):
-        for name, value in ref["params"].items():
-            torch.testing.assert_close(result["params"][name], value, rtol=rtol, atol=atol,
-                                       msg=lambda m: f"rank {rank} {name}: {m}")
+_check = assert_params_close
 
 
 def _check_losses(results: list[dict], ref: dict, tp: int, dp: int) -> None:

@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 import torch
 
-from ... import comm as dist
+from ... import comm as ds_comm
+from ...sequence.layer import all_gather_varlen
 from ._tiling import check_shards, gathered, grad_params, leaf, shard_backward, shard_bounds
 
 IGNORE_INDEX = -100
@@ -123,16 +124,16 @@ class _GatherScalars(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, group: Any, value: torch.Tensor) -> tuple:
         ctx.group = group
-        world = dist.get_world_size(group)
+        world = ds_comm.get_world_size(group)
         out = [torch.empty_like(value) for _ in range(world)]
-        dist.all_gather(out, value.contiguous(), group=group)
+        ds_comm.all_gather(out, value.contiguous(), group=group)
         return tuple(out)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         stacked = torch.stack([g if g is not None else torch.zeros(()) for g in grads]).contiguous()
-        dist.all_reduce(stacked, group=ctx.group)
-        return None, stacked[dist.get_rank(ctx.group)]
+        ds_comm.all_reduce(stacked, group=ctx.group)
+        return None, stacked[ds_comm.get_rank(ctx.group)]
 
 
 class UlyssesSPFwdLossBwdWithLogits:
@@ -162,18 +163,13 @@ class UlyssesSPFwdLossBwdWithLogits:
         if len(set(shapes.values())) != 1:
             raise ValueError(f"UlyssesSPFwdLossBwdWithLogits: input_ids, position_ids and labels differ in shape: "
                              f"{shapes}")
-        seqlen = torch.tensor([batch["input_ids"].shape[1]], dtype=torch.int64, device=self.device)
-        seqlens = [torch.zeros_like(seqlen) for _ in range(self.sp_world_size)]
-        dist.all_gather(seqlens, seqlen, group=self.sp_group)
-        lengths = [int(n) for n in seqlens]
-        longest = max(lengths)
+        lengths = None   # every rank's sequence length: asked once, by the first gather
         batches: list[dict] = [defaultdict(dict) for _ in range(self.sp_world_size)]
-        for key, value in batch.items():   # padded to the longest (gloo gathers equal shapes), then cut back
-            value = torch.nn.functional.pad(value.to(self.device), (0, longest - value.shape[1]))
-            parts = [torch.empty_like(value) for _ in lengths]
-            dist.all_gather(parts, value.contiguous(), group=self.sp_group)
+        for key, value in batch.items():
+            parts = all_gather_varlen(value.to(self.device), 1, self.sp_group, lengths)
+            lengths = [part.shape[1] for part in parts]
             for rank, part in enumerate(parts):
-                batches[rank][key] = part[:, :lengths[rank]]
+                batches[rank][key] = part
         return batches
 
     def sp_fwd_loss_bwd(self, batch: dict) -> float:

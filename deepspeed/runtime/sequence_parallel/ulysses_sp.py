@@ -21,8 +21,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ... import comm as dist
+from ... import comm as ds_comm
 from ...sequence.layer import _DimZeroAllToAll, _SeqAllToAll  # noqa: F401  (upstream imports it from here)
+from ...sequence.layer import all_gather_varlen
 
 _TILED_NAMES = ("TiledMLP", "TiledFusedLogitsLoss", "sequence_tiled_compute", "SequenceTiledCompute",
                 "UlyssesSPFwdLossBwdWithLogits", "AutogradComputeMLP", "TiledLoss")
@@ -58,8 +59,8 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         super().__init__()
         self.attn = attn
         self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.sp_rank = dist.get_rank(process_group)
+        self.world_size = ds_comm.get_world_size(process_group)
+        self.sp_rank = ds_comm.get_rank(process_group)
         self.batch_size = batch_size
         self.seq_length_is_variable = seq_length_is_variable
         self.local_seq_length = local_seq_length
@@ -87,7 +88,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         want_q = (self.batch_size, self.attn_head_count, self.local_seq_length, self.attn_head_size)
         want_kv = (self.batch_size, self.global_kv_head_count, self.local_seq_length, self.attn_head_size)
         if tuple(query.shape) != want_q or tuple(key.shape) != want_kv:
-            raise ValueError(f"[rank {dist.get_rank()}] Ulysses SP attention: query {tuple(query.shape)} / key "
+            raise ValueError(f"[rank {ds_comm.get_rank()}] Ulysses SP attention: query {tuple(query.shape)} / key "
                              f"{tuple(key.shape)} do not match the registered shapes {want_q} / {want_kv} "
                              "([batch, heads, local seqlen, head size]; micro_batch_size and seq_length given to "
                              "register_with_transformers)")
@@ -103,7 +104,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         # the core attention sees the whole sequence: hand it the whole sequence's positions
         pos = kwargs["position_ids"].contiguous()
         parts = [torch.empty_like(pos) for _ in range(self.world_size)]
-        dist.all_gather(parts, pos, group=self.process_group)
+        ds_comm.all_gather(parts, pos, group=self.process_group)
         kwargs["position_ids"] = torch.cat(parts, dim=-1)
 
         if self.kv_replication_factor > 1:
@@ -272,25 +273,17 @@ class UlyssesSPDataLoaderAdapter:
             if torch.is_tensor(v) and (v.dim() < 2 or v.shape[1] != seqlen):
                 raise ValueError(f"{k}'s shape {tuple(v.shape)} must match input_ids's shape "
                                  f"{tuple(batch['input_ids'].shape)} in its first two dims")
-        lens = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.sp_world_size)]
-        dist.all_gather(lens, torch.tensor([seqlen], dtype=torch.int64, device=self.device), group=self.sp_group)
-        lens = [int(x.item()) for x in lens]
+        lens = None   # every rank's sequence length: asked once, by the first tensor's gather
 
         per_rank: list[dict] = [{} for _ in range(self.sp_world_size)]
         for k, v in batch.items():
             if torch.is_tensor(v):
-                v = v.to(self.device)
-                # ranks' batches may differ in length: gather at the longest (gloo needs equal sizes), then trim
-                longest = max(lens)
-                padded = v.new_zeros((v.shape[0], longest, *v.shape[2:]))
-                padded[:, :seqlen] = v
-                parts = [torch.empty_like(padded) for _ in lens]
-                with torch.no_grad():
-                    dist.all_gather(parts, padded, group=self.sp_group)
-                parts = [part[:, :n] for part, n in zip(parts, lens)]
+                with torch.no_grad():   # ranks' batches may differ in length
+                    parts = all_gather_varlen(v.to(self.device), 1, self.sp_group, lens)
+                lens = [part.shape[1] for part in parts]
             else:
                 parts = [None] * self.sp_world_size
-                dist.all_gather_object(parts, v, group=self.sp_group)
+                ds_comm.all_gather_object(parts, v, group=self.sp_group)
             for rank, part in enumerate(parts):
                 per_rank[rank][k] = part
 
