@@ -48,6 +48,21 @@ def _broadcast_options(timeout_s: float, root: int) -> Any:
     opts.timeout, opts.rootRank, opts.rootTensor = datetime.timedelta(seconds=timeout_s), root, 0
     return opts
 
+class _Completed:
+    """The Work of an operation that already finished: some backends (NCCL on torch 2.11) return
+    None rather than a Work when the options ask for a synchronous operation."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _work(work: Any) -> Any:
+    return _Completed() if work is None else work
+
+
 def _group(group: Any) -> Any:
     return group if group is not None else _tdist.distributed_c10d._get_default_group()
 
@@ -69,9 +84,12 @@ def start_all_gather_into_tensor_within(output: torch.Tensor, tensor: torch.Tens
 def _start_all_gather(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float, group: Any) -> Any:
     pg = _group(group)
     if all_gather_applies(output, tensor, group):  # [Note: gloo's reduce-scatter and all-gather]
-        return broadcast_all_gather(output, tensor, group,
-                                    lambda chunk, root: pg.broadcast([chunk], _broadcast_options(timeout_s, root)))
-    return pg.all_gather_single(output, tensor, _options(AllgatherOptions, timeout_s, async_op=True))
+        def start(chunk: torch.Tensor, root: int) -> Any:
+            return _work(pg.broadcast([chunk], _broadcast_options(timeout_s, root)))
+
+        return broadcast_all_gather(output, tensor, group, start)
+    # `_allgather_base` is the name every supported torch has (`all_gather_single` is newer than 2.11).
+    return _work(pg._allgather_base(output, tensor, _options(AllgatherOptions, timeout_s, async_op=True)))
 
 def reduce_scatter_tensor_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float,
                                  group: Any = None, op: Any = ReduceOp.SUM, label: Any = None) -> None:
@@ -79,12 +97,14 @@ def reduce_scatter_tensor_within(output: torch.Tensor, tensor: torch.Tensor, tim
     pg = _group(group)
     if reduce_scatter_applies(output, tensor, op, group):  # [Note: gloo's reduce-scatter and all-gather]
         exchange = _options(AllToAllOptions, float(timeout_s))
-        _timed("reduce_scatter_tensor", tensor, group, lambda: exchange_reduce_scatter(
-            output, tensor, group, lambda received, sent: pg.alltoall_base(received, sent, [], [], exchange)).wait(),
-               label=label)
+        def swap(received: torch.Tensor, sent: torch.Tensor) -> Any:
+            return _work(pg.alltoall_base(received, sent, [], [], exchange))
+
+        _timed("reduce_scatter_tensor", tensor, group,
+               lambda: exchange_reduce_scatter(output, tensor, group, swap).wait(), label=label)
         return
     opts = _options(ReduceScatterOptions, float(timeout_s), op)
-    _timed("reduce_scatter_tensor", tensor, group, lambda: pg.reduce_scatter_single(output, tensor, opts).wait(),
+    _timed("reduce_scatter_tensor", tensor, group, lambda: _work(pg._reduce_scatter_base(output, tensor, opts)).wait(),
            label=label)
 
 def break_group(group: Any = None) -> None:

@@ -190,25 +190,28 @@ def test_profile_logs_and_synchronize_counts(_process_owner, caplog) -> None:
 
 # --- RNG tracker ------------------------------------------------------------------------------
 def test_tracker_add_fork_states() -> None:
+    # The tracker forks the accelerator's generator (CUDA's where one is visible), so draw there.
+    accel = deepspeed.accelerator.get_accelerator()
+    dev = accel.device_name()
     tracker = ckpt.CudaRNGStatesTracker()
     tracker.add("a", 11)
     with pytest.raises(ValueError, match="seed 11 already exists"):
         tracker.add("b", 11)
     with pytest.raises(ValueError, match="'a' already exists"):
         tracker.add("a", 12)
-    before = torch.get_rng_state()
+    before = accel.get_rng_state()
     with tracker.fork("a"):
-        first = torch.rand(3)
-    assert torch.equal(torch.get_rng_state(), before)   # the caller's stream is untouched
+        first = torch.rand(3, device=dev)
+    assert torch.equal(accel.get_rng_state(), before)   # the caller's stream is untouched
     saved = tracker.get_states()
     with tracker.fork("a"):
-        second = torch.rand(3)
+        second = torch.rand(3, device=dev)
     assert not torch.equal(first, second)                # a fork continues where the last one ended
     tracker.set_states(saved)
     with tracker.fork("a"):
-        assert torch.equal(torch.rand(3), second)
-    torch.manual_seed(11)
-    assert torch.equal(torch.rand(3), first)
+        assert torch.equal(torch.rand(3, device=dev), second)
+    accel.manual_seed(11)
+    assert torch.equal(torch.rand(3, device=dev), first)
     tracker.reset()
     assert tracker.get_states() == {}
     with pytest.raises(KeyError, match="not added"):
@@ -227,15 +230,16 @@ class _Mpu:
 
 
 def test_model_parallel_seed_rule() -> None:
+    dev = deepspeed.accelerator.get_accelerator().device_name()   # the generator the tracker forks
     ckpt.configure(_Mpu(1))
     ckpt.model_parallel_cuda_manual_seed(5)
-    default_draw = torch.rand(2)
+    default_draw = torch.rand(2, device=dev)
     with ckpt.get_cuda_rng_tracker().fork():
-        mp_draw = torch.rand(2)
+        mp_draw = torch.rand(2, device=dev)
     torch.manual_seed(5)
-    assert torch.equal(torch.rand(2), default_draw)
+    assert torch.equal(torch.rand(2, device=dev), default_draw)
     torch.manual_seed(5 + 2718 + 1)
-    assert torch.equal(torch.rand(2), mp_draw)
+    assert torch.equal(torch.rand(2, device=dev), mp_draw)
 
 
 # --- owners ------------------------------------------------------------------------------------

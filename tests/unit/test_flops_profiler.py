@@ -137,7 +137,7 @@ def test_engine_profile_measures_training_flops_and_the_6n_rule(tmp_path):
            "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": str(tmp_path / "flops.txt")}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     for _ in range(8):
-        tokens = torch.randint(0, V, (B, T))
+        tokens = torch.randint(0, V, (B, T)).to(engine.device)
         engine.backward(engine(tokens, tokens))
         engine.step()
     per_micro_batch = engine.tput_timer.flops_per_sample * B

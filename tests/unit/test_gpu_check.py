@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -75,8 +76,13 @@ def test_wheels_for_another_python_fail_the_install_step_and_say_so(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     _wheel(wheels, "gpucheckdummy", tag="cp27-cp27mu-manylinux1_x86_64")
-    proc = _check(tmp_path, "--dry-run", "--steps", "install", "--wheels", str(wheels))
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    proc = _check(tmp_path, "--dry-run", "--steps", "install", "--wheels", str(wheels), "--bundle")
+    assert proc.returncode == 1, proc.stdout + proc.stderr   # --bundle keeps the exit status
+    # --bundle: the device tool returns at most 8 files; the step logs travel in one archive
+    out = tmp_path / "out"
+    assert {p.name for p in out.iterdir()} == {"check.log", "results.json", "summary.md", "logs.tar.gz"}
+    with tarfile.open(out / "logs.tar.gz") as archive:
+        assert {"install.log", "install.json", "steps.jsonl"} <= set(archive.getnames())
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [(s["step"], s["status"]) for s in results["steps"]] == [("install", "failed")]
     this = f"cp{sys.version_info.major}{sys.version_info.minor}"

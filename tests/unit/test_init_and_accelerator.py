@@ -78,8 +78,11 @@ def test_initialize_without_model_is_an_assertion_error():
 
 def test_cpu_device_count_follows_local_size(clean_env):
     """Upstream's CPU accelerator counts the launcher's processes on this node (LOCAL_SIZE); its
-    test harness skips every world size above device_count()."""
-    accel = get_accelerator()
+    test harness skips every world size above device_count(). The CPU accelerator itself, also
+    where CUDA is visible (get_accelerator() is then CUDA's)."""
+    from deepspeed.accelerator.real_accelerator import CPU_Accelerator
+
+    accel = CPU_Accelerator()
     clean_env.setenv("LOCAL_SIZE", "4")
     assert accel.device_count() == 4
     clean_env.delenv("LOCAL_SIZE")

@@ -133,7 +133,7 @@ def test_engine_events_equal_the_engines_losses_lrs_and_norms(tmp_path):
     want: dict[str, list[tuple[int, float]]] = {"train_loss": [], "lr": [], "grad_norm": []}
     micro = []
     for _ in range(12):
-        x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+        x, y = torch.randn(4, 8).to(engine.device), torch.randint(0, 3, (4,)).to(engine.device)
         loss = torch.nn.functional.cross_entropy(engine(x), y)
         engine.backward(loss)
         micro.append(loss.detach())
@@ -171,7 +171,7 @@ def test_user_events_and_fp16_loss_scale(tmp_path):
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     scales = []
     for _ in range(3):
-        out = engine(torch.randn(2, 8).half())
+        out = engine(torch.randn(2, 8).half().to(engine.device))
         engine.backward(out.float().pow(2).mean())
         engine.step()
         scales.append((engine.global_samples, float(engine.loss_scale_value())))

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime import torch_autocast as ta
 from deepspeed.runtime.torch_autocast import (AUTOCAST_PARAMS, PARAM_COMM_DTYPE_ATTR_NAME, autocast_if_enabled,
                                               get_all_comm_dtypes, get_autocast_dtype, get_comm_dtype,
@@ -93,7 +94,7 @@ def test_engine_like_object_and_quantized_weights():
 def test_dtype_none_means_torch_autocast_default():
     net = Net()
     init_autocast_params(net, None, None)
-    assert get_comm_dtype(net.fc.weight) == torch.get_autocast_dtype("cpu")
+    assert get_comm_dtype(net.fc.weight) == torch.get_autocast_dtype(get_accelerator().device_name())
 
 
 @pytest.mark.parametrize("name", ["torch.nn.NoSuchLayer", "no_such_package.Layer", "Linear",
@@ -130,10 +131,11 @@ class FakeEngine:
 
 
 def test_autocast_if_enabled_follows_the_engine():
-    a, b = torch.ones(2, 2), torch.ones(2, 2)
+    dev = get_accelerator().device_name()   # the engine autocasts on its accelerator (CUDA where visible)
+    a, b = torch.ones(2, 2, device=dev), torch.ones(2, 2, device=dev)
     with autocast_if_enabled(FakeEngine(True)):
         assert (a @ b).dtype == torch.bfloat16
     with autocast_if_enabled(FakeEngine(False)):
         assert (a @ b).dtype == torch.float32
-    with torch.autocast("cpu", dtype=torch.bfloat16), autocast_if_enabled(FakeEngine(False)):
+    with torch.autocast(dev, dtype=torch.bfloat16), autocast_if_enabled(FakeEngine(False)):
         assert (a @ b).dtype == torch.float32  # the engine's config wins over an outer autocast

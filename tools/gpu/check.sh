@@ -14,7 +14,8 @@
 #   gpu-tests  pytest -m gpu tests/gpu tests/unit             (needs CUDA)
 #   unit-tests pytest tests/unit -m "not gpu": the in-process suite with CUDA visible (needs CUDA)
 #   bench      benchmarks/bench_gpu.py: torch vs ours (ZeRO 0-3, offload) vs DeepSpeed (needs CUDA)
-# Writes $OUT (else ./gpu-check-out): check.log, one log per step, results.json, summary.md.
+# Writes $OUT (else ./gpu-check-out): check.log, one log per step, results.json, summary.md;
+# --bundle (what `make gpu-check` passes) then packs all but the last three into logs.tar.gz.
 # Runs with the image's python (PYTHON, else the first python3/python that imports torch): the
 # device copy of the tree has no .venv. Exit 0 when no step failed or timed out.
 set -uo pipefail
@@ -24,6 +25,7 @@ OUT_DIR="${OUT:-$REPO/gpu-check-out}"
 WHEELS="$REPO/.whl"
 DRY_RUN=0
 REHEARSAL=0
+BUNDLE=0
 BENCH_ARGS=()
 STEPS="env,install,import,gpu-tests,unit-tests,bench"
 ALL_STEPS=" env install import gpu-tests unit-tests bench "
@@ -35,6 +37,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
     --cpu-rehearsal) REHEARSAL=1 ;;
+    --bundle) BUNDLE=1 ;;
     --out) OUT_DIR="${2:?--out needs a directory}"; shift ;;
     --wheels) WHEELS="${2:?--wheels needs a directory}"; shift ;;
     --steps) STEPS="${2:?--steps needs a comma-separated list}"; shift ;;
@@ -44,7 +47,7 @@ while [ $# -gt 0 ]; do
         echo "check.sh: --limit '$kv': expected step=seconds with step one of:$ALL_STEPS" >&2; exit 2; }
       LIMIT[${BASH_REMATCH[1]}]="${BASH_REMATCH[2]}" ;;
     -h|--help) usage; exit 0 ;;
-    *) echo "check.sh: unknown argument '$1' (allowed: --dry-run, --cpu-rehearsal, --out DIR, --wheels DIR, --steps LIST, --limit step=S, --help)" >&2; exit 2 ;;
+    *) echo "check.sh: unknown argument '$1' (allowed: --dry-run, --cpu-rehearsal, --bundle, --out DIR, --wheels DIR, --steps LIST, --limit step=S, --help)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -140,4 +143,11 @@ run_step bench 1 "$PYTHON" "$REPO/benchmarks/bench_gpu.py" --json "$OUT_DIR/benc
   --log "$OUT_DIR/bench-workers.log" --budget "$((LIMIT[bench] - 15))" ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"}
 
 "$PYTHON" "$REPO/tools/gpu/report.py" summary --out "$OUT_DIR" --dry-run "$DRY_RUN" | tee -a "$LOG"
-exit "${PIPESTATUS[0]}"
+status=${PIPESTATUS[0]}
+# --bundle: the device tool brings back at most 8 files, so everything but summary.md, results.json
+# and check.log goes into one logs.tar.gz.
+if [ "$BUNDLE" = 1 ]; then
+  (cd "$OUT_DIR" && mapfile -t rest < <(ls -A | grep -vxE 'summary.md|results.json|check.log|logs.tar.gz') &&
+   if [ "${#rest[@]}" -gt 0 ]; then tar czf logs.tar.gz "${rest[@]}" && rm -rf "${rest[@]}"; fi)
+fi
+exit "$status"
