@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from .. import comm as ds_comm
-from .parallel_dims import GROUP_AXES, ParallelDims, ProcessTopology, axis_groups
+from .parallel_dims import GROUP_AXES, ParallelDims, ProcessTopology, axis_groups, expert_rank_groups
 
 _SELF_GROUPS: dict[int, Any] = {}   # id(default process group) -> this rank's singleton group
 
@@ -38,6 +38,22 @@ def _self_group() -> Any:
     if key not in _SELF_GROUPS:
         _SELF_GROUPS[key] = ds_comm.new_group(ranks=[ds_comm.get_rank()], use_local_synchronization=True)
     return _SELF_GROUPS[key]
+
+
+def _make(lists: list[list[int]], rank: int, world_size: int) -> tuple[list[int], Any]:
+    """This rank's (ranks, group) among `lists`, creating every group of the lists in one order on
+    every rank (as torch.distributed requires of `new_group`); singletons and the world reuse theirs."""
+    mine = next(g for g in lists if rank in g)
+    if len(mine) == 1:
+        return mine, (_self_group() if ds_comm.is_initialized() else None)
+    if len(mine) == world_size:
+        return mine, ds_comm.get_world_group()
+    handle = None
+    for ranks in lists:
+        group = ds_comm.new_group(ranks=ranks)
+        if rank in ranks:
+            handle = group
+    return mine, handle
 
 
 class ParallelMesh:
@@ -56,6 +72,7 @@ class ParallelMesh:
         self._world_key = _world_key()
         self.names = dict(names if names is not None else GROUP_AXES)
         self._groups: dict[tuple[str, ...], tuple[list[int], Any]] = {}
+        self._experts: dict[str, tuple[tuple[list[int], Any], tuple[list[int], Any]]] = {}
         for axes in self.names.values():   # eagerly, in the same order on every rank
             self._build(axes)
 
@@ -69,22 +86,30 @@ class ParallelMesh:
 
     def _build(self, axes: Iterable[str]) -> tuple[list[int], Any]:
         key = self._key(axes)
-        if key in self._groups:
-            return self._groups[key]
-        lists = axis_groups(self.topology, key)
-        mine = next(g for g in lists if self.global_rank in g)
-        if len(mine) == 1:
-            handle = _self_group() if ds_comm.is_initialized() else None
-        elif len(mine) == self.world_size:
-            handle = ds_comm.get_world_group()
-        else:
-            handle = None
-            for ranks in lists:   # every rank creates every group, in one order
-                group = ds_comm.new_group(ranks=ranks)
-                if self.global_rank in ranks:
-                    handle = group
-        self._groups[key] = (mine, handle)
+        if key not in self._groups:
+            self._groups[key] = _make(axis_groups(self.topology, key), self.global_rank, self.world_size)
         return self._groups[key]
+
+    def expert_groups(self, expert_size: int, data_before_expert: bool = False) -> str:
+        """Build (once; collective, every rank with the same arguments) the expert-parallel and
+        expert-data-parallel groups of `expert_size` ([Note: expert groups]); returns their name,
+        upstream's `ep_size_<n>`."""
+        name = f"ep_size_{expert_size}"
+        if name not in self._experts:
+            experts, replicas = expert_rank_groups(self.topology, expert_size, data_before_expert)
+            # upstream's order: the expert-data-parallel groups first
+            replica_entry = _make(replicas, self.global_rank, self.world_size)
+            self._experts[name] = (_make(experts, self.global_rank, self.world_size), replica_entry)
+        return name
+
+    def expert_entry(self, name: str, data: bool = False) -> tuple[list[int], Any]:
+        """(ranks, group) of this rank's expert-parallel group `name` (its expert-data group with `data`)."""
+        if name not in self._experts:
+            raise KeyError(f"parallel mesh: no expert groups named {name!r}; built: {sorted(self._experts)}")
+        return self._experts[name][1 if data else 0]
+
+    def expert_names(self) -> list[str]:
+        return list(self._experts)
 
     def _entry(self, name: str | Iterable[str]) -> tuple[list[int], Any]:
         if isinstance(name, str):

@@ -171,3 +171,37 @@ class ParallelDims:
     def ranks(self, name: str, rank: int) -> list[int]:
         """The ranks of `rank`'s group `name`."""
         return next(g for g in self.groups(name) if rank in g)
+
+
+def expert_rank_groups(topology: ProcessTopology, expert_size: int,
+                       data_before_expert: bool = False) -> tuple[list[list[int]], list[list[int]]]:
+    """[Note: expert groups] The expert-parallel and expert-data-parallel rank lists of a layout.
+
+    Experts are sharded over the ranks that replicate the dense model: each data-parallel pool (the
+    ranks that differ only in `data` and `sequence`, i.e. ZeRO's group; for a pipeline topology, in
+    `data`) is cut into expert-parallel groups of `expert_size` ranks. Upstream's default "E + D"
+    order: expert groups are runs of consecutive pool members ([0, 1], [2, 3] of a pool of 4) and an
+    expert-data-parallel group holds the members at the same position of every run ([0, 2], [1, 3]);
+    the replicas of one expert shard average their gradients over it. `data_before_expert` ("D + E")
+    swaps the two: expert-data groups are the runs, expert groups the strided sets. With tensor
+    parallelism the pools are the tensor-strided data groups, as upstream's E + M + D example."""
+    if isinstance(expert_size, bool) or not isinstance(expert_size, int) or expert_size < 1:
+        raise ValueError(f"expert parallel size must be an integer >= 1, got {expert_size!r}")
+    pool_axes = [a for a in ("data", "sequence") if a in topology.axes]
+    experts: list[list[int]] = []
+    replicas: list[list[int]] = []
+    for pool in axis_groups(topology, pool_axes):
+        if len(pool) % expert_size:
+            raise ValueError(f"expert parallel size {expert_size} must divide the data-parallel size {len(pool)} "
+                             f"(world {topology.world_size()} over {dict(zip(topology.axes, topology.dims))})")
+        runs = [pool[i:i + expert_size] for i in range(0, len(pool), expert_size)]
+        strided = [list(column) for column in zip(*runs)]
+        if data_before_expert:
+            width = len(pool) // expert_size
+            replica_runs = [pool[i:i + width] for i in range(0, len(pool), width)]
+            experts += [list(column) for column in zip(*replica_runs)]
+            replicas += replica_runs
+        else:
+            experts += runs
+            replicas += strided
+    return experts, replicas

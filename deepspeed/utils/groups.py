@@ -17,12 +17,14 @@ mpu: Any = None   # upstream's module global: set by the engine when a client pa
 
 
 def initialize(ep_size: int = 1, mpu: Any = None) -> None:
-    """Upstream's entry point: remember the client's mpu (expert parallelism is not built here)."""
-    if ep_size != 1:
-        from ..runtime.errors import NotSupportedYet
-
-        raise NotSupportedYet(f"groups.initialize(ep_size={ep_size}): expert parallelism is not available yet")
+    """Upstream's (deprecated) entry point: remember the client's mpu; with `ep_size > 1` also build
+    the expert groups of that size."""
     globals()["mpu"] = mpu
+    if ep_size > 1:
+        if mpu is not None and not _sp_only(mpu):
+            _create_expert_data_and_model_parallel(ep_size, mpu)
+        else:
+            _create_expert_and_data_parallel(ep_size)
 
 
 def _sp_only(obj: Any) -> bool:
@@ -168,3 +170,134 @@ get_model_parallel_rank = _get_model_parallel_rank
 get_data_parallel_group = _get_data_parallel_group
 get_data_parallel_world_size = _get_data_parallel_world_size
 get_data_parallel_rank = _get_data_parallel_rank
+
+
+# --- expert parallel ([Note: expert groups] in runtime/parallel_dims.py) -------------------------
+def _get_expert_parallel_ranks(world_size: int, tensor_parallel_size_: int, expert_parallel_size_: int,
+                               pipeline_parallel_size_: int = 1,
+                               use_data_before_expert_parallel_: bool = False) -> tuple[list, list]:
+    """The expert-parallel and expert-data-parallel rank lists of a world (pure; upstream's E + M + D)."""
+    from ..runtime.parallel_dims import ParallelDims, expert_rank_groups
+
+    dims = ParallelDims(world_size, pipe=pipeline_parallel_size_, tensor=tensor_parallel_size_)
+    return expert_rank_groups(dims.topology(), expert_parallel_size_, use_data_before_expert_parallel_)
+
+
+def _expert_mesh(tensor: int = 1, sequence: int = 1, pipe: int = 1) -> Any:
+    """The mesh expert groups are built on: the current one (it must agree with what the caller says
+    of tensor/sequence/pipe when the caller says anything), else a new standard one."""
+    mesh = _mesh_or_none()
+    if mesh is None:
+        return _mesh.initialize(sequence=sequence, tensor=tensor, pipe=pipe)
+    have = {"tensor": mesh.size("tensor"), "sequence": mesh.size("sequence"), "pipe": mesh.size("pipe")}
+    asked = {"tensor": tensor, "sequence": sequence, "pipe": pipe}
+    if any(asked[k] > 1 and asked[k] != have[k] for k in asked):
+        raise ValueError(f"expert groups: asked for {asked} but the parallel dims in use are {have}")
+    return mesh
+
+
+def _create_expert_and_data_parallel(expert_parallel_size_: int, mp_size: int | None = None,
+                                     pp_size: int | None = None, mp_mode: str = "tp",
+                                     use_data_before_expert_parallel_: bool = False,
+                                     folding_spec: Any = None) -> None:
+    """Build the expert-parallel and expert-data-parallel groups named `ep_size_<n>` (collective:
+    every rank calls it with the same arguments; a second call is a no-op)."""
+    if mp_mode not in ("tp", "sp"):
+        raise ValueError(f"_create_expert_and_data_parallel: mp_mode must be 'tp' or 'sp', got {mp_mode!r}")
+    if folding_spec is not None:
+        from ..runtime.errors import NotSupportedYet
+
+        raise NotSupportedYet("_create_expert_and_data_parallel(folding_spec=...): AutoEP+AutoTP folding tables "
+                              "are not supported; leave folding_spec=None")
+    mp = int(mp_size or 1)
+    mesh = _expert_mesh(tensor=mp if mp_mode == "tp" else 1, sequence=mp if mp_mode == "sp" else 1,
+                        pipe=int(pp_size or 1))
+    mesh.expert_groups(int(expert_parallel_size_), use_data_before_expert_parallel_)
+
+
+def _create_expert_data_and_model_parallel(expert_parallel_size_: int, mpu: Any,
+                                           use_data_before_expert_parallel_: bool = False) -> None:
+    """Expert groups for a Megatron-style `mpu`: its tensor (and pipeline) degrees lay out the mesh."""
+    globals()["mpu"] = mpu
+    tensor = int(mpu.get_tensor_model_parallel_world_size()) if hasattr(
+        mpu, "get_tensor_model_parallel_world_size") else int(mpu.get_model_parallel_world_size())
+    pipe = int(mpu.get_pipeline_model_parallel_world_size()) if hasattr(
+        mpu, "get_pipeline_model_parallel_world_size") else 1
+    mesh = _expert_mesh(tensor=tensor, pipe=pipe)
+    mesh.expert_groups(int(expert_parallel_size_), use_data_before_expert_parallel_)
+
+
+def _expert(group_name: str, data: bool = False) -> tuple[list[int], Any]:
+    mesh = _mesh_or_none()
+    if mesh is None or group_name not in mesh.expert_names():
+        raise KeyError(f"expert groups {group_name!r} were not created: an MoE layer with that ep_size builds them "
+                       f"when the engine starts (or call groups._create_expert_and_data_parallel)")
+    return mesh.expert_entry(group_name, data)
+
+
+def _get_expert_parallel_group(group_name: str) -> Any:
+    return _expert(group_name)[1]
+
+
+def _get_expert_parallel_group_ranks(group_name: str) -> list[int]:
+    return list(_expert(group_name)[0])
+
+
+def _get_expert_data_parallel_group(group_name: str) -> Any:
+    return _expert(group_name, data=True)[1]
+
+
+def _get_expert_data_parallel_group_ranks(group_name: str) -> list[int]:
+    return list(_expert(group_name, data=True)[0])
+
+
+def _expert_names() -> list[str]:
+    mesh = _mesh_or_none()
+    return mesh.expert_names() if mesh is not None else []
+
+
+def _get_expert_parallel_group_dict() -> dict[str, Any]:
+    return {name: _get_expert_parallel_group(name) for name in _expert_names()}
+
+
+def _get_expert_data_parallel_group_dict() -> dict[str, Any]:
+    return {name: _get_expert_data_parallel_group(name) for name in _expert_names()}
+
+
+def _get_expert_parallel_world_size(group_name: str) -> int:
+    return len(_expert(group_name)[0])
+
+
+def _get_expert_data_parallel_world_size(group_name: str) -> int:
+    return len(_expert(group_name, data=True)[0])
+
+
+def _get_expert_parallel_rank(group_name: str) -> int:
+    return _expert(group_name)[0].index(dist.get_rank())
+
+
+def _get_expert_data_parallel_rank(group_name: str) -> int:
+    return _expert(group_name, data=True)[0].index(dist.get_rank())
+
+
+def _get_expert_parallel_src_rank(group_name: str) -> int:
+    """The global rank of the first member of this rank's expert-parallel group."""
+    return _expert(group_name)[0][0]
+
+
+def _get_expert_broadcast_src_rank(group_name: str) -> int:
+    """The global rank expert parameters are broadcast from: the first of the expert-data group."""
+    return _expert(group_name, data=True)[0][0]
+
+
+def _get_max_expert_size() -> int:
+    """The largest expert-parallel size built (1 when none)."""
+    return max((len(_expert(n)[0]) for n in _expert_names()), default=1)
+
+
+def _get_max_expert_size_name() -> str:
+    return f"ep_size_{_get_max_expert_size()}"
+
+
+def _get_max_expert_parallel_group() -> Any:
+    return _get_expert_parallel_group(_get_max_expert_size_name())

@@ -108,3 +108,31 @@ def test_sequence_ranks_share_their_replicas_batches():
     batches = run_distributed(4, _loader_batches)
     assert batches[0] == batches[1] and batches[2] == batches[3]
     assert sorted(sum(batches[0] + batches[2], [])) == list(range(16))   # the two replicas split the data
+
+
+def _expert_layout() -> dict:
+    from deepspeed.runtime import mesh
+    from deepspeed.utils import groups
+    import deepspeed.comm as dist
+
+    groups.mpu = None
+    mesh.reset()
+    groups._create_expert_and_data_parallel(2)
+    groups._create_expert_and_data_parallel(2)   # a second call builds nothing new
+    probe = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(probe, group=groups._get_expert_parallel_group("ep_size_2"))
+    replica = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(replica, group=groups._get_expert_data_parallel_group("ep_size_2"))
+    return {"ep": groups._get_expert_parallel_group_ranks("ep_size_2"),
+            "edp": groups._get_expert_data_parallel_group_ranks("ep_size_2"),
+            "rank": (groups._get_expert_parallel_rank("ep_size_2"), groups._get_expert_data_parallel_rank("ep_size_2")),
+            "sums": (probe.item(), replica.item()), "max": groups._get_max_expert_size_name()}
+
+
+def test_expert_groups_on_the_mesh():
+    layout = run_distributed(4, _expert_layout)
+    assert [r["ep"] for r in layout] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["edp"] for r in layout] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["rank"] for r in layout] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [r["sums"] for r in layout] == [(1.0, 2.0), (1.0, 4.0), (5.0, 2.0), (5.0, 4.0)]
+    assert all(r["max"] == "ep_size_2" for r in layout)

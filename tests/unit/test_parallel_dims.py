@@ -53,3 +53,24 @@ def test_bad_degrees_name_the_dim(kwargs, fragment):
 def test_unknown_group_name():
     with pytest.raises(KeyError, match="unknown parallel group 'expert'"):
         ParallelDims(4).groups("expert")
+
+
+def test_expert_groups_follow_upstreams_orders():
+    from deepspeed.runtime.parallel_dims import expert_rank_groups
+    from deepspeed.utils.groups import _get_expert_parallel_ranks
+
+    # upstream's docstring examples: E + D on 16 ranks (ep 2), E + M + D with tensor 2 (ep 4)
+    ep, edp = expert_rank_groups(ParallelDims(16).topology(), 2)
+    assert ep[:3] == [[0, 1], [2, 3], [4, 5]] and edp == [list(range(0, 16, 2)), list(range(1, 16, 2))]
+    ep, edp = _get_expert_parallel_ranks(world_size=16, tensor_parallel_size_=2, expert_parallel_size_=4)
+    assert ep == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
+    assert edp == [[0, 8], [2, 10], [4, 12], [6, 14], [1, 9], [3, 11], [5, 13], [7, 15]]
+    # D + E swaps them; a pipeline keeps each stage's experts inside the stage
+    ep, edp = expert_rank_groups(ParallelDims(8).topology(), 2, data_before_expert=True)
+    assert ep == [[0, 4], [1, 5], [2, 6], [3, 7]] and edp == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    ep, edp = expert_rank_groups(ParallelDims(8, pipe=2).topology(), 2)
+    assert ep == [[0, 1], [2, 3], [4, 5], [6, 7]] and edp == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    # sequence ranks are data ranks for experts (they replicate the dense model)
+    assert expert_rank_groups(ParallelDims(4, sequence=2).topology(), 4)[0] == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="expert parallel size 3 must divide the data-parallel size 4"):
+        expert_rank_groups(ParallelDims(4).topology(), 3)
