@@ -22,6 +22,7 @@ from .activation_checkpointing import state as activation_checkpointing
 from .base_optimizer import DeepSpeedOptimizer
 from .dataloader import DeepSpeedDataLoader
 from .engine_accessors import EngineAccessors
+from .engine_moe import setup_moe
 from .engine_parallel import sequence_loss_factor, setup_parallel_groups
 from .backward_hooks import (BackwardState, derived_outputs, in_autograd_backward, output_tensors,
                              queue_autograd_callback, under_function_transform)
@@ -69,6 +70,7 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         if args is not None and hasattr(args, "local_rank"):
             args.local_rank = self.local_rank
         setup_parallel_groups(self, mpu, config_class)   # data / sequence / ZeRO groups (engine_parallel.py)
+        setup_moe(self)   # expert groups, where expert gradients are reduced (engine_moe.py)
         self.device = resolve_device(self.local_rank)
         self.precision = PrecisionPolicy.from_config(config_class)
         self.stage = STAGES[config_class.model.zero_optimization.stage]

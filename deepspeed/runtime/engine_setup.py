@@ -55,9 +55,12 @@ def broadcast_module_states(module: nn.Module, group: Any) -> None:
     """Make every replica start from rank 0's parameters and buffers, one broadcast per dtype."""
     if ds_comm.get_world_size(group) <= 1:
         return
+    from .engine_moe import broadcast_expert_params
     from .zero.stage3.init_context import init_shard  # zero.Init parameters already agree (rank 0's)
 
-    tensors = [p.data for p in module.parameters() if init_shard(p) is None] + [b for b in module.buffers()]
+    experts = broadcast_expert_params(module)   # over their expert-data-parallel groups
+    tensors = [p.data for p in module.parameters() if init_shard(p) is None and id(p) not in experts] + \
+        [b for b in module.buffers()]
     by_key: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_key.setdefault((t.dtype, t.device), []).append(t)
@@ -165,7 +168,8 @@ def build_reducer(engine: Any) -> GradBucketReducer | None:
                                 group=engine.seq_data_parallel_group, first_bucket_numel=first,
                                 accum_dtype=policy.grad_accum_dtype, shard=sharded,
                                 overlap=bool(config.model.zero_optimization.overlap_comm),
-                                solo=frozenset(id(p) for p in engine._solo_bucket_params()))
+                                solo=frozenset(id(p) for p in engine._solo_bucket_params()),
+                                comm_groups=getattr(engine, "_expert_comm", None))   # engine_moe.py
     reducer.names = {id(p): name for name, p in engine.module.named_parameters()}
     return reducer
 

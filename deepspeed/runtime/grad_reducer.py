@@ -76,6 +76,22 @@ class _Bucket:
     shard_numel: int = 0                    # sharded mode: padded numel / N
     shard_grad: torch.Tensor | None = None  # sharded mode: this rank's reduced slice, accumulated;
                                             # None until the first reduction after zero_grad()
+    group: Any = None                       # the ranks it is reduced (and sharded) over
+    world: int = 1
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class CommGroup:
+    """Where a parameter's gradient is reduced when that is not the reducer's own group: an expert
+    parameter's expert-data-parallel group ([Note: expert gradients] in engine_moe.py). `name`
+    keeps such parameters in buckets of their own; the average still divides by the policy's
+    world size, so only the collective's ranks (and, sharded, the shard count) change."""
+
+    name: str
+    group: Any
+    world: int
+    rank: int
 
 
 def plan_buckets(numels: list[int], bucket_numel: int, first_bucket_numel: int | None = None) -> list[list[int]]:
@@ -105,13 +121,16 @@ class GradBucketReducer:
     def __init__(self, params: list[torch.nn.Parameter], policy: ReducePolicy, bucket_numel: int,
                  comm_dtype_of: Callable[[torch.nn.Parameter], torch.dtype], group: Any = None,
                  first_bucket_numel: int | None = None, accum_dtype: torch.dtype | None = None,
-                 shard: bool = False, overlap: bool = True, solo: frozenset[int] = frozenset()) -> None:
+                 shard: bool = False, overlap: bool = True, solo: frozenset[int] = frozenset(),
+                 comm_groups: dict[int, CommGroup] | None = None) -> None:
         # Reverse registration order approximates the order gradients become ready.
         ordered = [p for p in reversed(params) if p.requires_grad]
         self.policy = policy
         self.group = group
         self.reduces = policy.world_size > 1
         self.rank = ds_comm.get_rank(group) if self.reduces else 0
+        self._own = CommGroup("", group, policy.world_size, self.rank)
+        self._comm_groups = comm_groups or {}
         self.accum_dtype = accum_dtype
         # Sharded (ZeRO): reduce-scatter into shard_grad; see [Note: per-bucket shards] in zero/partition.py.
         # Sharded buckets are transient: a bucket's full-size buffer exists only from its first
@@ -144,9 +163,10 @@ class GradBucketReducer:
         """One bucket per (dtype, device, comm dtype) run inside a planned group."""
         by_key: dict[tuple, list[torch.nn.Parameter]] = {}
         for p in params:
-            by_key.setdefault((p.dtype, p.device, comm_dtype_of(p)), []).append(p)
-        world = self.policy.world_size
-        for (dtype, device, comm_dtype), members in by_key.items():
+            comm = self._comm_groups.get(id(p), self._own)
+            by_key.setdefault((p.dtype, p.device, comm_dtype_of(p), comm), []).append(p)
+        for (dtype, device, comm_dtype, comm), members in by_key.items():
+            world = comm.world
             numel = sum(p.numel() for p in members)
             padded = -(-numel // world) * world if self.shard else numel
             accum = self.accum_dtype or dtype
@@ -160,12 +180,13 @@ class GradBucketReducer:
                 self._where[id(p)] = (len(self.buckets), position)
                 p.grad = views[-1] if flat is not None and self._bound(flat, p) else None
             self.buckets.append(_Bucket(members, flat, views, comm_dtype, numel=numel,
-                                        shard_numel=padded // world if self.shard else 0))
+                                        shard_numel=padded // world if self.shard else 0,
+                                        group=comm.group, world=world, rank=comm.rank))
 
     def _allocate(self, bucket: _Bucket) -> None:
         """(Re)create a transient bucket's full-size buffer and the parameter views into it."""
         first = bucket.params[0]
-        padded = bucket.shard_numel * self.policy.world_size
+        padded = bucket.shard_numel * bucket.world
         bucket.flat = torch.zeros(padded, dtype=self.accum_dtype or first.dtype, device=first.device)
         bucket.views, offset = [], 0
         for p in bucket.params:
@@ -243,28 +264,30 @@ class GradBucketReducer:
         if bucket.flat is None:
             self._allocate(bucket)  # no gradient on this rank: contribute zeros, every rank must join
         self._next_launch = index + 1
-        if not self.reduces:
+        if bucket.world <= 1:
+            if self.reduces:   # an expert bucket held by one rank: averaged over the policy's world all the same
+                bucket.flat.mul_(self.policy.before() * self.policy.after())
             return
         buffer = bucket.flat if bucket.comm_dtype == bucket.flat.dtype else bucket.flat.to(bucket.comm_dtype)
         scale = self.policy.before()
         if scale != 1.0:
             buffer.mul_(scale)
         if self.shard:
-            chunk = buffer.numel() // self.policy.world_size
-            out = buffer[self.rank * chunk:(self.rank + 1) * chunk]  # in place: [Note: in-place reduce-scatter]
+            chunk = buffer.numel() // bucket.world
+            out = buffer[bucket.rank * chunk:(bucket.rank + 1) * chunk]  # in place: [Note: in-place reduce-scatter]
             bucket.comm_buffer = out
-            bucket.work = ds_comm.reduce_scatter_tensor(out, buffer, group=self.group, async_op=True)
+            bucket.work = ds_comm.reduce_scatter_tensor(out, buffer, group=bucket.group, async_op=True)
             if not self.overlap:
                 self._complete(bucket)
             elif index > 0:  # at most two buckets in flight: bounds the temporaries (and, at ZeRO-1/2, full buffers)
                 self._complete(self.buckets[index - 1])
             return
         bucket.comm_buffer = buffer
-        bucket.work = ds_comm.all_reduce(buffer, group=self.group, async_op=True)
+        bucket.work = ds_comm.all_reduce(buffer, group=bucket.group, async_op=True)
 
     def _complete(self, bucket: _Bucket) -> None:
         """Wait for a launched bucket and put its result where it belongs."""
-        if self.shard and not self.reduces:  # one rank owns everything: the shard is the bucket
+        if self.shard and bucket.world <= 1:  # one rank owns everything: the shard is the bucket
             self._accumulate(bucket, bucket.flat)
         elif bucket.work is None:
             return
@@ -306,7 +329,7 @@ class GradBucketReducer:
         while self._next_launch < len(self.buckets):
             self._launch(self._next_launch)
         for bucket in self.buckets:
-            if bucket.flat is not None and (bucket.work is not None or not self.reduces):
+            if bucket.flat is not None and (bucket.work is not None or bucket.world <= 1):
                 self._complete(bucket)
         self._armed = False
 

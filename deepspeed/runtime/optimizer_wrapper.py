@@ -26,15 +26,20 @@ class SplitModel:
     overflow flags and gradient norms are combined over `model_group` (the ranks holding the other
     parts of this replica) as well, and copies are left out of the norm so each parameter counts
     once: parameters marked `ds_pipe_replicated` (a tied weight's copies on later stages) and,
-    under tensor parallelism, the replicated (unsharded) parameters on tensor ranks other than 0."""
+    under tensor parallelism, the replicated (unsharded) parameters on tensor ranks other than 0;
+    under expert parallelism without ZeRO (`model_group` the expert-parallel group), the dense
+    parameters on expert-parallel ranks other than 0 (engine_moe.py)."""
 
     model_group: Any
     tensor_rank: int = 0
+    expert_rank: int = 0
 
 
 def counted_in_norm(param: torch.Tensor, split: "SplitModel | None" = None) -> bool:
     if getattr(param, "ds_pipe_replicated", False):
         return False
+    if split is not None and split.expert_rank != 0:
+        return hasattr(param, "allreduce") and not param.allreduce   # deepspeed.moe.utils.is_moe_param
     if split is not None and split.tensor_rank != 0:
         from ..module_inject.layers import is_tensor_parallel
 

@@ -147,6 +147,7 @@ class _ShardedBucket(MasterShard):
     def __init__(self, bucket: Any, reducer: Any, rank: int, world: int, master_dtype: torch.dtype,
                  master_device: torch.device) -> None:
         self.partition = BucketPartition(tuple(p.numel() for p in bucket.params), world)
+        self.group, self.world, self.rank = bucket.group, world, rank
         first = bucket.params[0]
         self.param_flat = torch.zeros(self.partition.padded_numel, dtype=first.dtype, device=first.device)
         for p, start in zip(bucket.params, self.partition.offsets()):
@@ -241,8 +242,9 @@ class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
         self._global_grad_norm: float | None = None
         self.dp_rank, self.dp_world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
         device = master_device or (reducer.buckets[0].params[0].device if reducer.buckets else torch.device("cpu"))
-        self.buckets = [_ShardedBucket(b, reducer, self.dp_rank, self.dp_world, master_dtype, device)
-                        for b in reducer.buckets]
+        # each bucket is sharded over the ranks it is reduced over: expert buckets over their
+        # expert-data-parallel group ([Note: expert gradients] in engine_moe.py), the rest over `group`
+        self.buckets = [_ShardedBucket(b, reducer, b.rank, b.world, master_dtype, device) for b in reducer.buckets]
         self._fragments_of, self.model_param_groups = attach_fragment_masters(optimizer, self.buckets, names)
         self.muon = ShardedMuon.maybe(optimizer, self.buckets, [[p.shape for p in sb.params] for sb in self.buckets],
                                       self.model_param_groups, group,
@@ -278,8 +280,8 @@ class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
         works = []
         for sb in self.buckets:
             shard = sb.master.to(device=sb.param_flat.device, dtype=sb.param_flat.dtype)
-            if self.dp_world > 1:
-                works.append(ds_comm.all_gather_into_tensor(sb.param_flat, shard, group=self.group, async_op=True))
+            if sb.world > 1:
+                works.append(ds_comm.all_gather_into_tensor(sb.param_flat, shard, group=sb.group, async_op=True))
             else:
                 sb.param_flat.copy_(shard)
         for work in works:

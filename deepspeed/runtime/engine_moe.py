@@ -1,0 +1,129 @@
+"""Expert parallelism in the engine: expert groups, where expert gradients are reduced, the norm.
+
+[Note: expert gradients]
+An expert parameter (`allreduce=False`, `group_name="ep_size_<ep>"`; deepspeed.moe.utils) lives on
+one expert-parallel (EP) rank and is replicated over its expert-data-parallel (EDP) group of
+W/ep ranks. Its local gradient already sums the contributions of the tokens of all ep ranks of
+its EP group (the all-to-all's backward brings them home), so the gradient of the global loss
+(the mean of the W ranks' losses) is the SUM over the EDP group divided by W, not by the EDP size:
+the reducer reduces each expert bucket over its EDP group and divides by the policy's world size
+W, as for dense buckets. Upstream divides by the EDP size, which makes the expert update ep times
+larger at ep>1 than at ep=1 (#6545); here ep=1, 2, 4 give the same update on the same global batch.
+
+ZeRO-1/2 shard each expert bucket over its EDP group (each element owned by one rank of it, and
+distinct EP ranks hold distinct experts), so the sum of the squared local shards over all W ranks
+counts every parameter once: the usual global-norm all-reduce is exact. Without ZeRO every rank
+holds whole gradients: the norm sums the dense parameters on EP rank 0 only and each rank's
+experts, over the EP group (a SplitModel, as tensor parallelism does for its replicated parameters).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import comm as ds_comm
+from ..moe.utils import is_moe_param
+from ..utils import groups
+from .errors import NotSupportedYet
+
+
+def is_moe_layer(module: nn.Module) -> bool:
+    """deepspeed.moe.layer.MoE, or a module with its engine-facing surface (expert_group_name,
+    num_local_experts, set_deepspeed_parallelism), as hand-built expert-parallel layers have."""
+    from ..moe.layer import MoE
+
+    return isinstance(module, MoE) or all(hasattr(module, a) for a in
+                                          ("expert_group_name", "num_local_experts", "set_deepspeed_parallelism"))
+
+
+def moe_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, layer) of each MoE layer in registration order: upstream's `moe_layer_id` order."""
+    return [(name, m) for name, m in module.named_modules() if is_moe_layer(m)]
+
+
+def ep_size_of(group_name: str) -> int:
+    try:
+        return int(str(group_name).rsplit("_", 1)[1])
+    except (IndexError, ValueError):
+        raise ValueError(f"expert parameter group_name={group_name!r}: expected upstream's 'ep_size_<n>'") from None
+
+
+def setup_moe(engine: Any) -> None:
+    """Build the expert groups of the module's MoE layers (upstream's engine calls
+    `set_deepspeed_parallelism()` on each at init), check the configuration, and record where each
+    expert parameter's gradient is reduced (`engine._expert_comm`, read by the gradient reducer).
+    Every rank raises alike: the checks depend on the model and the config only."""
+    layers = moe_layers(engine.module)
+    engine.has_moe_layers = bool(layers)
+    engine.moe_layers = [m for _, m in layers]
+    engine.num_experts = [getattr(m, "num_experts", None) for m in engine.moe_layers]
+    engine._expert_comm = {}
+    experts = [p for p in engine.module.parameters() if is_moe_param(p)]
+    if not layers and not experts:
+        return
+    names = sorted({str(getattr(p, "group_name", "")) for p in experts} |
+                   {str(m.expert_group_name) for m in engine.moe_layers})
+    sizes = {name: ep_size_of(name) for name in names}
+    stage = int(engine._config.model.zero_optimization.stage)
+    if stage == 3 and max(sizes.values()) > 1:
+        raise NotSupportedYet(f"zero_optimization.stage=3 with expert parallelism (MoE ep_size="
+                              f"{max(sizes.values())}): ZeRO-3 does not partition expert parameters over their "
+                              "expert-data-parallel group in this build; use zero_optimization.stage 0, 1 or 2 "
+                              "(experts are partitioned there), or ep_size=1 at stage 3")
+    if engine._split is not None or engine.sequence_parallel_size > 1 or engine.mpu is not None:
+        raise NotSupportedYet(f"MoE layers (ep_size {sorted(sizes.values())}) with tensor, sequence or pipeline "
+                              "parallelism or a client mpu: expert parallelism combines with data parallelism and "
+                              "ZeRO 0-2 only in this build")
+    use_data_before = bool(engine.config.get("use_data_before_expert_parallelism", False))
+    for layer in engine.moe_layers:
+        try:
+            layer.set_deepspeed_parallelism(use_data_before)
+        except TypeError:   # a hand-built layer without upstream's argument
+            layer.set_deepspeed_parallelism()
+    for name in names:   # parameters marked without a layer that built their groups
+        if name not in groups._expert_names():
+            groups._create_expert_and_data_parallel(sizes[name], use_data_before_expert_parallel_=use_data_before)
+    from .grad_reducer import CommGroup
+
+    comm = {name: CommGroup(name, groups._get_expert_data_parallel_group(name),
+                            groups._get_expert_data_parallel_world_size(name),
+                            groups._get_expert_data_parallel_rank(name)) for name in names}
+    engine._expert_comm = {id(p): comm[str(p.group_name)] for p in experts}
+    parallel = {s for s in sizes.values() if s > 1}
+    if stage == 0 and parallel:   # whole gradients on every rank: [Note: expert gradients]
+        if len(parallel) > 1 and engine._config.model.gradient_clipping > 0:
+            raise NotSupportedYet(f"gradient_clipping with MoE layers of several ep_size {sorted(parallel)} at "
+                                  "zero_optimization.stage 0: use one ep_size, or ZeRO stage 1 or 2")
+        from .optimizer_wrapper import SplitModel
+
+        name = f"ep_size_{max(parallel)}"
+        engine._split = SplitModel(groups._get_expert_parallel_group(name),
+                                   expert_rank=groups._get_expert_parallel_rank(name))
+
+
+def broadcast_expert_params(module: nn.Module) -> set[int]:
+    """Make every expert-data-parallel replica start from its first member's experts (one broadcast
+    per EDP group and dtype); returns the ids of the expert parameters, which the dense broadcast
+    over the data-parallel group must leave alone (they differ across EP ranks)."""
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    done: set[int] = set()
+    for p in module.parameters():
+        name = getattr(p, "group_name", None)
+        if not is_moe_param(p) or name is None or name not in groups._expert_names():
+            continue
+        by_key.setdefault((str(name), p.dtype, p.device), []).append(p.data)
+        done.add(id(p))
+    for (name, _, _), members in sorted(by_key.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        if groups._get_expert_data_parallel_world_size(name) <= 1:
+            continue
+        flat = torch.cat([t.reshape(-1) for t in members])
+        ds_comm.broadcast(flat, src=groups._get_expert_broadcast_src_rank(name),
+                          group=groups._get_expert_data_parallel_group(name))
+        offset = 0
+        for t in members:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+    return done

@@ -1,0 +1,198 @@
+"""Expert-parallel training jobs for test_moe_engine.py (run on every rank by run_distributed).
+
+`ToyMoE` is a minimal expert-parallel layer with upstream's engine-facing surface: experts named
+`deepspeed_moe.experts.deepspeed_experts.<local id>`, parameters marked `allreduce=False` and
+`group_name="ep_size_<ep>"`, `set_deepspeed_parallelism()` building the groups. Top-1 routing
+without capacity (every token reaches its expert) and a hand-written all-to-all through
+deepspeed.comm, so a single-process model holding every expert (`reference`) applies the same
+routing and gives the exact gradient of the W ranks' mean loss.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+HIDDEN, EXPERTS, TOKENS = 8, 4, 6
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all-to-all over dim 0 (its backward is the same exchange of the gradients)."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, x: torch.Tensor) -> torch.Tensor:
+        import deepspeed.comm as dist
+
+        ctx.group = group
+        x = x.contiguous()   # (empty_like of a strided input would keep its strides)
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return None, _AllToAll.apply(ctx.group, grad)
+
+
+def _expert(global_id: int) -> nn.Linear:
+    gen = torch.Generator().manual_seed(1000 + global_id)
+    layer = nn.Linear(HIDDEN, HIDDEN)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(HIDDEN, HIDDEN, generator=gen) * 0.3)
+        layer.bias.copy_(torch.randn(HIDDEN, generator=gen) * 0.1)
+    return layer
+
+
+class ToyMoE(nn.Module):
+    def __init__(self, num_experts: int = EXPERTS, ep_size: int = 1, ep_rank: int = 0) -> None:
+        super().__init__()
+        self.num_experts, self.ep_size = num_experts, ep_size
+        self.num_local_experts = num_experts // ep_size
+        self.expert_group_name = f"ep_size_{ep_size}"
+        self.ep_group = None
+        moe = nn.Module()
+        moe.gate = nn.Module()
+        moe.gate.wg = nn.Linear(HIDDEN, num_experts, bias=False)
+        with torch.no_grad():
+            moe.gate.wg.weight.copy_(torch.randn(num_experts, HIDDEN, generator=torch.Generator().manual_seed(7)))
+        moe.experts = nn.Module()
+        first = ep_rank * self.num_local_experts
+        moe.experts.deepspeed_experts = nn.ModuleList(_expert(first + i) for i in range(self.num_local_experts))
+        for p in moe.experts.parameters():
+            p.allreduce = False
+            p.group_name = self.expert_group_name
+        self.deepspeed_moe = moe
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        from deepspeed.utils import groups
+
+        groups._create_expert_and_data_parallel(self.ep_size,
+                                                use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        self.ep_group = groups._get_expert_parallel_group(self.expert_group_name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.deepspeed_moe.gate.wg(x).float(), dim=-1)
+        index = probs.argmax(dim=-1)
+        weight = probs.gather(1, index[:, None]).to(x.dtype)
+        mask = torch.nn.functional.one_hot(index, self.num_experts).T.unsqueeze(-1).to(x.dtype)   # [E, T, 1]
+        dispatched = mask * x.unsqueeze(0)                                                       # [E, T, d]
+        if self.ep_size > 1:
+            dispatched = _AllToAll.apply(self.ep_group, dispatched)   # [ep x local E, T, d]: my experts' tokens
+        local = dispatched.reshape(-1, self.num_local_experts, *x.shape)
+        out = torch.stack([e(local[:, i]) for i, e in enumerate(self.deepspeed_moe.experts.deepspeed_experts)], 1)
+        out = out.reshape(-1, *x.shape)
+        if self.ep_size > 1:
+            out = _AllToAll.apply(self.ep_group, out)
+        return (mask * out).sum(0) * weight
+
+
+class ToyModel(nn.Module):
+    def __init__(self, ep_size: int = 1, ep_rank: int = 0, layers: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(HIDDEN, HIDDEN)
+        self.out = nn.Linear(HIDDEN, HIDDEN)   # before the experts: their count must not shift its init
+        self.moes = nn.ModuleList(ToyMoE(EXPERTS, ep_size, ep_rank) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for moe in self.moes:
+            h = h + moe(h)
+        return torch.nn.functional.mse_loss(self.out(h).float(), target)
+
+
+def batches(world: int, steps: int, micro: int = 1) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per step, per rank and micro-step: (x, target) of TOKENS tokens."""
+    gen = torch.Generator().manual_seed(42)
+    return [[(torch.randn(TOKENS, HIDDEN, generator=gen), torch.randn(TOKENS, HIDDEN, generator=gen))
+             for _ in range(world * micro)] for _ in range(steps)]
+
+
+def global_state(model: nn.Module, ep_size: int, ep_rank: int) -> dict[str, torch.Tensor]:
+    """The parameters with experts under their global ids (the reference's names)."""
+    out = {}
+    prefix = "deepspeed_moe.experts.deepspeed_experts."
+    local_experts = EXPERTS // ep_size
+    for name, p in model.named_parameters():
+        if prefix in name:
+            head, tail = name.split(prefix)
+            local, rest = tail.split(".", 1)
+            name = f"{head}{prefix}{ep_rank * local_experts + int(local)}.{rest}"
+        out[name] = p.detach().float().clone()
+    return out
+
+
+def config(stage: int = 0, opt: str = "SGD", lr: float = 0.1, clip: float = 0.0, bf16: bool = False,
+           micro_gas: int = 1, **extra: Any) -> dict:
+    import deepspeed.comm as dist
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro_gas,
+           "train_batch_size": micro_gas * dist.get_world_size(),
+           "optimizer": {"type": opt, "params": {"lr": lr}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 200}, "gradient_clipping": clip,
+           "steps_per_print": None}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    cfg.update(extra)
+    return cfg
+
+
+def train(ep_size: int, steps: int, cfg_kwargs: dict) -> dict:
+    """Train ToyModel at `ep_size` for `steps` and return global-named parameters, losses, norms."""
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.utils import groups
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cfg = config(**cfg_kwargs)
+    gas = cfg["gradient_accumulation_steps"]
+    groups._create_expert_and_data_parallel(ep_size)
+    ep_rank = groups._get_expert_parallel_rank(f"ep_size_{ep_size}")
+    model = ToyModel(ep_size, ep_rank)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    losses, norms = [], []
+    dtype = next(engine.module.parameters()).dtype
+    for step in batches(world, steps, gas):
+        for micro in range(gas):
+            x, t = step[rank * gas + micro]
+            loss = engine(x.to(engine.device, dtype), t.to(engine.device))
+            engine.backward(loss)
+            engine.step()
+        losses.append(float(loss.detach()))
+        norms.append(engine.get_global_grad_norm())
+    return {"state": global_state(engine.module, ep_size, ep_rank), "losses": losses, "norms": norms,
+            "rank": rank}
+
+
+def reference(world: int, steps: int, lr: float = 0.1, clip: float = 0.0, micro_gas: int = 1) -> dict:
+    """One process, every expert, the whole global batch: the exact gradient of the ranks' mean loss."""
+    model = ToyModel(1, 0)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    norms = []
+    for step in batches(world, steps, micro_gas):
+        opt.zero_grad()
+        for x, t in step:
+            (model(x, t) / len(step)).backward()
+        params = list(model.parameters())
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        norms.append(float(norm))
+        opt.step()
+    return {"state": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms}
+
+
+def merged(results: list[dict]) -> dict[str, torch.Tensor]:
+    """Every global parameter from the ranks' results (replicas must agree: checked by the caller)."""
+    out: dict[str, torch.Tensor] = {}
+    for r in results:
+        for name, value in r["state"].items():
+            if name in out:
+                torch.testing.assert_close(value, out[name], rtol=0, atol=0, msg=f"replicas differ: {name}")
+            out[name] = value
+    return out
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", 0))
