@@ -27,6 +27,7 @@ from torch import nn
 from .. import comm as ds_comm
 from ..moe.utils import is_moe_param
 from ..utils import groups
+from .engine_autoep import setup_autoep
 from .errors import NotSupportedYet
 
 
@@ -56,6 +57,7 @@ def setup_moe(engine: Any) -> None:
     `set_deepspeed_parallelism()` on each at init), check the configuration, and record where each
     expert parameter's gradient is reduced (`engine._expert_comm`, read by the gradient reducer).
     Every rank raises alike: the checks depend on the model and the config only."""
+    setup_autoep(engine)   # AutoEP: swap HF MoE experts for expert-parallel ones first (engine_autoep.py)
     layers = moe_layers(engine.module)
     engine.has_moe_layers = bool(layers)
     engine.moe_layers = [m for _, m in layers]

@@ -261,7 +261,7 @@ NOT_SUPPORTED = [  # (key, enabled value, disabled value)
     ("data_efficiency", {"enabled": True}, {"enabled": False}),
     ("compile", {"deepcompile": True}, {"deepcompile": False}),
     ("tensor_parallel", {"tp": {"tp_size": 2}}, {"autotp_size": 0}),
-    ("expert_parallel", {"enabled": True}, {"enabled": False}),
+    ("expert_parallel", {"enabled": True, "expert_tensor_parallel_size": 2}, {"enabled": True}),
     ("weight_quantization", {"quantized_initialization": {}}, {"enabled": False}),
     ("datastates_ckpt", {}, False),
     ("nebula", {"enabled": True}, {"enabled": False}),

@@ -30,6 +30,7 @@ from .sections.monitor import CometConfig, CSVMonitorConfig, TensorBoardConfig, 
 from .sections.optimizer import OptimizerConfig, SchedulerConfig
 from .sections.pipeline import PipelineConfig
 from .sections.precision import BF16Config, DataTypesConfig, FP16Config, TorchAutocastConfig, param_dtype_conflict
+from .sections.expert_parallel import ExpertParallelConfig
 from .sections.tensor_parallel import TensorParallelConfig
 from .sections.unsupported import UNSUPPORTED_SECTIONS, UnsupportedSections
 from .sections.zero import ZeroConfig
@@ -166,6 +167,8 @@ class RootConfig(UnsupportedSections):
     """NVMe async-I/O knobs (parsed; no effect here)."""
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """AutoTP tensor parallelism (autotp_size > 1 shards the model's Linear layers)."""
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+    """AutoEP: shard a Hugging Face MoE model's experts over autoep_size ranks (docs/moe.md)."""
 
     def _problems(self) -> Iterator[Problem]:
         """Rules across sections (sections check their own keys)."""

@@ -52,7 +52,6 @@ UNSUPPORTED_SECTIONS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "hybrid_engine": (_flag(), "the hybrid (RLHF) engine", _OFF),
     "data_efficiency": (_flag(), "data efficiency (curriculum sampling / random-LTD)", _OFF),
     "compile": (_key_true("deepcompile"), "DeepCompile", "remove it or set deepcompile: false"),
-    "expert_parallel": (_flag(), "AutoEP expert parallelism", _OFF),
     "weight_quantization": (_flag(default=True), "weight quantization", _OFF),
     "datastates_ckpt": (_present, "DataStates checkpointing", "remove it"),
     "nebula": (_flag(), "Nebula checkpointing", _OFF),
@@ -90,8 +89,6 @@ class UnsupportedSections(DSModel):
     """Curriculum data sampling / random-LTD (not supported here)."""
     compile: Unsupported = None
     """DeepCompile (not supported here)."""
-    expert_parallel: Unsupported = None
-    """AutoEP expert parallelism (not supported here)."""
     weight_quantization: Unsupported = None
     """Weight quantization (not supported here)."""
     datastates_ckpt: Unsupported = None

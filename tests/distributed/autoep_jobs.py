@@ -1,0 +1,130 @@
+"""AutoEP jobs (run on every rank by run_distributed): tiny Mixtral and Qwen3-MoE models built
+locally, their experts swapped by AutoEP, against the same model unsharded.
+
+`block_run` checks the swapped model directly (no engine): logits, the HF aux loss and, after
+reducing gradients by hand (dense over the world, experts over their expert-data-parallel group,
+then gathered over the EP group), the gradients of the sum of every rank's loss equal the unsharded
+model's on all ranks' batches. `train_run` trains through deepspeed.initialize with the
+`expert_parallel` section (or without it: the baseline) and returns the whole weights
+(state_dict(): the HF layout) and, with `save`, checks save_16bit_model's file loads into a plain
+HF model."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+VOCAB, SEQ, MICRO = 64, 6, 2
+
+
+def build(kind: str, experts: int = 4, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=32, num_experts_per_tok=2,
+                  output_router_logits=True, router_aux_loss_coef=0.1, tie_word_embeddings=False)
+    if kind == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        cfg = MixtralConfig(intermediate_size=8, num_local_experts=experts, **common)
+        model = MixtralForCausalLM(cfg)
+    elif kind == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        cfg = Qwen3MoeConfig(intermediate_size=12, moe_intermediate_size=8, num_experts=experts,
+                             decoder_sparse_step=1, norm_topk_prob=False, **common)
+        model = Qwen3MoeForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():   # HF leaves the fused experts at torch.empty until post_init's init: make them sane
+        for name, p in model.named_parameters():
+            if "experts" in name:
+                p.normal_(0.0, 0.3)
+    model.config._attn_implementation = "eager"
+    return model.float()
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
+
+
+def _ep_info(ep: int) -> tuple:
+    from deepspeed.utils import groups
+
+    name = f"ep_size_{ep}"
+    return (groups._get_expert_parallel_group(name), groups._get_expert_data_parallel_group(name))
+
+
+def block_run(kind: str, ep: int, seed: int = 0) -> dict:
+    """Forward, aux loss and gradients of the swapped model vs the unsharded one (no engine)."""
+    import deepspeed.comm as dist
+    from deepspeed.module_inject.auto_ep import apply_autoep
+    from deepspeed.module_inject.auto_ep_layer import autoep_layers
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = build(kind, seed=seed)
+    model = copy.deepcopy(ref)
+    apply_autoep(model, {"preset_model": kind}, ep)
+    layers = autoep_layers(model)
+    ids = batch(0, rank)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    want = ref(input_ids=ids, labels=ids)
+    result = {"logits": (out.logits - want.logits).abs().max().item(),
+              "aux": abs(out.aux_loss.item() - want.aux_loss.item()), "aux_value": out.aux_loss.item(),
+              "local_experts": [layer.num_local_experts for layer in layers],
+              "shapes": {n: tuple(p.shape) for n, p in model.named_parameters() if "experts" in n}}
+    for r in range(world):   # the reference: the gradient of the sum of every rank's loss
+        ids_r = batch(0, r)
+        ref(input_ids=ids_r, labels=ids_r).loss.backward()
+    ep_group, edp_group = _ep_info(ep)
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if getattr(p, "allreduce", True):
+            dist.all_reduce(g, group=None)
+        else:
+            dist.all_reduce(g, group=edp_group)
+            parts = [torch.empty_like(g) for _ in range(ep)]
+            dist.all_gather(parts, g.contiguous(), group=ep_group)
+            g = torch.cat(parts)
+        grads[name] = g
+    ref_grads = dict(ref.named_parameters())
+    result["grad_err"] = max((grads[n] - ref_grads[n].grad).abs().max().item() for n in grads)
+    result["grad_scale"] = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+    result["full_equal"] = all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+    return result
+
+
+def train_run(kind: str, ep: int, steps: int, stage: int = 1, save: str = "") -> dict:
+    """`steps` SGD steps through the engine (ep=0: no expert_parallel section); whole weights."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    model = build(kind)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+              "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    if ep:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": kind}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    rank, losses = dist.get_rank(), []
+    for step in range(steps):
+        ids = batch(step, rank)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    state = {k: v.clone() for k, v in engine.module.state_dict().items()}   # collective under AutoEP
+    result = {"losses": losses, "state": state}
+    if save:
+        engine.save_16bit_model(save)
+        if rank == 0:
+            plain = build(kind, seed=123)
+            saved = torch.load(os.path.join(save, "pytorch_model.bin"), weights_only=True)
+            missing, unexpected = plain.load_state_dict(saved, strict=True)
+            result["loaded_equal"] = all(torch.equal(plain.state_dict()[k], v) for k, v in state.items())
+    dist.barrier()
+    return result
