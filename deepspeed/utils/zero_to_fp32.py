@@ -54,6 +54,7 @@ does); a warning says so.
 
 import argparse
 import bisect
+import glob
 import json
 import math
 import os
@@ -711,6 +712,8 @@ def _lazy_state_dict(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
     """{name: _LazyTensor} in DeepSpeed's order: buffers, frozen params, trainable params, aliases."""
     ds_dir = _resolve_tag_dir(checkpoint_dir, tag)
     _info(f"Processing zero checkpoint '{ds_dir}'")
+    if glob.glob(os.path.join(ds_dir, "layer_*_expert_*_model_states.pt")):
+        return _moe_state_dict(ds_dir, exclude_frozen_parameters)
     ckpt = _Checkpoint(ds_dir)
     _info(f"Detected checkpoint of type zero stage {ckpt.stage}, world_size: {ckpt.world_size}"
           + (f" (written by deepspeed=={ckpt.ds_version})" if ckpt.ds_version else ""))
@@ -742,6 +745,41 @@ def _lazy_state_dict(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
     total = sum(v.numel() for v in {id(v): v for v in state.values()}.values())
     _info(f"Reconstructed state dict: {len(state)} entries ({n_params} distinct tensors), {total} elements")
     return state
+
+
+def _moe_state_dict(ds_dir, exclude_frozen_parameters):
+    """An expert-parallel checkpoint (this package's MoE layout: `layer_<L>_expert_<E>_...` files hold
+    each expert under its global name, the optimizer files `ds_moe_pieces`: named slices of the fp32
+    masters): buffers and untrained tensors from the model files, every trained parameter joined
+    from its slices, each expert once under its global name."""
+    out = OrderedDict()
+    model0 = _load_file(os.path.join(ds_dir, "mp_rank_00_model_states.pt"))
+    sources = [model0.get("module") or {}]
+    sources += [_load_file(f) for f in sorted(glob.glob(os.path.join(ds_dir, "layer_*_expert_*_model_states.pt")),
+                                                 key=_natural_key)]
+    for source in sources:
+        for name, value in source.items():
+            out[name] = value.float() if value.is_floating_point() else value
+    optim = sorted(glob.glob(os.path.join(ds_dir, "expp_rank_*_optim_states.pt")) +
+                   glob.glob(os.path.join(ds_dir, "*zero_pp_rank_*_optim_states.pt")), key=_natural_key)
+    trained = set()
+    for path in optim:
+        state = _load_file(path)
+        state = state.get("optimizer_state_dict", state)
+        if "ds_moe_pieces" not in state:
+            raise ZeroCheckpointError(f"'{path}': an MoE checkpoint's optimizer file without ds_moe_pieces "
+                                      "(not written by this package); consolidate it with DeepSpeed's own tools")
+        for name, start, numel, values in state["ds_moe_pieces"]:
+            shape = torch.Size(state["shapes"][name])
+            if name not in trained:
+                out[name] = torch.zeros(shape, dtype=torch.float32)
+                trained.add(name)
+            out[name].view(-1)[start:start + numel].copy_(values["fp32"])
+    if exclude_frozen_parameters:
+        frozen = set((model0.get("frozen_param_shapes") or {}))
+        out = OrderedDict((k, v) for k, v in out.items() if k not in frozen)
+    _info(f"MoE checkpoint: {len(out)} entries, {len(trained)} trained parameters from {len(optim)} optimizer files")
+    return out
 
 
 def _tp_state_dict(ckpt, tp_dims, exclude_frozen_parameters):

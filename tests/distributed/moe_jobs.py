@@ -140,31 +140,68 @@ def config(stage: int = 0, opt: str = "SGD", lr: float = 0.1, clip: float = 0.0,
     return cfg
 
 
-def train(ep_size: int, steps: int, cfg_kwargs: dict) -> dict:
-    """Train ToyModel at `ep_size` for `steps` and return global-named parameters, losses, norms."""
+def make_engine(ep_size: int, cfg_kwargs: dict) -> tuple[Any, int]:
     import deepspeed
-    import deepspeed.comm as dist
     from deepspeed.utils import groups
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    cfg = config(**cfg_kwargs)
-    gas = cfg["gradient_accumulation_steps"]
     groups._create_expert_and_data_parallel(ep_size)
     ep_rank = groups._get_expert_parallel_rank(f"ep_size_{ep_size}")
     model = ToyModel(ep_size, ep_rank)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    losses, norms = [], []
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(**cfg_kwargs))
+    return engine, ep_rank
+
+
+def run_steps(engine: Any, steps: list, losses: list | None = None, norms: list | None = None) -> None:
+    import deepspeed.comm as dist
+
+    rank, gas = dist.get_rank(), engine.gradient_accumulation_steps()
     dtype = next(engine.module.parameters()).dtype
-    for step in batches(world, steps, gas):
+    for step in steps:
         for micro in range(gas):
             x, t = step[rank * gas + micro]
             loss = engine(x.to(engine.device, dtype), t.to(engine.device))
             engine.backward(loss)
             engine.step()
-        losses.append(float(loss.detach()))
-        norms.append(engine.get_global_grad_norm())
+        if losses is not None:
+            losses.append(float(loss.detach()))
+        if norms is not None:
+            norms.append(engine.get_global_grad_norm())
+
+
+def train(ep_size: int, steps: int, cfg_kwargs: dict) -> dict:
+    """Train ToyModel at `ep_size` for `steps` and return global-named parameters, losses, norms."""
+    import deepspeed.comm as dist
+
+    engine, ep_rank = make_engine(ep_size, cfg_kwargs)
+    gas = engine.gradient_accumulation_steps()
+    losses, norms = [], []
+    run_steps(engine, batches(dist.get_world_size(), steps, gas), losses, norms)
     return {"state": global_state(engine.module, ep_size, ep_rank), "losses": losses, "norms": norms,
-            "rank": rank}
+            "rank": dist.get_rank()}
+
+
+def checkpoint_roundtrip(ep_save: int, ep_load: int, cfg_kwargs: dict, save_dir: str, before: int = 3,
+                         after: int = 3) -> dict:
+    """Train `before` steps at ep_save, save; train `after` more (the uninterrupted run); then a new
+    engine at ep_load loads the checkpoint and trains the same `after` steps."""
+    import deepspeed.comm as dist
+
+    steps = batches(dist.get_world_size(), before + after, cfg_kwargs.get("micro_gas", 1))
+    engine, ep_rank = make_engine(ep_save, cfg_kwargs)
+    run_steps(engine, steps[:before])
+    engine.save_checkpoint(save_dir, tag="t", client_state={"note": 7})
+    engine.wait_for_checkpoint()
+    saved = global_state(engine.module, ep_save, ep_rank)
+    run_steps(engine, steps[before:])
+    uninterrupted = global_state(engine.module, ep_save, ep_rank)
+    resumed, ep_rank2 = make_engine(ep_load, cfg_kwargs)
+    path, client = resumed.load_checkpoint(save_dir, tag="t")
+    loaded = global_state(resumed.module, ep_load, ep_rank2)
+    steps_after_load = resumed.global_steps
+    run_steps(resumed, steps[before:])
+    return {"saved": saved, "loaded": loaded, "uninterrupted": uninterrupted,
+            "resumed": global_state(resumed.module, ep_load, ep_rank2), "client": client,
+            "global_steps": steps_after_load}
 
 
 def reference(world: int, steps: int, lr: float = 0.1, clip: float = 0.0, micro_gas: int = 1) -> dict:

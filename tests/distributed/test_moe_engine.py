@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from moe_jobs import merged, reference, train
+from moe_jobs import checkpoint_roundtrip, merged, reference, train
 
 STEPS = 10
 
@@ -61,3 +61,60 @@ def test_moe_bf16(stage: int) -> None:
 def test_moe_zero3_with_ep_raises() -> None:
     with pytest.raises(Exception, match=r"zero_optimization.stage=3.*ep_size=2"):
         run_distributed(2, train, 2, 1, {"stage": 3})
+
+
+def _merge(results: list[dict], key: str) -> dict:
+    return merged([{"state": r[key]} for r in results])
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_moe_checkpoint_resume(stage: int, tmp_path) -> None:
+    """Save at ep=2 (Adam state), load into a fresh engine, train on: equal to the uninterrupted run;
+    the files are upstream's MoE layout."""
+    import os
+
+    cfg = {"stage": stage, "opt": "Adam", "lr": 0.01}
+    results = run_distributed(4, checkpoint_roundtrip, 2, 2, cfg, str(tmp_path))
+    names = sorted(os.listdir(tmp_path / "t"))
+    assert "mp_rank_00_model_states.pt" in names
+    assert {f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in (0, 1) for e in range(4)} <= set(names)
+    if stage == 0:
+        assert {"expp_rank_0_mp_rank_00_optim_states.pt", "expp_rank_1_mp_rank_00_optim_states.pt"} <= set(names)
+    else:
+        assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(4)} <= set(names)
+    expert = torch.load(tmp_path / "t" / "layer_1_expert_3_mp_rank_00_model_states.pt")
+    assert sorted(expert) == ["moes.1.deepspeed_moe.experts.deepspeed_experts.3.bias",
+                              "moes.1.deepspeed_moe.experts.deepspeed_experts.3.weight"]
+    module = torch.load(tmp_path / "t" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert not [k for k in module if "deepspeed_experts" in k]
+    for key, ref in (("loaded", "saved"), ("resumed", "uninterrupted")):
+        got, want = _merge(results, key), _merge(results, ref)
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=f"{key} {name}")
+    assert all(r["client"]["note"] == 7 and r["global_steps"] == 3 for r in results)
+
+
+@pytest.mark.parametrize("ep_load", [1, 4])
+def test_moe_checkpoint_resume_at_another_ep_size(ep_load: int, tmp_path) -> None:
+    """Saved at ep=2 (ZeRO-1, Adam), resumed at ep=1 or 4: the same parameters, and training on equals
+    the uninterrupted ep=2 run (the update does not depend on ep_size)."""
+    results = run_distributed(4, checkpoint_roundtrip, 2, ep_load, {"stage": 1, "opt": "Adam", "lr": 0.01},
+                              str(tmp_path))
+    for key, ref, tol in (("loaded", "saved", 0), ("resumed", "uninterrupted", 1e-5)):
+        got, want = _merge(results, key), _merge(results, ref)
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=tol, atol=tol, msg=f"{key} {name}")
+
+
+def test_moe_zero_to_fp32(tmp_path) -> None:
+    """zero_to_fp32 on an MoE checkpoint: every expert under its global name, fp32, equal to the
+    trained parameters."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    results = run_distributed(4, checkpoint_roundtrip, 2, 2, {"stage": 2, "bf16": True}, str(tmp_path), 2, 0)
+    state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="t")
+    saved = _merge(results, "saved")
+    assert set(state) == set(saved)
+    for name, value in saved.items():
+        assert state[name].dtype == torch.float32
+        torch.testing.assert_close(state[name].bfloat16().float(), value, rtol=0, atol=0, msg=name)

@@ -19,7 +19,7 @@ from ... import comm as ds_comm
 from ...checkpoint import files
 from ...utils.logging import log_dist, logger
 from ..errors import ArgumentError
-from . import zero3_io
+from . import moe_io, zero3_io
 from .agree import agreed, agreed_gather, describe, raise_if_any
 from .hp_state import HpState, combine_fields
 from .loader import DEEPSPEED_KEYS, apply_plan, read_plan
@@ -60,6 +60,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     background = bool(engine._config.model.checkpoint.async_save)
 
     partitioned = _partitioned(engine)
+    moe = moe_io.is_moe_engine(engine)   # [Note: MoE checkpoint layout]: named pieces, no re-cut
 
     def begin() -> tuple[HpState | None, tuple]:
         """Local: check the tag, read the optimizer's layout, (rank 0) make the staging directory;
@@ -79,14 +80,14 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
             files.discard_staging(save_dir, shared[0][0])
         raise
     fields_step = None
-    if partitioned and hp.zero:  # the data-parallel group's optimizer fields, from what was gathered
+    if partitioned and hp.zero and not moe:  # the data-parallel group's optimizer fields, from what was gathered
         group = engine.seq_data_parallel_group
         fields_step = combine_fields([shared[ds_comm.get_global_rank(group, r)][1]
                                       for r in range(ds_comm.get_world_size(group))])
     optimizer_state, zero3 = None, engine._stage3 is not None
     later: list = []  # the re-cut's local finishing work: on the writer's thread (HpState.recut_fields)
     # collectives, on every rank alike: re-cutting the partitions, gathering frozen ZeRO-3 pieces
-    if partitioned:
+    if partitioned and not moe:
         cut = zero3_io.optimizer_state if zero3 else partitioned_optimizer_state
         optimizer_state = cut(engine, hp, dp_rank(engine), engine.seq_dp_world_size, later=later, fields_step=fields_step)
     frozen = zero3_io.frozen_fragments(engine, dp_rank(engine), engine.seq_dp_world_size) \
@@ -96,7 +97,10 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         """This rank's files as objects; with a background write, nothing in them aliases live state."""
         entries = []
         mp = mp_rank(engine)
-        if dp_rank(engine) == 0 or zero3:  # ZeRO-3: every rank writes its own model-states file
+        if moe:
+            client = copy.deepcopy(client_state or {}) if background else dict(client_state or {})
+            entries = moe_io.save_entries(engine, hp, client, exclude_frozen_parameters, background)
+        elif dp_rank(engine) == 0 or zero3:  # ZeRO-3: every rank writes its own model-states file
             client = copy.deepcopy(client_state or {}) if background else dict(client_state or {})
             state = model_states(engine, hp, client, exclude_frozen_parameters, partitioned,
                                  zero3_frozen=frozen if zero3 else None, snapshot=background)

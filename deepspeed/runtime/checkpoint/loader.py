@@ -27,7 +27,7 @@ import torch
 from ...checkpoint import files
 from ...checkpoint.reader import CheckpointReader
 from ...utils.progress import NoBar, min_bytes, progress
-from . import zero3_io
+from . import moe_io, zero3_io
 from .hp_state import HpState
 from .writer import mp_rank, set_rng_state
 
@@ -61,8 +61,12 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
         tag = files.read_latest(load_dir, latest)
         if tag is None:
             return None
-    reader = engine._checkpoint_reader(load_dir, str(tag)) if hasattr(engine, "_checkpoint_reader") \
-        else CheckpointReader(load_dir, str(tag), mp_rank=mp_rank(engine))
+    if moe_io.is_moe_engine(engine):   # [Note: MoE checkpoint layout]
+        reader = moe_io.MoECheckpointReader(engine, load_dir, str(tag))
+    elif hasattr(engine, "_checkpoint_reader"):
+        reader = engine._checkpoint_reader(load_dir, str(tag))
+    else:
+        reader = CheckpointReader(load_dir, str(tag), mp_rank=mp_rank(engine))
     hp = HpState(engine) if engine._has_optimizer else None
     if hp is not None:
         trainable = {n for g in hp.groups for n, _ in g}

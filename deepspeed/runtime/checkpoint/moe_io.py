@@ -1,0 +1,199 @@
+"""Checkpoints of engines with expert parallelism, in DeepSpeed's MoE layout.
+
+[Note: MoE checkpoint layout]
+As upstream: `mp_rank_00_model_states.pt` (rank 0) holds the engine's state and the module without
+the experts; `layer_{L}_expert_{E}_mp_rank_00_model_states.pt` holds expert E of the L-th MoE layer
+(registration order) under its GLOBAL name, `...deepspeed_experts.{E}...` with E = ep_rank *
+num_local_experts + local id, written by the first rank of each expert-data-parallel group. The
+optimizer goes to `expp_rank_{ep}_mp_rank_00_optim_states.pt` without ZeRO (the first EDP rank of
+each EP rank; upstream's `{'optimizer': state_dict}` plus ours) and to every rank's
+`[bf16_]zero_pp_rank_{dp}_mp_rank_00_optim_states.pt` with ZeRO. Ours in both is `ds_moe_pieces`:
+each slice of a trained parameter the rank holds (HpState pieces), under global names, with its fp32
+master and optimizer state. A slice names what it is, so loading (MoECheckpointReader: the pieces
+joined into full values, then the usual loader reads the slices it owns) works at any world size,
+ZeRO stage and ep_size; zero_to_fp32 joins the same pieces into one fp32 state dict.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Any
+
+import torch
+
+from ...checkpoint.files import CheckpointError, load_file
+from ...checkpoint.reader import CheckpointReader
+from ...moe.utils import is_moe_param
+from ...utils import groups
+from ..engine_moe import moe_layers
+
+EXPERT_RE = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")
+PIECES = "ds_moe_pieces"
+
+
+def expert_file(layer: int, expert: int, mp_rank: int = 0) -> str:
+    return f"layer_{layer}_expert_{expert}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def expp_file(ep_rank: int, mp_rank: int = 0) -> str:
+    return f"expp_rank_{ep_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def is_moe_engine(engine: Any) -> bool:
+    """Expert parameters below ZeRO-3 (at stage 3 only ep_size=1 runs: experts are ordinary
+    parameters there, named alike on every rank, and the usual layout holds them)."""
+    return bool(getattr(engine, "_expert_comm", None)) and getattr(engine, "_stage3", None) is None
+
+
+def is_moe_checkpoint(path: str) -> bool:
+    return bool(glob.glob(os.path.join(path, "layer_*_expert_*_model_states.pt")))
+
+
+def global_names(engine: Any) -> dict[str, tuple[int, int, str]]:
+    """{local state-dict name of an expert tensor: (MoE layer id, global expert id, global name)}."""
+    out = {}
+    for layer_id, (prefix, layer) in enumerate(moe_layers(engine.module)):
+        ep_rank = groups._get_expert_parallel_rank(layer.expert_group_name)
+        local = int(layer.num_local_experts)
+        for name in layer.state_dict().keys():
+            match = EXPERT_RE.match(f"{prefix}.{name}" if prefix else name)
+            if match:
+                expert = ep_rank * local + int(match.group(2))
+                out[match.group(0)] = (layer_id, expert, f"{match.group(1)}{expert}{match.group(3)}")
+    missing = [n for n, p in engine.module.named_parameters() if is_moe_param(p) and n not in out]
+    if missing:
+        from ..errors import NotSupportedYet
+
+        raise NotSupportedYet(f"save_checkpoint: expert parameters {missing} are not under an MoE layer's "
+                              "`deepspeed_moe.experts.deepspeed_experts.<id>` (upstream's naming, which the MoE "
+                              "checkpoint layout needs)")
+    return out
+
+
+def _pieces(engine: Any, hp: Any, renamed: dict[str, tuple[int, int, str]]) -> dict:
+    fields, step = hp.local_fields()
+    pieces = []
+    for piece in hp.pieces:
+        values = {"fp32": piece.master.detach().float().cpu().clone()}
+        for field in fields:
+            value = hp.state_value(piece, field)
+            if value is not None:
+                values[field] = value.detach().float().cpu().clone()
+        pieces.append((renamed.get(piece.name, (0, 0, piece.name))[2], piece.start, piece.numel, values))
+    named = dict(engine.module.named_parameters())
+    shapes = {renamed.get(n, (0, 0, n))[2]: tuple(named[n].shape) for g in hp.groups for n, _ in g}
+    scaler = getattr(hp.wrapper, "loss_scaler", None)
+    return {PIECES: pieces, "shapes": shapes, "step": step,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in hp.base.param_groups],
+            "loss_scaler": scaler.state_dict() if scaler is not None and hasattr(scaler, "state_dict") else None}
+
+
+def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool, snapshot: bool) -> list:
+    """This rank's files of an MoE checkpoint ([Note: MoE checkpoint layout]), as (name, object)."""
+    from ... import comm as ds_comm
+    from ...checkpoint import files
+    from .engine_io import state_version
+    from .writer import model_states
+
+    renamed = global_names(engine)
+    entries: list = []
+    if ds_comm.get_rank() == 0:
+        state = model_states(engine, hp, client_state, exclude_frozen, True, snapshot=snapshot)
+        state["module"] = {k: v for k, v in state["module"].items() if k not in renamed}
+        if state.get("param_shapes"):
+            state["param_shapes"] = [type(g)((n, s) for n, s in g.items() if n not in renamed)
+                                     for g in state["param_shapes"]]
+        state["num_experts"] = list(engine.num_experts)
+        entries.append((files.model_file(0), state))
+    module_state = engine.module.state_dict()
+    by_expert: dict[tuple[int, int], dict] = {}
+    for local, (layer_id, expert, name) in renamed.items():
+        layer = moe_layers(engine.module)[layer_id][1]
+        if groups._get_expert_data_parallel_rank(layer.expert_group_name) == 0:
+            by_expert.setdefault((layer_id, expert), {})[name] = module_state[local].detach().cpu().clone()
+    entries += [(expert_file(layer_id, expert), sd) for (layer_id, expert), sd in sorted(by_expert.items())]
+    if hp is None:
+        return entries
+    pieces = _pieces(engine, hp, renamed)
+    if engine.zero_optimization_stage() > 0:
+        entries.append((files.optim_file(ds_comm.get_rank(engine.seq_data_parallel_group),
+                                         bf16=engine.bfloat16_enabled()),
+                        {"optimizer_state_dict": pieces, "ds_config": engine.config, "ds_version": state_version()}))
+    else:
+        name = engine.moe_layers[0].expert_group_name if engine.moe_layers else \
+            f"ep_size_{groups._get_max_expert_size()}"
+        if groups._get_expert_data_parallel_rank(name) == 0:
+            entries.append((expp_file(groups._get_expert_parallel_rank(name)),
+                            {"optimizer": hp.base.state_dict(), **pieces}))
+    return entries
+
+
+class MoECheckpointReader(CheckpointReader):
+    """A MoE checkpoint as this rank's model sees it: full values under its LOCAL names (its experts'
+    global ids mapped back), so the usual loader reads the slices this rank owns."""
+
+    def __init__(self, engine: Any, load_dir: str, tag: str) -> None:
+        from ...checkpoint.files import model_file, tag_dir
+
+        path = tag_dir(load_dir, tag)
+        if path is None:
+            raise CheckpointError(f"checkpoint tag {tag!r} not found in {load_dir} (no directory {tag})")
+        self.path, self.tag, self.mp_rank = path, tag, 0
+        self.universal, self.stage, self.rank_files, self.zero_states = False, 0, [], []
+        self.optimizer_state: list = []
+        self.model_states = load_file(os.path.join(path, model_file(0)))
+        self._fragment_cache, self._parts, self._partitions = {}, {}, []
+        renamed = global_names(engine)
+        module = dict(self.model_states.get("module") or {})
+        for local, (layer_id, expert, name) in renamed.items():
+            source = os.path.join(path, expert_file(layer_id, expert))
+            if not os.path.isfile(source):
+                raise CheckpointError(f"{path}: no {expert_file(layer_id, expert)} for {local} (global expert "
+                                      f"{expert} of MoE layer {layer_id}): saved with fewer experts?")
+            saved = load_file(source)
+            if name not in saved:
+                raise CheckpointError(f"{source} has no {name!r} (it holds {sorted(saved)})")
+            module[local] = saved[name]
+        self.model_states["module"] = module
+        wanted = {renamed.get(n, (0, 0, n))[2]: n for n in module}   # global name -> local name
+        found = sorted(glob.glob(os.path.join(path, "expp_rank_*_optim_states.pt")) +
+                       glob.glob(os.path.join(path, "*zero_pp_rank_*_optim_states.pt")))
+        full: dict[str, dict[str, torch.Tensor]] = {}
+        filled: dict[str, int] = {}
+        shapes: dict[str, tuple] = {}
+        self.param_groups, self._step, self.common_state = [], None, {}
+        for source in found:
+            state = load_file(source)
+            state = state.get("optimizer_state_dict", state)
+            if PIECES not in state:
+                raise CheckpointError(f"{source}: not written by this build's MoE checkpoint (no {PIECES})")
+            self.param_groups = state["param_groups"]
+            self._step = state["step"] if state["step"] is not None else self._step
+            if state.get("loss_scaler") is not None:
+                self.common_state = {"loss_scaler": state["loss_scaler"]}
+            for name, start, numel, values in state[PIECES]:
+                local = wanted.get(name)
+                if local is None:
+                    continue
+                shapes[local] = tuple(state["shapes"][name])
+                for field, value in values.items():
+                    flat = full.setdefault(field, {}).setdefault(local, torch.zeros(
+                        torch.Size(shapes[local]).numel(), dtype=torch.float32))
+                    if field == "fp32":
+                        filled[local] = filled.get(local, 0) + numel
+                    flat[start:start + numel].copy_(value)
+        for local, shape in shapes.items():
+            if filled.get(local, 0) < torch.Size(shape).numel():
+                raise CheckpointError(f"{path}: parameter {local!r} is incomplete in the checkpoint's optimizer "
+                                      f"files ({filled.get(local, 0)} of {torch.Size(shape).numel()} elements)")
+        self._full = {f: {n: t.view(shapes[n]) for n, t in values.items()} for f, values in full.items()}
+        self._full.setdefault("fp32", {})
+        self._set_groups([shapes] if shapes else [{}])
+        if not found:   # module weights only: every parameter from the module state
+            self._full["fp32"] = dict(module)
+            self._set_groups([{n: t.shape for n, t in module.items() if n in dict(engine.module.named_parameters())}])
+
+    def bind_replicated_names(self, optimizer_names: list, trainable: set, strict: bool = True) -> None:
+        return None   # pieces are named
