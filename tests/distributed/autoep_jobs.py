@@ -128,3 +128,52 @@ def train_run(kind: str, ep: int, steps: int, stage: int = 1, save: str = "") ->
             result["loaded_equal"] = all(torch.equal(plain.state_dict()[k], v) for k, v in state.items())
     dist.barrier()
     return result
+
+
+class _Data(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def trainer_run(kind: str, out: str, ep: int, steps: int = 4) -> dict:
+    """The HF Trainer, unchanged, with `expert_parallel` in its DeepSpeed config (ep=0: without);
+    save_model writes the HF layout (Accelerate's get_state_dict -> module.state_dict() on every rank)."""
+    os.environ.setdefault("ACCELERATE_USE_DEEPSPEED", "true")
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import Trainer, TrainingArguments
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+              "zero_optimization": {"stage": 2}, "steps_per_print": 10**6}
+    if ep:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": ep}   # preset from config.model_type
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=MICRO, max_steps=steps, learning_rate=1e-2,
+                             max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+                             report_to=[], deepspeed=config, use_cpu=True, dataloader_drop_last=True, seed=0)
+    trainer = Trainer(model=build(kind), args=args, train_dataset=_Data(32))
+    trainer.train()
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    from deepspeed.module_inject.auto_ep_layer import autoep_layers
+
+    swapped = len(autoep_layers(trainer.model))
+    trained = {k: v.float().clone() for k, v in trainer.model.state_dict().items()}   # collective under AutoEP
+    trainer.save_model(out)
+    if trainer.args.process_index != 0:
+        return {"losses": losses, "saved": {}, "swapped": swapped}
+    from safetensors.torch import load_file
+
+    from transformers import AutoModelForCausalLM
+
+    saved = load_file(os.path.join(out, "model.safetensors"))   # HF's on-disk layout (its save conversion)
+    plain = AutoModelForCausalLM.from_pretrained(out)   # a plain HF model loads it
+    loaded = {k: v.float() for k, v in plain.state_dict().items()}
+    return {"losses": losses, "saved": {k: v.float() for k, v in saved.items()}, "swapped": swapped,
+            "loaded": loaded, "trained": trained}

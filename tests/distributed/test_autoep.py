@@ -38,3 +38,21 @@ def test_autoep_training_matches_no_ep(kind: str, tmp_path) -> None:
     for a, b in zip(ep, base):
         _same(a, b)
     assert ep[0]["loaded_equal"]
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_autoep_hf_trainer(kind: str, tmp_path) -> None:
+    """The HF Trainer unchanged, `expert_parallel: {enabled, autoep_size: 2}` in its DeepSpeed config (ZeRO-2,
+    AdamW, clipping), 2 ranks: the same losses and saved weights (HF layout) as without the section."""
+    from autoep_jobs import trainer_run
+
+    base = run_distributed(2, trainer_run, kind, str(tmp_path / "base"), 0)
+    ep = run_distributed(2, trainer_run, kind, str(tmp_path / "ep"), 2)
+    assert [r["swapped"] for r in ep] == [2, 2] and [r["swapped"] for r in base] == [0, 0]
+    assert ep[0]["losses"] == pytest.approx(base[0]["losses"], rel=1e-5)
+    assert sorted(ep[0]["saved"]) == sorted(base[0]["saved"])
+    for name, value in base[0]["saved"].items():
+        torch.testing.assert_close(ep[0]["saved"][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    for name, value in ep[0]["trained"].items():   # from_pretrained gives back the trained (HF-layout) weights
+        assert tuple(value.shape) == tuple(base[0]["trained"][name].shape)
+        torch.testing.assert_close(ep[0]["loaded"][name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
