@@ -177,3 +177,63 @@ def trainer_run(kind: str, out: str, ep: int, steps: int = 4) -> dict:
     loaded = {k: v.float() for k, v in plain.state_dict().items()}
     return {"losses": losses, "saved": {k: v.float() for k, v in saved.items()}, "swapped": swapped,
             "loaded": loaded, "trained": trained}
+
+
+def empty_run(kind: str, tokens_by_rank: list[int]) -> dict:
+    """One swapped experts module called directly, every token routed to experts 0 and 1 (EP rank 0's):
+    EP rank 1 receives nothing, a rank with 0 tokens sends nothing; every rank still takes part in
+    every collective. Outputs and the gradients of the sum of the ranks' outputs equal HF's module."""
+    import deepspeed.comm as dist
+    from deepspeed.module_inject.auto_ep import apply_autoep
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref_model = build(kind)
+    model = copy.deepcopy(ref_model)
+    apply_autoep(model, {"preset_model": kind}, 2)
+    layer, ref = model.model.layers[0].mlp.experts, ref_model.model.layers[0].mlp.experts
+
+    def inputs(r: int) -> tuple:
+        g = torch.Generator().manual_seed(r)
+        n = tokens_by_rank[r]
+        hidden = torch.randn(n, 16, generator=g)
+        index = torch.stack([torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.long)], dim=1)
+        weights = torch.rand(n, 2, generator=g)
+        return hidden, index, weights
+
+    hidden, index, weights = inputs(rank)
+    hidden.requires_grad_(True)
+    out = layer(hidden, index, weights)
+    out.sum().backward()
+    want = ref(hidden.detach(), index, weights)
+    for r in range(world):
+        h, i, w = inputs(r)
+        ref(h, i, w).sum().backward()
+    ep_group, edp_group = _ep_info(2)
+    errs = []
+    for name in ("gate_up_proj", "down_proj"):
+        g = getattr(layer, name).grad
+        got_grad = g is not None
+        g = g.clone() if g is not None else torch.zeros_like(getattr(layer, name))
+        dist.all_reduce(g, group=edp_group)
+        parts = [torch.empty_like(g) for _ in range(2)]
+        dist.all_gather(parts, g, group=ep_group)
+        errs.append((torch.cat(parts) - getattr(ref, name).grad).abs().max().item())
+    return {"out": (out - want).abs().max().item() if len(out) else 0.0, "rows": len(out),
+            "grad_err": max(errs), "has_grad": got_grad,
+            "input_grad": hidden.grad is not None and tuple(hidden.grad.shape) == tuple(hidden.shape)}
+
+
+def checkpoint_run(kind: str, save_dir: str) -> str:
+    """save_checkpoint under AutoEP: a clear error on every rank (no hang)."""
+    import deepspeed
+
+    model = build(kind)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "expert_parallel": {"enabled": True, "autoep_size": 2}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    try:
+        engine.save_checkpoint(save_dir)
+    except Exception as exc:   # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
