@@ -120,6 +120,12 @@ def build_plan(model: nn.Module, section: dict, ep_size: int) -> list[BlockPlan]
             raise ValueError(f"expert_parallel: {name}.{preset.expert_pattern} has no fused 3-D expert parameters "
                              f"{preset.expert_w1!r}/{preset.expert_w2!r} (Transformers 5.x layout); set "
                              "expert_w1/expert_w2 to their names")
+        norm = section.get("route_norm")
+        has_norm = bool(getattr(router, "norm_topk_prob", getattr(module, "norm_topk_prob", True)))
+        if norm is not None and bool(norm) != has_norm:
+            raise ValueError(f"expert_parallel.route_norm={norm}: {name}'s router {'does' if has_norm else 'does not'} "
+                             "normalise its top-k weights (norm_topk_prob) and AutoEP keeps the HF router; leave "
+                             f"route_norm out or set it to {has_norm}")
         count = int(w1.shape[0])
         declared = _config_int(model, preset.num_experts_attr)
         if declared is not None and declared != count:

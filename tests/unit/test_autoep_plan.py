@@ -44,6 +44,9 @@ def test_plan_errors_name_what_is_wrong() -> None:
         build_plan(model, {"moe_layer_pattern": r"model\.nothing"}, 2)
     with pytest.raises(ValueError, match=r"no fused 3-D expert parameters 'w1'"):
         build_plan(model, {"expert_w1": "w1"}, 2)
+    with pytest.raises(ValueError, match=r"route_norm=False: model.layers.0.mlp's router does normalise"):
+        build_plan(model, {"route_norm": False}, 2)
+    assert len(build_plan(build("qwen3_moe"), {"route_norm": False}, 2)) == 2   # the tiny Qwen3 has norm_topk_prob off
     model.config.model_type = "llama"
     with pytest.raises(ValueError, match=r"no preset for model_type 'llama'; set preset_model"):
         build_plan(model, {}, 2)

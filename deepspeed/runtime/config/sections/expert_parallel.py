@@ -46,7 +46,9 @@ class ExpertParallelConfig(DSModel):
     has_shared_experts: Optional[bool] = None
     """Shared experts stay dense, replicated modules of the block; accepted."""
     shared_experts_pattern: Optional[str] = None
+    """Upstream's shared-expert child name; accepted (shared experts are not sharded)."""
     shared_experts_gate_pattern: Optional[str] = None
+    """Upstream's shared-expert gate child name; accepted."""
     expert_tensor_parallel_size: Int = Field(1, ge=1)
     """Upstream's expert tensor parallelism: only 1 here."""
     validate_folding_routing: bool = False
@@ -58,14 +60,21 @@ class ExpertParallelConfig(DSModel):
     combine_impl: str = "auto"
     """auto, weighted_sum or legacy_bmm: the combine is the HF weighted sum here."""
     route_norm: Optional[bool] = None
-    """Must be unset or equal the model's norm_topk_prob ({_AS_MODEL})."""
+    """Unset: the HF router's own top-k normalisation (norm_topk_prob); a value must equal it."""
     route_scale: float = 1.0
+    """Only 1.0: the HF router's weights are used as they are."""
     score_apply: str = "auto"
+    """auto or post: the HF experts weight their outputs (post)."""
     score_func: str = "auto"
+    """Only auto: the HF router's own score function."""
     top_k: Union[int, str] = "auto"
+    """Only auto: the HF router's own top-k (config.num_experts_per_tok)."""
     num_expert_groups: Optional[int] = None
+    """Group-limited routing override: only null (the model's own routing)."""
     num_limited_groups: Optional[int] = None
+    """Group-limited routing override: only null."""
     routed_scaling_factor: Union[float, str] = "auto"
+    """Only auto: the model's own scaling factor."""
     load_balance_coeff: Optional[float] = None
     """Upstream refuses a non-null value too (expert-bias load balancing)."""
 
