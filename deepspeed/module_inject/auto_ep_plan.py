@@ -17,6 +17,7 @@ jitter) and the router logits the HF aux loss reads are the block's own by const
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -102,6 +103,23 @@ def _config_int(model: nn.Module, attr: str) -> Optional[int]:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _check_call_contract(block: str, child: str, experts: nn.Module) -> None:
+    """Only the experts child is swapped, so the block must call it as Transformers 5.x does,
+    `experts(hidden_states, top_k_index, top_k_weights)`, and never index its fused parameters
+    itself (it would read local experts under global ids). Refuse experts with no such forward."""
+    forward = type(experts).forward
+    try:
+        params = [p for p in inspect.signature(forward).parameters.values() if p.name != "self"]
+    except (TypeError, ValueError):
+        params = []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if forward is nn.Module.forward or (len(positional) < 3 and not any(p.kind == p.VAR_POSITIONAL for p in params)):
+        raise ValueError(f"expert_parallel: {block}.{child} ({type(experts).__name__}) has no "
+                         "forward(hidden_states, top_k_index, top_k_weights); AutoEP swaps the experts module and "
+                         "keeps the block's own routing, so the block must call its experts that way "
+                         "(Transformers 5.x MoE blocks do)")
+
+
 def build_plan(model: nn.Module, section: dict, ep_size: int) -> list[BlockPlan]:
     """Every MoE block of `model` the preset matches, in module order; an error (naming the block,
     the count and the allowed sizes) when an expert count does not split over `ep_size`."""
@@ -120,6 +138,7 @@ def build_plan(model: nn.Module, section: dict, ep_size: int) -> list[BlockPlan]
             raise ValueError(f"expert_parallel: {name}.{preset.expert_pattern} has no fused 3-D expert parameters "
                              f"{preset.expert_w1!r}/{preset.expert_w2!r} (Transformers 5.x layout); set "
                              "expert_w1/expert_w2 to their names")
+        _check_call_contract(name, preset.expert_pattern, experts)
         norm = section.get("route_norm")
         has_norm = bool(getattr(router, "norm_topk_prob", getattr(module, "norm_topk_prob", True)))
         if norm is not None and bool(norm) != has_norm:

@@ -35,6 +35,16 @@ def build(kind: str, experts: int = 4, seed: int = 0) -> torch.nn.Module:
         cfg = Qwen3MoeConfig(intermediate_size=12, moe_intermediate_size=8, num_experts=experts,
                              decoder_sparse_step=1, norm_topk_prob=False, **common)
         model = Qwen3MoeForCausalLM(cfg)
+    elif kind in ("deepseek_v2", "deepseek_v3"):   # layer 0 dense (first_k_dense_replace), layer 1 MoE + shared
+        import transformers
+
+        cfg_class = transformers.DeepseekV3Config if kind == "deepseek_v3" else transformers.DeepseekV2Config
+        extra = {"n_group": 2, "topk_group": 1} if kind == "deepseek_v3" else {}
+        cfg = cfg_class(intermediate_size=12, moe_intermediate_size=8, n_routed_experts=experts, n_shared_experts=1,
+                        first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
+                        qk_nope_head_dim=4, v_head_dim=8, **extra,
+                        **{k: v for k, v in common.items() if k not in ("output_router_logits", "router_aux_loss_coef", "head_dim")})
+        model = (transformers.DeepseekV3ForCausalLM if kind == "deepseek_v3" else transformers.DeepseekV2ForCausalLM)(cfg)
     else:
         raise ValueError(kind)
     with torch.no_grad():   # HF leaves the fused experts at torch.empty until post_init's init: make them sane
@@ -72,8 +82,10 @@ def block_run(kind: str, ep: int, seed: int = 0) -> dict:
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     want = ref(input_ids=ids, labels=ids)
+    aux = getattr(out, "aux_loss", None)
     result = {"logits": (out.logits - want.logits).abs().max().item(),
-              "aux": abs(out.aux_loss.item() - want.aux_loss.item()), "aux_value": out.aux_loss.item(),
+              "aux": abs(aux.item() - want.aux_loss.item()) if aux is not None else None,
+              "aux_value": aux.item() if aux is not None else None,
               "local_experts": [layer.num_local_experts for layer in layers],
               "shapes": {n: tuple(p.shape) for n, p in model.named_parameters() if "experts" in n}}
     for r in range(world):   # the reference: the gradient of the sum of every rank's loss

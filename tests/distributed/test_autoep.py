@@ -13,11 +13,23 @@ from harness import run_distributed
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("world,ep", [(2, 2), (4, 2)])
 def test_autoep_block_matches_hf(kind: str, world: int, ep: int) -> None:
-    results = run_distributed(world, block_run, kind, ep)
+    _check_block(run_distributed(world, block_run, kind, ep), ep, blocks=2, aux=True)
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_autoep_deepseek_block_matches_hf(kind: str) -> None:
+    """DeepSeek: a dense first layer (left alone), a MoE layer with shared experts (kept dense), group-limited
+    routing (V3) — all the HF block's own."""
+    _check_block(run_distributed(2, block_run, kind, 2), 2, blocks=1, aux=False)
+
+
+def _check_block(results: list, ep: int, blocks: int, aux: bool) -> None:
     for r in results:
-        assert r["local_experts"] == [4 // ep] * 2
-        assert all(shape[0] == 4 // ep for shape in r["shapes"].values()), r["shapes"]
-        assert r["logits"] <= 1e-5 and r["aux"] <= 1e-6 and r["aux_value"] > 0
+        assert r["local_experts"] == [4 // ep] * blocks
+        assert all(shape[0] == 4 // ep for n, shape in r["shapes"].items() if "shared" not in n), r["shapes"]
+        assert r["logits"] <= 1e-5
+        if aux:
+            assert r["aux"] <= 1e-6 and r["aux_value"] > 0
         assert r["grad_err"] <= 1e-5 * max(1.0, r["grad_scale"]), r["grad_err"]
         assert r["full_equal"]   # state_dict(): the original HF layout, whole experts
 

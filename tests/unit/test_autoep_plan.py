@@ -80,3 +80,25 @@ def test_config_section_refusals(key: str, value, says: str) -> None:
         DeepSpeedConfig({"train_batch_size": 8, "expert_parallel": {"enabled": True, key: value}}, world_size=1)
     text = str(info.value)
     assert f"expert_parallel.{key}" in text and says in text, text
+
+
+def test_plan_refuses_a_block_that_does_not_call_its_experts() -> None:
+    """A block that indexes its experts' fused parameters itself (upstream's mock) would read local experts
+    under global ids after the swap: refused, naming the module."""
+    import torch
+    from torch import nn
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.zeros(4, 8, 4))
+            self.down_proj = nn.Parameter(torch.zeros(4, 4, 4))
+
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.Module()])
+    model.model.layers[0].mlp = nn.Module()
+    model.model.layers[0].mlp.gate = nn.Linear(4, 4)
+    model.model.layers[0].mlp.experts = Experts()
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts \(Experts\) has no forward\(hidden_states"):
+        build_plan(model, {"moe_layer_pattern": r"model\.layers\.\d+\.mlp"}, 2)
