@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from .. import comm as ds_comm
@@ -16,6 +17,19 @@ from .auto_ep_plan import BlockPlan, build_plan
 def _set_child(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _broadcast(t: torch.Tensor, src: int, group: Any) -> None:
+    """Broadcast in place; a host tensor travels through the accelerator under a device backend
+    (the engine moves the module to its device only after the swap)."""
+    buf = t
+    if t.device.type == "cpu" and ds_comm.get_backend(group) != "gloo":
+        from ..accelerator import get_accelerator
+
+        buf = t.to(get_accelerator().current_device_name())
+    ds_comm.broadcast(buf, src=src, group=group)
+    if buf is not t:
+        t.copy_(buf)
 
 
 def apply_autoep(model: nn.Module, section: dict, ep_size: int, *, broadcast_group: Any = None,
@@ -45,7 +59,7 @@ def apply_autoep(model: nn.Module, section: dict, ep_size: int, *, broadcast_gro
         original = model.get_submodule(plan.experts_name)
         if ds_comm.get_world_size(broadcast_group) > 1:
             for w in (plan.w1, plan.w2):
-                ds_comm.broadcast(getattr(original, w).data, src=src, group=broadcast_group)
+                _broadcast(getattr(original, w).data, src, broadcast_group)
         _set_child(model, plan.experts_name,
                    ExpertParallelExperts(original, plan.w1, plan.w2, plan.num_experts, ep_size, rank, group))
     return plans
