@@ -27,7 +27,9 @@ from ...checkpoint.files import CheckpointError, load_file
 from ...checkpoint.reader import CheckpointReader
 from ...moe.utils import is_moe_param
 from ...utils import groups
+from ...module_inject.auto_ep_layer import local_expert_state
 from ..engine_moe import moe_layers
+from .autoep_io import autoep_params, expert_entries, own_rows, piece_in_whole, read_module
 
 EXPERT_RE = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")
 PIECES = "ds_moe_pieces"
@@ -57,12 +59,13 @@ def global_names(engine: Any) -> dict[str, tuple[int, int, str]]:
     for layer_id, (prefix, layer) in enumerate(moe_layers(engine.module)):
         ep_rank = groups._get_expert_parallel_rank(layer.expert_group_name)
         local = int(layer.num_local_experts)
-        for name in layer.state_dict().keys():
+        for name in layer.state_dict(keep_vars=True).keys():
             match = EXPERT_RE.match(f"{prefix}.{name}" if prefix else name)
             if match:
                 expert = ep_rank * local + int(match.group(2))
                 out[match.group(0)] = (layer_id, expert, f"{match.group(1)}{expert}{match.group(3)}")
-    missing = [n for n, p in engine.module.named_parameters() if is_moe_param(p) and n not in out]
+    autoep = autoep_params(engine)   # AutoEP's fused experts: autoep_io.py
+    missing = [n for n, p in engine.module.named_parameters() if is_moe_param(p) and n not in out and n not in autoep]
     if missing:
         from ..errors import NotSupportedYet
 
@@ -74,6 +77,7 @@ def global_names(engine: Any) -> dict[str, tuple[int, int, str]]:
 
 def _pieces(engine: Any, hp: Any, renamed: dict[str, tuple[int, int, str]]) -> dict:
     fields, step = hp.local_fields()
+    autoep = autoep_params(engine)
     pieces = []
     for piece in hp.pieces:
         values = {"fp32": piece.master.detach().float().cpu().clone()}
@@ -81,9 +85,11 @@ def _pieces(engine: Any, hp: Any, renamed: dict[str, tuple[int, int, str]]) -> d
             value = hp.state_value(piece, field)
             if value is not None:
                 values[field] = value.detach().float().cpu().clone()
-        pieces.append((renamed.get(piece.name, (0, 0, piece.name))[2], piece.start, piece.numel, values))
+        start = piece_in_whole(engine, autoep, piece.name, piece.start)[0] if piece.name in autoep else piece.start
+        pieces.append((renamed.get(piece.name, (0, 0, piece.name))[2], start, piece.numel, values))
     named = dict(engine.module.named_parameters())
-    shapes = {renamed.get(n, (0, 0, n))[2]: tuple(named[n].shape) for g in hp.groups for n, _ in g}
+    shapes = {renamed.get(n, (0, 0, n))[2]: piece_in_whole(engine, autoep, n, 0)[1] if n in autoep
+              else tuple(named[n].shape) for g in hp.groups for n, _ in g}
     scaler = getattr(hp.wrapper, "loss_scaler", None)
     return {PIECES: pieces, "shapes": shapes, "step": step,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in hp.base.param_groups],
@@ -98,16 +104,20 @@ def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool,
     from .writer import model_states
 
     renamed = global_names(engine)
+    autoep = autoep_params(engine)
     entries: list = []
     if ds_comm.get_rank() == 0:
-        state = model_states(engine, hp, client_state, exclude_frozen, True, snapshot=snapshot)
-        state["module"] = {k: v for k, v in state["module"].items() if k not in renamed}
+        with local_expert_state():   # rank 0 only: AutoEP's state_dict must not gather here
+            state = model_states(engine, hp, client_state, exclude_frozen, True, snapshot=snapshot)
+        state["module"] = {k: v for k, v in state["module"].items() if k not in renamed and k not in autoep}
         if state.get("param_shapes"):
-            state["param_shapes"] = [type(g)((n, s) for n, s in g.items() if n not in renamed)
+            state["param_shapes"] = [type(g)((n, s) for n, s in g.items() if n not in renamed and n not in autoep)
                                      for g in state["param_shapes"]]
         state["num_experts"] = list(engine.num_experts)
         entries.append((files.model_file(0), state))
-    module_state = engine.module.state_dict()
+    with local_expert_state():
+        module_state = engine.module.state_dict()
+    entries += expert_entries(engine, autoep)
     by_expert: dict[tuple[int, int], dict] = {}
     for local, (layer_id, expert, name) in renamed.items():
         layer = moe_layers(engine.module)[layer_id][1]
@@ -156,6 +166,8 @@ class MoECheckpointReader(CheckpointReader):
             if name not in saved:
                 raise CheckpointError(f"{source} has no {name!r} (it holds {sorted(saved)})")
             module[local] = saved[name]
+        autoep = autoep_params(engine)
+        module.update(read_module(path, autoep))
         self.model_states["module"] = module
         wanted = {renamed.get(n, (0, 0, n))[2]: n for n in module}   # global name -> local name
         found = sorted(glob.glob(os.path.join(path, "expp_rank_*_optim_states.pt")) +
@@ -188,7 +200,9 @@ class MoECheckpointReader(CheckpointReader):
             if filled.get(local, 0) < torch.Size(shape).numel():
                 raise CheckpointError(f"{path}: parameter {local!r} is incomplete in the checkpoint's optimizer "
                                       f"files ({filled.get(local, 0)} of {torch.Size(shape).numel()} elements)")
-        self._full = {f: {n: t.view(shapes[n]) for n, t in values.items()} for f, values in full.items()}
+        self._full = {f: {n: own_rows(autoep, n, t.view(shapes[n])) if n in autoep else t.view(shapes[n])
+                          for n, t in values.items()} for f, values in full.items()}
+        shapes = {n: tuple(module[n].shape) if n in autoep else s for n, s in shapes.items()}
         self._full.setdefault("fp32", {})
         self._set_groups([shapes] if shapes else [{}])
         if not found:   # module weights only: every parameter from the module state

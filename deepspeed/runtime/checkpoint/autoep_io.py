@@ -1,0 +1,78 @@
+"""AutoEP experts in the MoE checkpoint layout ([Note: MoE checkpoint layout] in moe_io.py).
+
+An AutoEP experts module holds a contiguous slice [first, first + L) of each fused HF tensor
+(gate_up_proj, down_proj). In the checkpoint each expert is one file, as upstream's layout:
+`layer_{layer}_expert_{e}_mp_rank_00_model_states.pt` holds `<block>.experts.gate_up_proj` and
+`...down_proj` of expert e ([2I, H], [H, I]), written by the first rank of each expert-data-parallel
+group. Optimizer pieces are named by the whole tensor (the HF name) with offsets into it, so a
+reader at any ep_size joins them and keeps its own experts' rows.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+
+def autoep_params(engine: Any) -> dict[str, tuple[int, Any]]:
+    """{parameter name: (MoE layer id, its AutoEP experts module)}: empty without AutoEP."""
+    from ...module_inject.auto_ep_layer import ExpertParallelExperts
+    from ..engine_moe import moe_layers
+
+    out = {}
+    for layer_id, (prefix, layer) in enumerate(moe_layers(engine.module)):
+        if isinstance(layer, ExpertParallelExperts):
+            for name in (layer._w1, layer._w2):
+                out[f"{prefix}.{name}" if prefix else name] = (layer_id, layer)
+    return out
+
+
+def expert_entries(engine: Any, params: dict[str, tuple[int, Any]]) -> list[tuple[str, dict]]:
+    """This rank's per-expert files (on the first rank of each expert-data-parallel group)."""
+    from ...utils import groups
+    from .moe_io import expert_file
+
+    named = dict(engine.module.named_parameters())
+    files: dict[tuple[int, int], dict] = {}
+    for name, (layer_id, layer) in params.items():
+        if groups._get_expert_data_parallel_rank(layer.expert_group_name) != 0:
+            continue
+        local = named[name].detach().cpu()
+        for j in range(layer.num_local_experts):
+            files.setdefault((layer_id, layer.first_expert + j), {})[name] = local[j].clone()
+    return [(expert_file(layer_id, e), sd) for (layer_id, e), sd in sorted(files.items())]
+
+
+def piece_in_whole(engine: Any, params: dict[str, tuple[int, Any]], name: str, start: int) -> tuple[int, tuple]:
+    """Where a piece of this rank's slice lies in the whole HF tensor: (offset, whole shape)."""
+    layer = params[name][1]
+    local = dict(engine.module.named_parameters())[name]
+    per_expert = local[0].numel()
+    return layer.first_expert * per_expert + start, (layer.num_experts,) + tuple(local.shape[1:])
+
+
+def read_module(path: str, params: dict[str, tuple[int, Any]]) -> dict[str, torch.Tensor]:
+    """This rank's slices from the per-expert files (any ep_size wrote them)."""
+    from ...checkpoint.files import CheckpointError, load_file
+    from .moe_io import expert_file
+
+    out = {}
+    for name, (layer_id, layer) in params.items():
+        rows = []
+        for e in range(layer.first_expert, layer.first_expert + layer.num_local_experts):
+            source = os.path.join(path, expert_file(layer_id, e))
+            if not os.path.isfile(source):
+                raise CheckpointError(f"{path}: no {expert_file(layer_id, e)} for AutoEP expert {e} of {name}")
+            saved = load_file(source)
+            if name not in saved:
+                raise CheckpointError(f"{source} has no {name!r} (it holds {sorted(saved)})")
+            rows.append(saved[name])
+        out[name] = torch.stack(rows)
+    return out
+
+
+def own_rows(params: dict[str, tuple[int, Any]], name: str, whole: torch.Tensor) -> torch.Tensor:
+    layer = params[name][1]
+    return whole[layer.first_expert:layer.first_expert + layer.num_local_experts]
