@@ -30,18 +30,15 @@ import argparse
 import glob
 import json
 import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from _ranks import run_ranks  # noqa: E402
+from _ds_child import (add_impl_args, chosen_impls, optimizer_state_bytes, run_case_and_report, run_child,  # noqa: E402
+                       tensor_bytes)
 
 CASES = ("dp2", "tp2")
 
@@ -56,27 +53,6 @@ def _model(cfg: dict):
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
-
-
-def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _optimizer_state_bytes(optimizer) -> int:
-    import torch
-
-    seen, total, opt = set(), 0, optimizer
-    while opt is not None and id(opt) not in seen:
-        seen.add(id(opt))
-        state = getattr(opt, "state", None)
-        if isinstance(state, dict):
-            for per_param in state.values():
-                for t in (per_param.values() if isinstance(per_param, dict) else ()):
-                    if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in seen:
-                        seen.add(t.untyped_storage().data_ptr())
-                        total += t.numel() * t.element_size()
-        opt = getattr(opt, "optimizer", None)
-    return total
 
 
 def _rank(rank: int, world: int, port: int, case: str, cfg: dict, out: str, queue) -> None:
@@ -127,14 +103,14 @@ def _rank(rank: int, world: int, port: int, case: str, cfg: dict, out: str, queu
             loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         if measure:
-            row["grads"] = _bytes(p.grad for p in params if p.grad is not None)
+            row["grads"] = tensor_bytes(p.grad for p in params if p.grad is not None)
         engine.step()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         row["losses"].append(float(loss.detach()))
         if measure:
             row["activations"] = sum(saved.values())
-            row["params"] = _bytes(params)
-            row["optimizer"] = _optimizer_state_bytes(optimizer)
+            row["params"] = tensor_bytes(params)
+            row["optimizer"] = optimizer_state_bytes(optimizer)
         elif step >= cfg["warmup"]:
             row["wall"].append(wall)
             row["cpu"].append(cpu)
@@ -151,59 +127,14 @@ def child(args) -> None:
     """Inside one interpreter (ours or the DeepSpeed venv): one case on 2 ranks, prints RESULT json."""
     cfg = dict(hidden=args.hidden, layers=args.layers, vocab=args.vocab, seq=args.seq, batch=args.batch,
                steps=args.steps, warmup=args.warmup)
-    out = tempfile.mkdtemp(prefix="bench_tp_")
-    try:
-        run_ranks(_rank, 2, args.child_case, cfg, out, timeout=args.job_timeout)
-        rows = []
-        for r in range(2):
-            with open(os.path.join(out, f"rank{r}.json")) as f:
-                rows.append(json.load(f))
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
-    import deepspeed
-
-    print("RESULT " + json.dumps({"version": deepspeed.__version__, "ranks": rows}), flush=True)
+    run_case_and_report(_rank, 2, args.child_case, cfg, timeout=args.job_timeout)
 
 
 def launch(args, impl: str, case: str) -> dict:
-    python = sys.executable if impl == "ours" else os.path.join(args.ds_venv, "bin", "python")
-    work = tempfile.mkdtemp(prefix=f"bench_tp_{impl}_")   # cwd outside the repo: no `deepspeed` from here
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
-               TORCH_EXTENSIONS_DIR=os.path.join(work, "torch_extensions"))
-    if impl == "ours":
-        env["PYTHONPATH"] = ROOT
-    else:
-        prebuilt = os.path.join(args.ds_venv, "torch_extensions")
-        if os.path.isdir(prebuilt):   # a private copy: no JIT lock shared with another job
-            shutil.copytree(prebuilt, env["TORCH_EXTENSIONS_DIR"], ignore=shutil.ignore_patterns("lock"))
-    argv = [python, os.path.abspath(__file__), "--child-case", case, "--hidden", str(args.hidden), "--layers",
-            str(args.layers), "--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch),
-            "--steps", str(args.steps), "--warmup", str(args.warmup), "--job-timeout", str(args.job_timeout)]
-    proc = subprocess.Popen(argv, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=args.job_timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: " + " | ".join(output.strip().splitlines()[-6:])}
-    return json.loads(lines[-1][len("RESULT "):])
-
-
-def ds_available(venv: str) -> str | None:
-    python = os.path.join(venv, "bin", "python")
-    if not os.path.exists(python):
-        return None
-    probe = subprocess.run([python, "-c", "import deepspeed; print(deepspeed.__version__)"], capture_output=True,
-                           text=True, cwd=tempfile.gettempdir(), env={k: v for k, v in os.environ.items()
-                                                                       if k != "PYTHONPATH"})
-    version = probe.stdout.strip().splitlines()[-1] if probe.returncode == 0 and probe.stdout.strip() else ""
-    return version if version == "0.19.8" else None
+    argv = ["--child-case", case, "--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab",
+            str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--job-timeout", str(args.job_timeout)]
+    return run_child(impl, __file__, argv, args.ds_venv, args.job_timeout)
 
 
 def mib(b: float) -> str:
@@ -220,19 +151,13 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
-    p.add_argument("--impls", default="ours,ds")
-    p.add_argument("--ds-venv", default=os.environ.get("DS_VENV", "/tmp/ds-venv"))
-    p.add_argument("--job-timeout", type=float, default=600)
+    add_impl_args(p)
     p.add_argument("--child-case", choices=CASES, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child_case:
         child(args)
         return 0
-    impls = [i for i in args.impls.split(",") if i]
-    if "ds" in impls and ds_available(args.ds_venv) is None:
-        print(f"DeepSpeed 0.19.8 not importable from {args.ds_venv}/bin/python (benchmarks/ds_venv.sh builds it): "
-              "ours only")
-        impls.remove("ds")
+    impls = chosen_impls(args)
     runs: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.repeats):
         for impl in impls:

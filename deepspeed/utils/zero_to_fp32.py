@@ -54,7 +54,6 @@ does); a warning says so.
 
 import argparse
 import bisect
-import glob
 import json
 import math
 import os
@@ -419,6 +418,14 @@ def get_checkpoint_files(checkpoint_dir, glob_pattern):
     return found
 
 
+def _files(checkpoint_dir, glob_pattern):
+    """get_checkpoint_files, empty when none match."""
+    try:
+        return get_checkpoint_files(checkpoint_dir, glob_pattern)
+    except FileNotFoundError:
+        return []
+
+
 def get_optim_files(checkpoint_dir):
     """The `*_optim_states.pt` files of a tag directory, rank order (DeepSpeed's helper, used by Lightning)."""
     return get_checkpoint_files(checkpoint_dir, "*_optim_states.pt")
@@ -712,7 +719,7 @@ def _lazy_state_dict(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
     """{name: _LazyTensor} in DeepSpeed's order: buffers, frozen params, trainable params, aliases."""
     ds_dir = _resolve_tag_dir(checkpoint_dir, tag)
     _info(f"Processing zero checkpoint '{ds_dir}'")
-    if glob.glob(os.path.join(ds_dir, "layer_*_expert_*_model_states.pt")):
+    if _files(ds_dir, "layer_*_expert_*_model_states.pt"):
         return _moe_state_dict(ds_dir, exclude_frozen_parameters)
     ckpt = _Checkpoint(ds_dir)
     _info(f"Detected checkpoint of type zero stage {ckpt.stage}, world_size: {ckpt.world_size}"
@@ -755,13 +762,11 @@ def _moe_state_dict(ds_dir, exclude_frozen_parameters):
     out = OrderedDict()
     model0 = _load_file(os.path.join(ds_dir, "mp_rank_00_model_states.pt"))
     sources = [model0.get("module") or {}]
-    sources += [_load_file(f) for f in sorted(glob.glob(os.path.join(ds_dir, "layer_*_expert_*_model_states.pt")),
-                                                 key=_natural_key)]
+    sources += [_load_file(f) for f in _files(ds_dir, "layer_*_expert_*_model_states.pt")]
     for source in sources:
         for name, value in source.items():
             out[name] = value.float() if value.is_floating_point() else value
-    optim = sorted(glob.glob(os.path.join(ds_dir, "expp_rank_*_optim_states.pt")) +
-                   glob.glob(os.path.join(ds_dir, "*zero_pp_rank_*_optim_states.pt")), key=_natural_key)
+    optim = _files(ds_dir, "expp_rank_*_optim_states.pt") + _files(ds_dir, "*zero_pp_rank_*_optim_states.pt")
     trained = set()
     for path in optim:
         state = _load_file(path)

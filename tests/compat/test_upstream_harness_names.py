@@ -67,16 +67,17 @@ def test_layer_specs_build_and_pipeline_module_subclasses():
             Pipe(layers=[LayerSpec(torch.nn.Linear, 4, 4)], num_stages=2)
 
 
-def test_moe_layer_imports_and_says_not_supported():
-    # upstream's tests/unit/simple_model.py imports it at module level
+def test_moe_layer_imports_and_builds():
+    # upstream's tests/unit/simple_model.py imports it at module level and subclasses it
+    import torch
+
     import deepspeed
     from deepspeed.moe.layer import MoE
-    from deepspeed.runtime.errors import NotSupportedYet
 
     assert deepspeed.moe.layer.MoE is MoE
 
     class Experts(MoE):
         pass
 
-    with pytest.raises(NotSupportedYet, match="Mixture of Experts"):
-        Experts(hidden_size=4, expert=None, num_experts=2)
+    layer = Experts(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2)
+    assert layer.expert_group_name == "ep_size_1" and layer.num_local_experts == 2

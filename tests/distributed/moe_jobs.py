@@ -113,16 +113,7 @@ def batches(world: int, steps: int, micro: int = 1) -> list[list[tuple[torch.Ten
 
 def global_state(model: nn.Module, ep_size: int, ep_rank: int) -> dict[str, torch.Tensor]:
     """The parameters with experts under their global ids (the reference's names)."""
-    out = {}
-    prefix = "deepspeed_moe.experts.deepspeed_experts."
-    local_experts = EXPERTS // ep_size
-    for name, p in model.named_parameters():
-        if prefix in name:
-            head, tail = name.split(prefix)
-            local, rest = tail.split(".", 1)
-            name = f"{head}{prefix}{ep_rank * local_experts + int(local)}.{rest}"
-        out[name] = p.detach().float().clone()
-    return out
+    return {global_state_name(n, ep_size, ep_rank): p.detach().float().clone() for n, p in model.named_parameters()}
 
 
 def config(stage: int = 0, opt: str = "SGD", lr: float = 0.1, clip: float = 0.0, bf16: bool = False,
@@ -233,3 +224,33 @@ def merged(results: list[dict]) -> dict[str, torch.Tensor]:
 
 def env_rank() -> int:
     return int(os.environ.get("RANK", 0))
+
+
+def load_deepspeed_fixture(fixture: str) -> dict:
+    """A 2-rank ep=2 engine loads DeepSpeed 0.19.8's stage-0 MoE checkpoint (tests/fixtures/ds_0_19_8_moe)."""
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from deepspeed.utils import groups
+
+    groups._create_expert_and_data_parallel(2)
+    ep_rank = groups._get_expert_parallel_rank("ep_size_2")
+    model = ToyModel(2, ep_rank)
+    params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
+    engine, optimizer, *_ = deepspeed.initialize(model=model, model_parameters=params,
+                                                 config=config(opt="Adam", lr=1e-2))
+    engine.load_checkpoint(os.path.join(fixture, "ckpt"), tag="t")
+    expected = torch.load(os.path.join(fixture, f"expected_rank{dist.get_rank()}.pt"))
+    state = global_state(engine.module, 2, ep_rank)
+    exp_avg = {"exp_avg:" + global_state_name(n, 2, ep_rank): optimizer.state[p]["exp_avg"].clone()
+               for n, p in engine.module.named_parameters()}
+    return {"state": state, "exp_avg": exp_avg, "expected": expected, "steps": engine.global_steps}
+
+
+def global_state_name(name: str, ep_size: int, ep_rank: int) -> str:
+    prefix = "deepspeed_moe.experts.deepspeed_experts."
+    if prefix not in name:
+        return name
+    head, tail = name.split(prefix)
+    local, rest = tail.split(".", 1)
+    return f"{head}{prefix}{ep_rank * (EXPERTS // ep_size) + int(local)}.{rest}"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from moe_jobs import checkpoint_roundtrip, merged, reference, train
+from moe_jobs import checkpoint_roundtrip, load_deepspeed_fixture, merged, reference, train
 
 STEPS = 10
 
@@ -118,3 +118,17 @@ def test_moe_zero_to_fp32(tmp_path) -> None:
     for name, value in saved.items():
         assert state[name].dtype == torch.float32
         torch.testing.assert_close(state[name].bfloat16().float(), value, rtol=0, atol=0, msg=name)
+
+
+def test_moe_loads_deepspeed_0_19_8_checkpoint() -> None:
+    """DeepSpeed 0.19.8's own stage-0 MoE checkpoint (its MoE layer, ep=2, Adam; fixture data) loads into
+    the same model here: every parameter and Adam's exp_avg equal what DeepSpeed recorded."""
+    import os
+
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "ds_0_19_8_moe")
+    for r in run_distributed(2, load_deepspeed_fixture, fixture):
+        assert r["steps"] == 2
+        got = {**r["state"], **r["exp_avg"]}
+        assert set(got) == set(r["expected"])
+        for name, value in r["expected"].items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)

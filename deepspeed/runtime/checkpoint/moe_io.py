@@ -100,7 +100,7 @@ def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool,
     """This rank's files of an MoE checkpoint ([Note: MoE checkpoint layout]), as (name, object)."""
     from ... import comm as ds_comm
     from ...checkpoint import files
-    from .engine_io import state_version
+    from ...version import __version__
     from .writer import model_states
 
     renamed = global_names(engine)
@@ -130,7 +130,7 @@ def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool,
     if engine.zero_optimization_stage() > 0:
         entries.append((files.optim_file(ds_comm.get_rank(engine.seq_data_parallel_group),
                                          bf16=engine.bfloat16_enabled()),
-                        {"optimizer_state_dict": pieces, "ds_config": engine.config, "ds_version": state_version()}))
+                        {"optimizer_state_dict": pieces, "ds_config": engine.config, "ds_version": __version__}))
     else:
         name = engine.moe_layers[0].expert_group_name if engine.moe_layers else \
             f"ep_size_{groups._get_max_expert_size()}"
@@ -176,8 +176,13 @@ class MoECheckpointReader(CheckpointReader):
         filled: dict[str, int] = {}
         shapes: dict[str, tuple] = {}
         self.param_groups, self._step, self.common_state = [], None, {}
-        for source in found:
-            state = load_file(source)
+        self._ds_optimizer = None
+        states = [load_file(source) for source in found]
+        if states and not any(PIECES in s.get("optimizer_state_dict", s) for s in states):
+            self._ds_optimizer = _deepspeed_optimizer(engine, path, found, states)
+            self._full = {"fp32": dict(module)}
+            return
+        for source, state in zip(found, states):
             state = state.get("optimizer_state_dict", state)
             if PIECES not in state:
                 raise CheckpointError(f"{source}: not written by this build's MoE checkpoint (no {PIECES})")
@@ -210,4 +215,42 @@ class MoECheckpointReader(CheckpointReader):
             self._set_groups([{n: t.shape for n, t in module.items() if n in dict(engine.module.named_parameters())}])
 
     def bind_replicated_names(self, optimizer_names: list, trainable: set, strict: bool = True) -> None:
-        return None   # pieces are named
+        """Pieces are named; DeepSpeed's stage-0 `expp_rank_*` file keys its torch optimizer state by
+        position in the optimizer's param groups, which this engine's groups name (they must list the
+        same parameters: upstream's `split_params_into_different_moe_groups_for_optimizer` groups)."""
+        sd = self._ds_optimizer
+        if sd is None:
+            return
+        module, shapes = self.model_states["module"], {}
+        counts = [len(g["params"]) for g in sd["param_groups"]]
+        if counts != [len(names) for names in optimizer_names]:
+            raise CheckpointError(f"{self.path}: DeepSpeed's optimizer groups hold {counts} parameters, this "
+                                  f"engine's {[len(n) for n in optimizer_names]}; build the optimizer groups as "
+                                  "the saving job did (split_params_into_different_moe_groups_for_optimizer)")
+        for group, names in zip(sd["param_groups"], optimizer_names):
+            for index, name in zip(group["params"], names):
+                for field, value in sd["state"].get(index, {}).items():
+                    if torch.is_tensor(value) and value.dim() > 0:
+                        self._full.setdefault(field, {})[name] = value
+                    elif field == "step":
+                        self._step = float(value)
+                if name in trainable:
+                    shapes[name] = module[name].shape
+        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+        self._set_groups([shapes])
+
+
+def _deepspeed_optimizer(engine: Any, path: str, found: list[str], states: list[dict]) -> dict:
+    """The torch optimizer state of DeepSpeed's own stage-0 MoE checkpoint for this rank's EP rank
+    (`expp_rank_<ep>_...`: `{'optimizer': state_dict}`); its ZeRO MoE files are not read here."""
+    expp = {int(re.search(r"expp_rank_(\d+)_", os.path.basename(f)).group(1)): s
+            for f, s in zip(found, states) if os.path.basename(f).startswith("expp_rank_")}
+    if len(expp) != len(found) or any("optimizer" not in s for s in expp.values()):
+        raise CheckpointError(f"{path}: the optimizer files of DeepSpeed's ZeRO MoE checkpoints are not readable by "
+                              "this build (those of its stage-0 MoE checkpoints, expp_rank_*, are)")
+    name = engine.moe_layers[0].expert_group_name if engine.moe_layers else f"ep_size_{groups._get_max_expert_size()}"
+    ep_size, ep_rank = groups._get_expert_parallel_world_size(name), groups._get_expert_parallel_rank(name)
+    if len(expp) != ep_size:
+        raise CheckpointError(f"{path}: saved by DeepSpeed at ep_size {len(expp)} (expp_rank_* files), this model has "
+                              f"ep_size {ep_size}; load DeepSpeed's MoE checkpoints at the ep_size they were saved at")
+    return expp[ep_rank]["optimizer"]
