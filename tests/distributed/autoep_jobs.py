@@ -262,10 +262,17 @@ def checkpoint_run(kind: str, save_dir: str, stage: int, save_ep: int, load_ep: 
     engine = engine_at(save_ep)
     train(engine, 0)
     engine.save_checkpoint(save_dir, tag="t")
+    at_save = {k: v.clone() for k, v in engine.module.state_dict().items()}   # whole (HF layout)
+    consolidated = {}
+    if dist.get_rank() == 0:   # zero_to_fp32 joins the experts' pieces into the whole HF tensors
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t")
+    dist.barrier()
     straight = train(engine, steps)
     whole = {k: v.clone() for k, v in engine.module.state_dict().items()}
     resumed = engine_at(load_ep)
     resumed.load_checkpoint(save_dir, tag="t")
     again = train(resumed, steps)
-    return {"straight": straight, "resumed": again, "whole": whole,
+    return {"straight": straight, "resumed": again, "whole": whole, "at_save": at_save, "consolidated": consolidated,
             "whole_resumed": {k: v.clone() for k, v in resumed.module.state_dict().items()}}

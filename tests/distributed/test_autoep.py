@@ -96,7 +96,12 @@ def test_autoep_engine_checkpoint_resumes(tmp_path, stage: int, save_ep: int, lo
     names): the resumed run trains like the uninterrupted one, also at another autoep_size."""
     from autoep_jobs import checkpoint_run
 
-    for r in run_distributed(2, checkpoint_run, "mixtral", str(tmp_path), stage, save_ep, load_ep):
+    results = run_distributed(2, checkpoint_run, "mixtral", str(tmp_path), stage, save_ep, load_ep)
+    consolidated = results[0]["consolidated"]
+    assert sorted(consolidated) == sorted(results[0]["at_save"])
+    for name, value in results[0]["at_save"].items():   # zero_to_fp32: the whole HF tensors
+        torch.testing.assert_close(consolidated[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    for r in results:
         assert r["resumed"] == pytest.approx(r["straight"], rel=1e-5, abs=1e-6)
         for name, value in r["whole"].items():
             torch.testing.assert_close(r["whole_resumed"][name], value, rtol=1e-5, atol=1e-6,
