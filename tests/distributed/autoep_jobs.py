@@ -154,7 +154,7 @@ class _Data(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def trainer_run(kind: str, out: str, ep: int, steps: int = 4) -> dict:
+def trainer_run(kind: str, out: str, ep: int, steps: int = 4, save_steps: int = 0, resume: str = "") -> dict:
     """The HF Trainer, unchanged, with `expert_parallel` in its DeepSpeed config (ep=0: without);
     save_model writes the HF layout (Accelerate's get_state_dict -> module.state_dict() on every rank)."""
     os.environ.setdefault("ACCELERATE_USE_DEEPSPEED", "true")
@@ -169,10 +169,11 @@ def trainer_run(kind: str, out: str, ep: int, steps: int = 4) -> dict:
     if ep:
         config["expert_parallel"] = {"enabled": True, "autoep_size": ep}   # preset from config.model_type
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=MICRO, max_steps=steps, learning_rate=1e-2,
-                             max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+                             max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=1,
+                             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
                              report_to=[], deepspeed=config, use_cpu=True, dataloader_drop_last=True, seed=0)
     trainer = Trainer(model=build(kind), args=args, train_dataset=_Data(32))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume or None)
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     from deepspeed.module_inject.auto_ep_layer import autoep_layers
 

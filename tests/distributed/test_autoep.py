@@ -106,3 +106,18 @@ def test_autoep_engine_checkpoint_resumes(tmp_path, stage: int, save_ep: int, lo
         for name, value in r["whole"].items():
             torch.testing.assert_close(r["whole_resumed"][name], value, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{name}: {m}")
+
+
+def test_autoep_hf_trainer_checkpoint_resume(tmp_path) -> None:
+    """The Trainer saves a checkpoint at step 2 (engine.save_checkpoint under AutoEP) and a second Trainer
+    resumes from it: steps 3-4 and the saved weights equal the uninterrupted run's."""
+    from autoep_jobs import trainer_run
+
+    straight = run_distributed(2, trainer_run, "mixtral", str(tmp_path / "a"), 2, 4, 2)
+    resumed = run_distributed(2, trainer_run, "mixtral", str(tmp_path / "b"), 2, 4, 0,
+                              str(tmp_path / "a" / "checkpoint-2"))
+    # the resumed Trainer's log history holds steps 1-2 from the checkpoint, then its own steps 3-4
+    assert len(resumed[0]["losses"]) == 4
+    assert resumed[0]["losses"] == pytest.approx(straight[0]["losses"], rel=1e-5)
+    for name, value in straight[0]["saved"].items():
+        torch.testing.assert_close(resumed[0]["saved"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
