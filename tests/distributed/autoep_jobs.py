@@ -277,3 +277,17 @@ def checkpoint_run(kind: str, save_dir: str, stage: int, save_ep: int, load_ep: 
     again = train(resumed, steps)
     return {"straight": straight, "resumed": again, "whole": whole, "at_save": at_save, "consolidated": consolidated,
             "whole_resumed": {k: v.clone() for k, v in resumed.module.state_dict().items()}}
+
+
+def error_run(kind: str, section: dict, stage: int = 1) -> str:
+    """deepspeed.initialize with a bad `expert_parallel` section: the error every rank raises."""
+    import deepspeed
+
+    model = build(kind)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "expert_parallel": {"enabled": True, **section}}
+    try:
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    except Exception as exc:   # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return "initialized"

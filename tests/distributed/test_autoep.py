@@ -121,3 +121,15 @@ def test_autoep_hf_trainer_checkpoint_resume(tmp_path) -> None:
     assert resumed[0]["losses"] == pytest.approx(straight[0]["losses"], rel=1e-5)
     for name, value in straight[0]["saved"].items():
         torch.testing.assert_close(resumed[0]["saved"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("section,stage,says", [
+    ({"autoep_size": 4}, 1, "expert_parallel.autoep_size=4 must divide the world size 2"),
+    ({"autoep_size": 2}, 3, "expert_parallel.autoep_size=2 with zero_optimization.stage 3"),
+    ({"autoep_size": 2, "preset_model": "qwen3_moe"}, 1, "preset_model='qwen3_moe' is for model_type"),
+])
+def test_autoep_bad_setup_raises_on_every_rank(section: dict, stage: int, says: str) -> None:
+    from autoep_jobs import error_run
+
+    for message in run_distributed(2, error_run, "mixtral", section, stage):
+        assert says in message, message
