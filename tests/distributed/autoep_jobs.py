@@ -291,3 +291,22 @@ def error_run(kind: str, section: dict, stage: int = 1) -> str:
     except Exception as exc:   # noqa: BLE001 - the test reads the message
         return f"{type(exc).__name__}: {exc}"
     return "initialized"
+
+
+def bf16_run(kind: str) -> dict:
+    """bf16 model, experts swapped at ep=2: rows and results cross gloo's all-to-all in bf16; outputs equal
+    the unsharded bf16 model's up to bf16 rounding (expert matmuls see other row batches)."""
+    import deepspeed.comm as dist
+    from deepspeed.module_inject.auto_ep import apply_autoep
+
+    ref = build(kind).to(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    apply_autoep(model, {}, 2)
+    ids = batch(0, dist.get_rank())
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    want = ref(input_ids=ids, labels=ids)
+    grads = [p.grad for n, p in model.named_parameters() if "experts" in n]
+    return {"logits": (out.logits.float() - want.logits.float()).abs().max().item(),
+            "scale": want.logits.float().abs().max().item(), "loss": (out.loss.item(), want.loss.item()),
+            "dtypes": sorted({str(g.dtype) for g in grads if g is not None}), "grads": sum(g is not None for g in grads)}

@@ -133,3 +133,12 @@ def test_autoep_bad_setup_raises_on_every_rank(section: dict, stage: int, says: 
 
     for message in run_distributed(2, error_run, "mixtral", section, stage):
         assert says in message, message
+
+
+def test_autoep_bf16() -> None:
+    from autoep_jobs import bf16_run
+
+    for r in run_distributed(2, bf16_run, "mixtral"):
+        assert r["logits"] <= 2e-2 * max(1.0, r["scale"]), r
+        assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-2)
+        assert r["dtypes"] == ["torch.bfloat16"] and r["grads"] == 4
