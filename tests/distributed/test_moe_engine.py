@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from moe_jobs import checkpoint_roundtrip, load_deepspeed_fixture, merged, reference, train
+from moe_jobs import checkpoint_roundtrip, load_deepspeed_fixture, merged, reference, train, train_layer
 
 STEPS = 10
 
@@ -132,3 +132,20 @@ def test_moe_loads_deepspeed_0_19_8_checkpoint() -> None:
         assert set(got) == set(r["expected"])
         for name, value in r["expected"].items():
             torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_moe_layer_same_update_at_every_ep_size(tmp_path) -> None:
+    """deepspeed.moe.layer.MoE (top-2, capacity) on 4 ranks, ZeRO-2: ep=1, 2 and 4 train to the same
+    parameters (no ep_size skew); a checkpoint of the ep=4 run reloads exactly."""
+    runs = {ep: run_distributed(4, train_layer, ep, STEPS, {"stage": 2}, str(tmp_path) if ep == 4 else None)
+            for ep in (1, 2, 4)}
+    states = {ep: merged(r) for ep, r in runs.items()}
+    assert any(not torch.equal(states[1]["moes.0.deepspeed_moe.experts.deepspeed_experts.0.weight"],
+                               states[1][f"moes.0.deepspeed_moe.experts.deepspeed_experts.{e}.weight"])
+               for e in range(1, 4))   # the experts were routed different tokens
+    for ep in (2, 4):
+        for name, value in states[1].items():
+            torch.testing.assert_close(states[ep][name], value, rtol=1e-5, atol=1e-6, msg=f"ep={ep} {name}")
+    loaded = merged([{"state": r["loaded"]} for r in runs[4]])
+    for name, value in states[4].items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
