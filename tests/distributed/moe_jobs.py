@@ -297,3 +297,27 @@ def train_layer(ep_size: int, steps: int, cfg_kwargs: dict, save_dir: str | None
         other.load_checkpoint(save_dir, tag="t")
         out["loaded"] = global_state(other.module, ep_size, ep_rank)
     return out
+
+
+def save_for_deepspeed(save_dir: str) -> None:
+    """The reverse of load_deepspeed_fixture: 2 steps of the fixture's setup here (ep=2, stage 0, Adam,
+    upstream's optimizer groups), saved to `save_dir` with what DeepSpeed 0.19.8 must read back
+    (expected_rank<r>.pt); make_moe_fixture.py --check-ours loads it with DeepSpeed."""
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from deepspeed.utils import groups
+
+    groups._create_expert_and_data_parallel(2)
+    ep_rank = groups._get_expert_parallel_rank("ep_size_2")
+    model = ToyModel(2, ep_rank)
+    params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
+    engine, optimizer, *_ = deepspeed.initialize(model=model, model_parameters=params,
+                                                 config=config(opt="Adam", lr=1e-2))
+    run_steps(engine, batches(2, 2))
+    engine.save_checkpoint(save_dir, tag="t")
+    engine.wait_for_checkpoint()
+    record = global_state(engine.module, 2, ep_rank)
+    record.update({"exp_avg:" + global_state_name(n, 2, ep_rank): optimizer.state[p]["exp_avg"].clone()
+                   for n, p in engine.module.named_parameters()})
+    torch.save(record, os.path.join(save_dir, f"expected_rank{dist.get_rank()}.pt"))
