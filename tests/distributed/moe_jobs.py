@@ -321,3 +321,23 @@ def save_for_deepspeed(save_dir: str) -> None:
     record.update({"exp_avg:" + global_state_name(n, 2, ep_rank): optimizer.state[p]["exp_avg"].clone()
                    for n, p in engine.module.named_parameters()})
     torch.save(record, os.path.join(save_dir, f"expected_rank{dist.get_rank()}.pt"))
+
+
+def safe_get_experts(stage: int) -> dict:
+    """safe_get_full_fp32_param / _grad / _optimizer_state of an expert parameter under ZeRO (its
+    shard lives in the expert-data-parallel group) equal the parameter and reference values."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
+
+    import deepspeed.comm as dist
+
+    engine, ep_rank = make_engine(2, {"stage": stage, "opt": "Adam", "lr": 0.01})
+    steps = batches(dist.get_world_size(), 2)
+    run_steps(engine, steps[:1])
+    x, t = steps[1][dist.get_rank()]
+    engine.backward(engine(x, t))
+    out = {}
+    for name, p in engine.module.named_parameters():
+        out[global_state_name(name, 2, ep_rank)] = (p.detach().clone(), safe_get_full_fp32_param(p),
+                                                   safe_get_full_grad(p), safe_get_full_optimizer_state(p, "exp_avg"))
+    engine.step()
+    return out

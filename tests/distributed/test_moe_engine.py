@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from moe_jobs import checkpoint_roundtrip, load_deepspeed_fixture, merged, reference, train, train_layer
+from moe_jobs import checkpoint_roundtrip, load_deepspeed_fixture, merged, reference, safe_get_experts, train, train_layer
 
 STEPS = 10
 
@@ -149,3 +149,26 @@ def test_moe_layer_same_update_at_every_ep_size(tmp_path) -> None:
     loaded = merged([{"state": r["loaded"]} for r in runs[4]])
     for name, value in states[4].items():
         torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_moe_layer_zero3_at_ep_1() -> None:
+    """ep_size=1 at ZeRO-3: experts are ordinary parameters there; the same training as ZeRO-1."""
+    z3 = merged(run_distributed(2, train_layer, 1, 4, {"stage": 3}))
+    z1 = merged(run_distributed(2, train_layer, 1, 4, {"stage": 1}))
+    for name, value in z1.items():
+        torch.testing.assert_close(z3[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_moe_safe_get_full_of_experts() -> None:
+    """The safe_get_full_* helpers gather an expert's shards over its expert-data-parallel group: every
+    replica of an expert sees the same full fp32 value (its parameter) and gradient at ZeRO 1 and 2."""
+    for stage in (1, 2):
+        results = run_distributed(4, safe_get_experts, stage)
+        for r in results:
+            for name, (param, fp32, grad, exp_avg) in r.items():
+                torch.testing.assert_close(fp32, param, rtol=0, atol=0, msg=name)
+                assert grad is not None and exp_avg is not None and grad.shape == param.shape
+        for name in results[0]:
+            holders = [r for r in results if name in r]
+            for r in holders[1:]:
+                torch.testing.assert_close(r[name][2], holders[0][name][2], rtol=0, atol=0, msg=name)
