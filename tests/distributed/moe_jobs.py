@@ -260,14 +260,15 @@ class LayerModel(nn.Module):
     """ToyModel's shape with deepspeed.moe.layer.MoE (top-2, capacity, no random token selection: the
     routing is a function of each rank's tokens only, whatever ep_size)."""
 
-    def __init__(self, ep_size: int = 1) -> None:
+    def __init__(self, ep_size: int | tuple = 1) -> None:
         super().__init__()
         from deepspeed.moe.layer import MoE
 
         torch.manual_seed(0)
+        sizes = ep_size if isinstance(ep_size, tuple) else (ep_size, ep_size)
         self.inp, self.out = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
-        self.moes = nn.ModuleList(MoE(HIDDEN, nn.Linear(HIDDEN, HIDDEN), num_experts=EXPERTS, ep_size=ep_size, k=2,
-                                      min_capacity=2, use_rts=False) for _ in range(2))
+        self.moes = nn.ModuleList(MoE(HIDDEN, nn.Linear(HIDDEN, HIDDEN), num_experts=EXPERTS, ep_size=ep, k=2,
+                                      min_capacity=2, use_rts=False) for ep in sizes)
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         h, aux = torch.tanh(self.inp(x)), 0.0
@@ -277,17 +278,27 @@ class LayerModel(nn.Module):
         return torch.nn.functional.mse_loss(self.out(h).float(), target) + 0.01 * aux
 
 
-def train_layer(ep_size: int, steps: int, cfg_kwargs: dict, save_dir: str | None = None) -> dict:
+def layer_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """LayerModel's parameters under global expert names (each MoE layer with its own ep_size)."""
+    from deepspeed.utils import groups
+
+    out = {}
+    for name, p in model.named_parameters():
+        ep = model.moes[int(name.split(".")[1])].ep_size if name.startswith("moes.") else 1
+        rank = groups._get_expert_parallel_rank(f"ep_size_{ep}") if ep > 1 else 0
+        out[global_state_name(name, ep, rank)] = p.detach().float().clone()
+    return out
+
+
+def train_layer(ep_size: int | tuple, steps: int, cfg_kwargs: dict, save_dir: str | None = None) -> dict:
     """LayerModel at ep_size for `steps`; with `save_dir`, save there and reload into a fresh engine."""
     import deepspeed
     import deepspeed.comm as dist
-    from deepspeed.utils import groups
 
     model = LayerModel(ep_size)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(**cfg_kwargs))
-    ep_rank = groups._get_expert_parallel_rank(f"ep_size_{ep_size}")
     run_steps(engine, batches(dist.get_world_size(), steps))
-    out = {"state": global_state(engine.module, ep_size, ep_rank)}
+    out = {"state": layer_state(engine.module)}
     if save_dir is not None:
         engine.save_checkpoint(save_dir, tag="t")
         engine.wait_for_checkpoint()
@@ -295,7 +306,7 @@ def train_layer(ep_size: int, steps: int, cfg_kwargs: dict, save_dir: str | None
         other, *_ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(),
                                          config=config(**cfg_kwargs))
         other.load_checkpoint(save_dir, tag="t")
-        out["loaded"] = global_state(other.module, ep_size, ep_rank)
+        out["loaded"] = layer_state(other.module)
     return out
 
 

@@ -172,3 +172,14 @@ def test_moe_safe_get_full_of_experts() -> None:
             holders = [r for r in results if name in r]
             for r in holders[1:]:
                 torch.testing.assert_close(r[name][2], holders[0][name][2], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_moe_layers_of_different_ep_sizes(stage: int) -> None:
+    """One model with an ep=2 and an ep=4 MoE layer (two sets of expert groups and buckets) on 4 ranks,
+    clipping on: the same parameters as with both layers at ep=1."""
+    cfg = {"stage": stage, "clip": 0.05}
+    mixed = merged(run_distributed(4, train_layer, (2, 4), 4, cfg))
+    plain = merged(run_distributed(4, train_layer, 1, 4, cfg))
+    for name, value in plain.items():
+        torch.testing.assert_close(mixed[name], value, rtol=1e-5, atol=1e-6, msg=name)
