@@ -165,8 +165,8 @@ def _local_state(param: torch.Tensor, optimizer: Any, key: str) -> Optional[torc
     return value if torch.is_tensor(value) and value.shape == fragment.shape else None
 
 
-def _assemble(shape: torch.Size, device: torch.device, optimizer: Any, frag: Any, piece: Optional[torch.Tensor],
-              key: Optional[str] = None) -> torch.Tensor:
+def _assemble(shape: torch.Size, device: torch.device, optimizer: Any, sb: Any, frag: Any,
+              piece: Optional[torch.Tensor], key: Optional[str] = None) -> torch.Tensor:
     """Collective: the full fp32 tensor from every rank's fragment, with one all-reduce.
 
     For optimizer state (`key` given) one more element carries "some rank holds a fragment
@@ -179,8 +179,9 @@ def _assemble(shape: torch.Size, device: torch.device, optimizer: Any, frag: Any
         buffer[frag.param_start:frag.param_start + frag.numel].copy_(piece.reshape(-1))
     if key is not None and frag is not None and piece is None:
         buffer[numel] = 1.0
-    if optimizer.dp_world > 1:
-        ds_comm.all_reduce(buffer, group=optimizer.group)
+    # over the ranks the shard is partitioned across: an expert bucket's expert-data-parallel group
+    if getattr(sb, "world", optimizer.dp_world) > 1:
+        ds_comm.all_reduce(buffer, group=getattr(sb, "group", optimizer.group))
     if key is not None and buffer[numel].item() > 0:
         raise _missing_key(key)
     return buffer[:numel].reshape(shape)
@@ -232,7 +233,7 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor
     if link.sharded:
         sb, frag = _fragment(link, optimizer)
         piece = sb.master[frag.shard_start:frag.shard_start + frag.numel] if frag is not None else None
-        return _assemble(_full_shape(sb, link, param), param.device, optimizer, frag, piece)
+        return _assemble(_full_shape(sb, link, param), param.device, optimizer, sb, frag, piece)
     return _master(link, param).detach().to(dtype=torch.float32, copy=True).reshape(param.shape)
 
 
@@ -278,7 +279,7 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
     if link.sharded:
         sb, frag = _fragment(link, optimizer)
         piece = _local_state(param, optimizer, optim_state_key) if frag is not None else None
-        return _assemble(_full_shape(sb, link, param), param.device, optimizer, frag, piece, key=optim_state_key)
+        return _assemble(_full_shape(sb, link, param), param.device, optimizer, sb, frag, piece, key=optim_state_key)
     master = _master(link, param)
     value = optimizer.state.get(master, {}).get(optim_state_key)
     if not torch.is_tensor(value) or value.shape != master.shape:
@@ -326,7 +327,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     if link.sharded:
         sb, frag = _fragment(link, optimizer)
         piece = sb.grad_source[frag.shard_start:frag.shard_start + frag.numel] if frag is not None else None
-        return _assemble(_full_shape(sb, link, param), param.device, optimizer, frag, piece)
+        return _assemble(_full_shape(sb, link, param), param.device, optimizer, sb, frag, piece)
     if param.grad is not None:
         return _copy(param.grad)
     grad = _replicated_grad(link, optimizer, param)

@@ -254,3 +254,101 @@ def global_state_name(name: str, ep_size: int, ep_rank: int) -> str:
     head, tail = name.split(prefix)
     local, rest = tail.split(".", 1)
     return f"{head}{prefix}{ep_rank * (EXPERTS // ep_size) + int(local)}.{rest}"
+
+
+class LayerModel(nn.Module):
+    """ToyModel's shape with deepspeed.moe.layer.MoE (top-2, capacity, no random token selection: the
+    routing is a function of each rank's tokens only, whatever ep_size)."""
+
+    def __init__(self, ep_size: int | tuple = 1) -> None:
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        torch.manual_seed(0)
+        sizes = ep_size if isinstance(ep_size, tuple) else (ep_size, ep_size)
+        self.inp, self.out = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.moes = nn.ModuleList(MoE(HIDDEN, nn.Linear(HIDDEN, HIDDEN), num_experts=EXPERTS, ep_size=ep, k=2,
+                                      min_capacity=2, use_rts=False) for ep in sizes)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h, aux = torch.tanh(self.inp(x)), 0.0
+        for moe in self.moes:
+            out, l_aux, _ = moe(h)
+            h, aux = h + out, aux + l_aux
+        return torch.nn.functional.mse_loss(self.out(h).float(), target) + 0.01 * aux
+
+
+def layer_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """LayerModel's parameters under global expert names (each MoE layer with its own ep_size)."""
+    from deepspeed.utils import groups
+
+    out = {}
+    for name, p in model.named_parameters():
+        ep = model.moes[int(name.split(".")[1])].ep_size if name.startswith("moes.") else 1
+        rank = groups._get_expert_parallel_rank(f"ep_size_{ep}") if ep > 1 else 0
+        out[global_state_name(name, ep, rank)] = p.detach().float().clone()
+    return out
+
+
+def train_layer(ep_size: int | tuple, steps: int, cfg_kwargs: dict, save_dir: str | None = None) -> dict:
+    """LayerModel at ep_size for `steps`; with `save_dir`, save there and reload into a fresh engine."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    model = LayerModel(ep_size)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(**cfg_kwargs))
+    run_steps(engine, batches(dist.get_world_size(), steps))
+    out = {"state": layer_state(engine.module)}
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir, tag="t")
+        engine.wait_for_checkpoint()
+        fresh = LayerModel(ep_size)
+        other, *_ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(),
+                                         config=config(**cfg_kwargs))
+        other.load_checkpoint(save_dir, tag="t")
+        out["loaded"] = layer_state(other.module)
+    return out
+
+
+def save_for_deepspeed(save_dir: str) -> None:
+    """The reverse of load_deepspeed_fixture: 2 steps of the fixture's setup here (ep=2, stage 0, Adam,
+    upstream's optimizer groups), saved to `save_dir` with what DeepSpeed 0.19.8 must read back
+    (expected_rank<r>.pt); make_moe_fixture.py --check-ours loads it with DeepSpeed."""
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from deepspeed.utils import groups
+
+    groups._create_expert_and_data_parallel(2)
+    ep_rank = groups._get_expert_parallel_rank("ep_size_2")
+    model = ToyModel(2, ep_rank)
+    params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
+    engine, optimizer, *_ = deepspeed.initialize(model=model, model_parameters=params,
+                                                 config=config(opt="Adam", lr=1e-2))
+    run_steps(engine, batches(2, 2))
+    engine.save_checkpoint(save_dir, tag="t")
+    engine.wait_for_checkpoint()
+    record = global_state(engine.module, 2, ep_rank)
+    record.update({"exp_avg:" + global_state_name(n, 2, ep_rank): optimizer.state[p]["exp_avg"].clone()
+                   for n, p in engine.module.named_parameters()})
+    torch.save(record, os.path.join(save_dir, f"expected_rank{dist.get_rank()}.pt"))
+
+
+def safe_get_experts(stage: int) -> dict:
+    """safe_get_full_fp32_param / _grad / _optimizer_state of an expert parameter under ZeRO (its
+    shard lives in the expert-data-parallel group) equal the parameter and reference values."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
+
+    import deepspeed.comm as dist
+
+    engine, ep_rank = make_engine(2, {"stage": stage, "opt": "Adam", "lr": 0.01})
+    steps = batches(dist.get_world_size(), 2)
+    run_steps(engine, steps[:1])
+    x, t = steps[1][dist.get_rank()]
+    engine.backward(engine(x, t))
+    out = {}
+    for name, p in engine.module.named_parameters():
+        out[global_state_name(name, 2, ep_rank)] = (p.detach().clone(), safe_get_full_fp32_param(p),
+                                                   safe_get_full_grad(p), safe_get_full_optimizer_state(p, "exp_avg"))
+    engine.step()
+    return out

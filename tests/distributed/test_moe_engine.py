@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from moe_jobs import checkpoint_roundtrip, load_deepspeed_fixture, merged, reference, train
+from moe_jobs import checkpoint_roundtrip, load_deepspeed_fixture, merged, reference, safe_get_experts, train, train_layer
 
 STEPS = 10
 
@@ -132,3 +132,54 @@ def test_moe_loads_deepspeed_0_19_8_checkpoint() -> None:
         assert set(got) == set(r["expected"])
         for name, value in r["expected"].items():
             torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_moe_layer_same_update_at_every_ep_size(tmp_path) -> None:
+    """deepspeed.moe.layer.MoE (top-2, capacity) on 4 ranks, ZeRO-2: ep=1, 2 and 4 train to the same
+    parameters (no ep_size skew); a checkpoint of the ep=4 run reloads exactly."""
+    runs = {ep: run_distributed(4, train_layer, ep, STEPS, {"stage": 2}, str(tmp_path) if ep == 4 else None)
+            for ep in (1, 2, 4)}
+    states = {ep: merged(r) for ep, r in runs.items()}
+    assert any(not torch.equal(states[1]["moes.0.deepspeed_moe.experts.deepspeed_experts.0.weight"],
+                               states[1][f"moes.0.deepspeed_moe.experts.deepspeed_experts.{e}.weight"])
+               for e in range(1, 4))   # the experts were routed different tokens
+    for ep in (2, 4):
+        for name, value in states[1].items():
+            torch.testing.assert_close(states[ep][name], value, rtol=1e-5, atol=1e-6, msg=f"ep={ep} {name}")
+    loaded = merged([{"state": r["loaded"]} for r in runs[4]])
+    for name, value in states[4].items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_moe_layer_zero3_at_ep_1() -> None:
+    """ep_size=1 at ZeRO-3: experts are ordinary parameters there; the same training as ZeRO-1."""
+    z3 = merged(run_distributed(2, train_layer, 1, 4, {"stage": 3}))
+    z1 = merged(run_distributed(2, train_layer, 1, 4, {"stage": 1}))
+    for name, value in z1.items():
+        torch.testing.assert_close(z3[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_moe_safe_get_full_of_experts() -> None:
+    """The safe_get_full_* helpers gather an expert's shards over its expert-data-parallel group: every
+    replica of an expert sees the same full fp32 value (its parameter) and gradient at ZeRO 1 and 2."""
+    for stage in (1, 2):
+        results = run_distributed(4, safe_get_experts, stage)
+        for r in results:
+            for name, (param, fp32, grad, exp_avg) in r.items():
+                torch.testing.assert_close(fp32, param, rtol=0, atol=0, msg=name)
+                assert grad is not None and exp_avg is not None and grad.shape == param.shape
+        for name in results[0]:
+            holders = [r for r in results if name in r]
+            for r in holders[1:]:
+                torch.testing.assert_close(r[name][2], holders[0][name][2], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_moe_layers_of_different_ep_sizes(stage: int) -> None:
+    """One model with an ep=2 and an ep=4 MoE layer (two sets of expert groups and buckets) on 4 ranks,
+    clipping on: the same parameters as with both layers at ep=1."""
+    cfg = {"stage": stage, "clip": 0.05}
+    mixed = merged(run_distributed(4, train_layer, (2, 4), 4, cfg))
+    plain = merged(run_distributed(4, train_layer, 1, 4, cfg))
+    for name, value in plain.items():
+        torch.testing.assert_close(mixed[name], value, rtol=1e-5, atol=1e-6, msg=name)

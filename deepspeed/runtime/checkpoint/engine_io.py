@@ -146,6 +146,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
 
 def optimizer_partition_state(engine: Any) -> dict:
     """This rank's `optimizer_state_dict` as save_checkpoint writes it (ZeRO; collective)."""
+    if moe_io.is_moe_engine(engine):   # [Note: MoE checkpoint layout]: named pieces, not DeepSpeed's flat groups
+        return moe_io.pieces_state(engine, HpState(engine))
     cut = zero3_io.optimizer_state if engine._stage3 is not None else partitioned_optimizer_state
     return cut(engine, HpState(engine), dp_rank(engine), engine.seq_dp_world_size)
 

@@ -75,7 +75,9 @@ def global_names(engine: Any) -> dict[str, tuple[int, int, str]]:
     return out
 
 
-def _pieces(engine: Any, hp: Any, renamed: dict[str, tuple[int, int, str]]) -> dict:
+def pieces_state(engine: Any, hp: Any, renamed: dict[str, tuple[int, int, str]] | None = None) -> dict:
+    """This rank's optimizer file content: its pieces under global names (no collective)."""
+    renamed = global_names(engine) if renamed is None else renamed
     fields, step = hp.local_fields()
     autoep = autoep_params(engine)
     pieces = []
@@ -126,7 +128,7 @@ def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool,
     entries += [(expert_file(layer_id, expert), sd) for (layer_id, expert), sd in sorted(by_expert.items())]
     if hp is None:
         return entries
-    pieces = _pieces(engine, hp, renamed)
+    pieces = pieces_state(engine, hp, renamed)
     if engine.zero_optimization_stage() > 0:
         entries.append((files.optim_file(ds_comm.get_rank(engine.seq_data_parallel_group),
                                          bf16=engine.bfloat16_enabled()),
