@@ -317,7 +317,8 @@ def build_stage3_coordinator(engine: Any) -> Any:
                              max_reuse_distance=zero.max_reuse_distance,
                              reduce_bucket_size=_bucket_numel(engine, engine.precision.param_dtype),
                              reduce_policy=_reduce_policy(engine),
-                             comm_dtype=engine.precision.comm_dtype_override)
+                             comm_dtype=engine.precision.comm_dtype_override,
+                             quantized_gradients=zero.zero_quantized_gradients)
 
 
 def _reduce_policy(engine: Any) -> ReducePolicy:

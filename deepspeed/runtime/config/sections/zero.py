@@ -184,6 +184,8 @@ class ZeroConfig(DSModel):
             yield "offload_param", f"parameter offload needs stage 3, got stage {self.stage}"
         if self.offload_optimizer is not None and self.offload_optimizer.enabled and self.stage == 0:
             yield "offload_optimizer", "optimizer offload needs stage 1, 2 or 3, got stage 0"
+        if self.zero_quantized_gradients and self.stage != 3:   # qgZ replaces stage 3's reduce-scatter
+            yield "zero_quantized_gradients", f"true needs stage 3, got stage {self.stage}"
         if self.stage in (1, 2) and self.allgather_bucket_size % 2:   # upstream's rule: portable configs
             yield "allgather_bucket_size", ("allgather_bucket_size must be a multiple of nccl_start_alignment_factor "
                                             f"(2), got {self.allgather_bucket_size}")
@@ -199,7 +201,7 @@ class ZeroConfig(DSModel):
             ("zeropp_loco_param", self.zeropp_loco_param is not None, "LoCo-ZeRO++", "remove it"),
         ]
         checks += [(key, getattr(self, key), f"ZeRO++ {key}", "set it to false") for key in
-                   ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")]
+                   ("zero_quantized_weights", "zero_quantized_nontrainable_weights")]
         for key, enabled, what, fix in checks:
             if enabled:
                 yield key, not_supported(what, fix)
