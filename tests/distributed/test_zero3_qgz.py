@@ -88,7 +88,9 @@ def _structured_batches(steps: int, rows: int):
         yield idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
 
-def _train_gpt(qgz: bool, steps: int) -> dict:
+def _train_gpt(zeropp: dict, steps: int, probe=None) -> dict:
+    """`steps` steps of a small GPT at stage 3 with the ZeRO++ keys `zeropp`; `probe(engine, x, y)`
+    (on the last batch, after training) adds its result under "probe"."""
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.utils import safe_get_full_grad
@@ -100,7 +102,7 @@ def _train_gpt(qgz: bool, steps: int) -> dict:
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "steps_per_print": 10**9,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "zero_quantized_gradients": qgz}}
+                                    **zeropp}}
     engine, _, _, _ = deepspeed.initialize(model=model, config=config)
     losses, grads, stats = [], None, None
     for step, (x, y) in enumerate(_structured_batches(steps, micro * world)):
@@ -115,14 +117,17 @@ def _train_gpt(qgz: bool, steps: int) -> dict:
         mean = torch.tensor([loss.item()])
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
-    return {"losses": losses, "grads": grads, "stats": stats}
+    result = {"losses": losses, "grads": grads, "stats": stats}
+    if probe is not None:
+        result["probe"] = probe(engine, x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro])
+    return result
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_qgz_engine_bytes_gradients_and_loss_curve(world: int) -> None:
     steps = 40
-    plain = run_distributed(world, _train_gpt, False, steps)[0]
-    quant = run_distributed(world, _train_gpt, True, steps)[0]
+    plain = run_distributed(world, _train_gpt, {}, steps)[0]
+    quant = run_distributed(world, _train_gpt, {"zero_quantized_gradients": True}, steps)[0]
     # Bytes: the fp32 reduce-scatter is gone; the int8 all-to-all moves ~1/4 of its bytes.
     assert "reduce_scatter_tensor" not in quant["stats"]
     base = plain["stats"]["reduce_scatter_tensor"]["wire_bytes"]
