@@ -71,7 +71,8 @@ def _engine(zeropp: dict, gas: int = 1):
 
 
 def _probe_fc(engine, x, y) -> dict:
-    """The first MLP's weight as one forward computes with it vs GatheredParameters' (exact) one."""
+    """The first MLP's weight as one forward computes with it vs GatheredParameters' (exact) one,
+    after the hooks released it and inside a forward (a unit gathered quantised is re-gathered)."""
     import deepspeed
 
     fc = engine.module.blocks[0].mlp.fc
@@ -84,7 +85,17 @@ def _probe_fc(engine, x, y) -> dict:
     with deepspeed.zero.GatheredParameters([fc.weight]):
         exact = fc.weight.detach().clone()
     master = deepspeed.utils.safe_get_full_fp32_param(fc.weight)
-    return {"exact_is_master": bool(torch.equal(exact, master)), "used_err": float((seen[0] - exact).abs().max()),
+    inner = []   # GatheredParameters inside the forward, where the hooks gathered the unit quantised
+
+    def gathered_inside(module, args):
+        with deepspeed.zero.GatheredParameters([module.weight]):
+            inner.append(module.weight.detach().clone())
+
+    handle = fc.register_forward_pre_hook(gathered_inside)
+    with torch.no_grad():
+        engine(x, y)
+    handle.remove()
+    return {"exact_is_master": bool(torch.equal(exact, master)) and bool(torch.equal(inner[0], master)), "used_err": float((seen[0] - exact).abs().max()),
             "bound": float(exact.abs().max()) / 254, "rel": float((seen[0] - exact).norm() / exact.norm())}
 
 
@@ -148,6 +159,7 @@ def _train_hpz(zeropp: dict, steps: int, gas: int) -> dict:
     return {"losses": losses, "params": params, "crossing": crossing, "inside": inside, "units": units}
 
 
+@pytest.mark.slow   # two 4-rank jobs (~20 s on an idle 2-core host)
 def test_hpz_parity_and_node_crossing_gathers() -> None:
     steps, gas = 2, 2
     plain = run_distributed(4, _train_hpz, {}, steps, gas)

@@ -218,8 +218,7 @@ class ShardedUnit:
                                    f"{tuple(tensor.shape)}; this rank's partition has shape {tuple(piece.shape)}")
             piece.copy_(tensor.detach())
             tensor.data = piece
-            if self.secondary is not None:
-                self.secondary.invalidate()
+            self.shard_changed()
 
     # --- gather / release -------------------------------------------------------------------
     @property
@@ -232,6 +231,11 @@ class ShardedUnit:
         self.quantize_weights = quantize_weights
         self.secondary = SecondaryShard(self.layout, hpz_group) if hpz_group is not None else None
 
+    def shard_changed(self) -> None:
+        """Whoever writes `shard` calls this (on every rank alike): hpZ's secondary copy is stale."""
+        if self.secondary is not None:
+            self.secondary.invalidate()
+
     def gather(self, exact: bool = False) -> None:
         """ONE all-gather of the unit, or the wait for its prefetch; parameters become views of
         the flat buffer. See [Note: ZeRO-3 release and autograd's saved tensors]. `exact`: the
@@ -242,8 +246,8 @@ class ShardedUnit:
             self.stats.waited += 1
             self._finish_prefetch()
             return self.gather(exact)
-        if self.available:
-            self.status = ZeroParamStatus.NOT_AVAILABLE   # re-gather exactly; storage stays allocated
+        if self.available:   # re-gather exactly into the same (allocated) storage
+            self._set_status(ZeroParamStatus.NOT_AVAILABLE)
         phase = "backward" if self._held else ("forward" if self._refs else "post-step")
         self._fill(self._gather_buffer(), phase, exact)
         self.stats.sync += 1
@@ -350,8 +354,7 @@ class ShardedUnit:
 
     def refresh(self) -> None:
         """After `shard` changed (an optimizer step): re-gather a persistent unit now."""
-        if self.secondary is not None:
-            self.secondary.invalidate()
+        self.shard_changed()
         if self.available and self.spec.persistent:
             self.status = ZeroParamStatus.NOT_AVAILABLE   # force the collective; storage stays allocated
             self.gather()
@@ -380,8 +383,7 @@ class ShardedUnit:
         changed = new != self.shard
         if bool(changed.any()):
             self.shard.copy_(new)
-            if self.secondary is not None:
-                self.secondary.invalidate()
+            self.shard_changed()
             for listener in self._shard_listeners:
                 listener(changed)
 
