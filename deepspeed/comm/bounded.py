@@ -107,6 +107,14 @@ def reduce_scatter_tensor_within(output: torch.Tensor, tensor: torch.Tensor, tim
     _timed("reduce_scatter_tensor", tensor, group, lambda: _work(pg._reduce_scatter_base(output, tensor, opts)).wait(),
            label=label)
 
+def all_to_all_single_within(output: torch.Tensor, tensor: torch.Tensor, timeout_s: float, group: Any = None,
+                             label: Any = None) -> None:
+    """`all_to_all_single` (equal splits) that fails after `timeout_s` seconds (where the backend
+    honours it); counted as `all_to_all_single`."""
+    pg, opts = _group(group), _options(AllToAllOptions, float(timeout_s))
+    _timed("all_to_all_single", tensor, group, lambda: _work(pg.alltoall_base(output, tensor, [], [], opts)).wait(),
+           label=label)
+
 def break_group(group: Any = None) -> None:
     """Make the pending and later operations of `group` fail on every rank (gloo; elsewhere a no-op).
 

@@ -321,7 +321,25 @@ def build_stage3_coordinator(engine: Any) -> Any:
                              max_reuse_distance=zero.max_reuse_distance,
                              reduce_bucket_size=_bucket_numel(engine, engine.precision.param_dtype),
                              reduce_policy=_reduce_policy(engine),
-                             comm_dtype=engine.precision.comm_dtype_override)
+                             comm_dtype=engine.precision.comm_dtype_override,
+                             quantized_gradients=zero.zero_quantized_gradients,
+                             quantized_weights=zero.zero_quantized_weights,
+                             hpz_group=_hpz_group(engine, zero.zero_hpz_partition_size))
+
+
+def _hpz_group(engine: Any, size: int) -> Any:
+    """hpZ's node group of this rank from the parallel mesh ([Note: hpZ node groups]); None
+    without hpZ (size 1, or a node as large as ZeRO's group: nothing to save)."""
+    if size <= 1 or size == engine.seq_dp_world_size:
+        return None
+    from . import mesh
+
+    parallel = mesh.current() if engine.seq_data_parallel_group is not None else mesh.initialize()
+    if parallel is None or parallel.group("sequence_data") is not engine.seq_data_parallel_group and \
+            engine.seq_data_parallel_group is not None:
+        raise NotSupportedYet(f"zero_optimization.zero_hpz_partition_size={size} with ZeRO groups from a client "
+                              "`mpu`: hpZ's node groups come from the parallel mesh; leave out the mpu or set it to 1")
+    return parallel.hpz_group(size)[1]
 
 
 def _reduce_policy(engine: Any) -> ReducePolicy:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from .. import comm as ds_comm
-from .parallel_dims import GROUP_AXES, ParallelDims, ProcessTopology, axis_groups, expert_rank_groups
+from .parallel_dims import GROUP_AXES, ParallelDims, ProcessTopology, axis_groups, expert_rank_groups, hpz_rank_groups
 
 _SELF_GROUPS: dict[int, Any] = {}   # id(default process group) -> this rank's singleton group
 
@@ -73,6 +73,7 @@ class ParallelMesh:
         self.names = dict(names if names is not None else GROUP_AXES)
         self._groups: dict[tuple[str, ...], tuple[list[int], Any]] = {}
         self._experts: dict[str, tuple[tuple[list[int], Any], tuple[list[int], Any]]] = {}
+        self._hpz: dict[int, tuple[list[int], Any]] = {}
         for axes in self.names.values():   # eagerly, in the same order on every rank
             self._build(axes)
 
@@ -101,6 +102,14 @@ class ParallelMesh:
             replica_entry = _make(replicas, self.global_rank, self.world_size)
             self._experts[name] = (_make(experts, self.global_rank, self.world_size), replica_entry)
         return name
+
+    def hpz_group(self, partition_size: int) -> tuple[list[int], Any]:
+        """(ranks, group) of this rank's hpZ node ([Note: hpZ node groups]); built once (collective:
+        every rank with the same size)."""
+        if partition_size not in self._hpz:
+            self._hpz[partition_size] = _make(hpz_rank_groups(self.topology, partition_size), self.global_rank,
+                                              self.world_size)
+        return self._hpz[partition_size]
 
     def expert_entry(self, name: str, data: bool = False) -> tuple[list[int], Any]:
         """(ranks, group) of this rank's expert-parallel group `name` (its expert-data group with `data`)."""

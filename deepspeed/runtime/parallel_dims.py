@@ -205,3 +205,20 @@ def expert_rank_groups(topology: ProcessTopology, expert_size: int,
             experts += runs
             replicas += strided
     return experts, replicas
+
+
+def hpz_rank_groups(topology: ProcessTopology, partition_size: int) -> list[list[int]]:
+    """[Note: hpZ node groups] The rank lists of ZeRO++ hpZ's secondary partition
+    (`zero_hpz_partition_size`): each ZeRO pool (the ranks that differ only in `data` and
+    `sequence`, ZeRO's group) is cut into runs of `partition_size` consecutive members, one "node"
+    each ([0, 1], [2, 3] of a pool of 4 with size 2): consecutive ranks share a host under the
+    launchers' rank order, so re-gathers inside a run stay on the host."""
+    if isinstance(partition_size, bool) or not isinstance(partition_size, int) or partition_size < 1:
+        raise ValueError(f"zero_hpz_partition_size must be an integer >= 1, got {partition_size!r}")
+    runs: list[list[int]] = []
+    for pool in axis_groups(topology, [a for a in ("data", "sequence") if a in topology.axes]):
+        if len(pool) % partition_size:
+            raise ValueError(f"zero_hpz_partition_size {partition_size} must divide ZeRO's group size {len(pool)} "
+                             f"(world {topology.world_size()} over {dict(zip(topology.axes, topology.dims))})")
+        runs += [pool[i:i + partition_size] for i in range(0, len(pool), partition_size)]
+    return runs

@@ -260,6 +260,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
             if unit is not None:  # stage 3: the model side is the unit's shard
                 if piece is not None:
                     unit.shard[frag.shard_start:frag.shard_start + frag.numel].copy_(piece)
+                unit.shard_changed()   # every rank: hpZ's secondary copies are re-made alike
                 if not unit.available:  # released: its next gather reads the shard
                     return
         else:

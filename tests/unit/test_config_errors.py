@@ -287,10 +287,7 @@ def test_unsupported_sections(key, enabled, disabled):
 
 
 NOT_SUPPORTED_ZERO = [  # (zero_optimization keys when enabled, when disabled, error path)
-    ({"zero_quantized_weights": True}, {"zero_quantized_weights": False}, "zero_optimization.zero_quantized_weights"),
-    ({"zero_quantized_gradients": True}, {"zero_quantized_gradients": False}, "zero_optimization.zero_quantized_gradients"),
     ({"zero_quantized_nontrainable_weights": True}, {}, "zero_optimization.zero_quantized_nontrainable_weights"),
-    ({"zero_hpz_partition_size": 8}, {"zero_hpz_partition_size": 1}, "zero_optimization.zero_hpz_partition_size"),
     ({"mics_shard_size": 8}, {"mics_shard_size": -1}, "zero_optimization.mics_shard_size"),
     ({"mics_hierarchical_params_gather": True}, {}, "zero_optimization.mics_hierarchical_params_gather"),
     ({"zeropp_loco_param": {"err_beta": 0.8}}, {"zeropp_loco_param": None}, "zero_optimization.zeropp_loco_param"),
@@ -311,6 +308,17 @@ def test_unsupported_zero_features(enabled, disabled, path):
     DeepSpeedConfig({**BASE, "zero_optimization": {"stage": 3, **disabled}}, world_size=1)
     text = str(errors_of({"zero_optimization": {"stage": 3, **enabled}}))
     assert f"{path}: " in text and "is not supported by this implementation (pure-Python deepspeed)" in text
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("key,value,shown", [("zero_quantized_gradients", True, "true"),
+                                             ("zero_quantized_weights", True, "true"),
+                                             ("zero_hpz_partition_size", 2, "2")])
+def test_zeropp_needs_stage_3(stage, key, value, shown):
+    """qgZ, qwZ and hpZ change stage 3's collectives; below stage 3 each is refused, naming key and value."""
+    DeepSpeedConfig({**BASE, "zero_optimization": {"stage": 3, key: value}}, world_size=1)
+    text = str(errors_of({"zero_optimization": {"stage": stage, key: value}}))
+    assert f"zero_optimization.{key}: {shown} needs stage 3, got stage {stage}" in text
 
 
 def test_allgather_bucket_size_odd_at_stage_1_2_is_rejected_as_upstream():

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from ... import comm as ds_comm
-from ..errors import NotSupportedYet
 
 
 def reduce_scatter_coalesced(tensors: list[torch.Tensor], group: Any = None) -> list[torch.Tensor]:
@@ -41,7 +40,27 @@ def reduce_scatter_coalesced(tensors: list[torch.Tensor], group: Any = None) -> 
     return outputs
 
 
-def all_to_all_quant_reduce(tensors: list[torch.Tensor], groups: Any) -> list[torch.Tensor]:
-    """ZeRO++'s quantized gradient reduction (qgZ): not supported here."""
-    raise NotSupportedYet("all_to_all_quant_reduce: ZeRO++ quantized gradients (qgZ, zero_quantized_gradients) "
-                          "are not supported by this implementation")
+def all_to_all_quant_reduce(tensors: list[torch.Tensor], groups: Any = None) -> list[torch.Tensor]:
+    """ZeRO++ qgZ's reduction under upstream's name: this rank's chunk of the group mean of each
+    tensor, exchanged as block-wise int8 ([Note: qgZ quantized reduce-scatter] in zero/qgz.py).
+    One level over the whole world: `groups` (upstream's intra/inter-node groups) is not used. 1-D
+    tensors go through the unquantised `reduce_scatter_coalesced`, as upstream."""
+    from ..zero.qgz import quantized_reduce_scatter
+
+    world, rank = ds_comm.get_world_size(), ds_comm.get_rank()
+    outputs = []
+    for t in tensors:
+        if t.dim() == 1:
+            outputs.append(reduce_scatter_coalesced([t])[0])
+            continue
+        size = math.ceil(t.numel() / world)
+        flat = torch.zeros(size * world, dtype=torch.float32, device=t.device)
+        flat[:t.numel()].copy_(t.reshape(-1))
+        mine = torch.empty(size, dtype=torch.float32, device=t.device)
+        quantized_reduce_scatter(mine, flat, None, _QUANT_TIMEOUT_S)
+        length = max(0, min(size, t.numel() - rank * size))
+        outputs.append(mine[:length].div_(world).to(t.dtype))
+    return outputs
+
+
+_QUANT_TIMEOUT_S = 1800.0   # torch's default process-group timeout

@@ -118,13 +118,13 @@ class ZeroConfig(DSModel):
     parameter_alignment: bool = False
     """Stage 1/2: pad flat buffers so each parameter starts 16-byte aligned."""
     zero_hpz_partition_size: Int = Field(1, ge=0)
-    """ZeRO++ hpZ secondary partition size (only 1 is supported here)."""
+    """ZeRO++ hpZ: ranks per node of the secondary parameter partition (stage 3; zero/stage3/hpz.py)."""
     zero_quantized_weights: bool = False
-    """ZeRO++ qwZ: quantize weights for all-gather (not supported here)."""
+    """ZeRO++ qwZ: int8 block-wise stage-3 parameter all-gathers (zero/qwz.py)."""
     zero_quantized_nontrainable_weights: bool = False
     """Store frozen weights quantized (not supported here)."""
     zero_quantized_gradients: bool = False
-    """ZeRO++ qgZ: quantized gradient reduction (not supported here)."""
+    """ZeRO++ qgZ: int8 block-wise stage-3 gradient reduce-scatter (zero/qgz.py)."""
     memory_efficient_linear: bool = True
     """Stage 3: memory-efficient linear autograd function."""
     pipeline_loading_checkpoint: bool = False
@@ -184,6 +184,12 @@ class ZeroConfig(DSModel):
             yield "offload_param", f"parameter offload needs stage 3, got stage {self.stage}"
         if self.offload_optimizer is not None and self.offload_optimizer.enabled and self.stage == 0:
             yield "offload_optimizer", "optimizer offload needs stage 1, 2 or 3, got stage 0"
+        if self.zero_quantized_gradients and self.stage != 3:   # qgZ replaces stage 3's reduce-scatter
+            yield "zero_quantized_gradients", f"true needs stage 3, got stage {self.stage}"
+        if self.zero_quantized_weights and self.stage != 3:     # qwZ replaces stage 3's parameter all-gather
+            yield "zero_quantized_weights", f"true needs stage 3, got stage {self.stage}"
+        if self.zero_hpz_partition_size > 1 and self.stage != 3:   # hpZ partitions stage 3's parameters
+            yield "zero_hpz_partition_size", f"{self.zero_hpz_partition_size} needs stage 3, got stage {self.stage}"
         if self.stage in (1, 2) and self.allgather_bucket_size % 2:   # upstream's rule: portable configs
             yield "allgather_bucket_size", ("allgather_bucket_size must be a multiple of nccl_start_alignment_factor "
                                             f"(2), got {self.allgather_bucket_size}")
@@ -192,14 +198,12 @@ class ZeroConfig(DSModel):
     def _unsupported(self) -> Iterator[Problem]:
         checks = [
             ("zenflow", self.zenflow is not None, "ZenFlow", "remove it"),
-            ("zero_hpz_partition_size", self.zero_hpz_partition_size > 1,
-             f"ZeRO++ hierarchical partitioning (hpZ, size {self.zero_hpz_partition_size})", "set it to 1"),
             ("mics_shard_size", self.mics_shard_size > 0, "MiCS sharding", "remove it"),
             ("mics_hierarchical_params_gather", self.mics_hierarchical_params_gather, "MiCS", "remove it"),
             ("zeropp_loco_param", self.zeropp_loco_param is not None, "LoCo-ZeRO++", "remove it"),
         ]
         checks += [(key, getattr(self, key), f"ZeRO++ {key}", "set it to false") for key in
-                   ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")]
+                   ("zero_quantized_nontrainable_weights",)]
         for key, enabled, what, fix in checks:
             if enabled:
                 yield key, not_supported(what, fix)

@@ -110,11 +110,14 @@ class Stage3Coordinator:
                  prefetch_bucket_size: int = 0, max_live_parameters: int = sys.maxsize,
                  max_reuse_distance: int = 0, reduce_bucket_size: int = 0,
                  auto_external: bool | None = None, reduce_policy: Any = None,
-                 comm_dtype: torch.dtype | None = None) -> None:
+                 comm_dtype: torch.dtype | None = None, quantized_gradients: bool = False,
+                 quantized_weights: bool = False, hpz_group: Any = None) -> None:
         """`max_reuse_distance`/`max_live_parameters`: see [Note: keeping units for the backward];
         `reduce_bucket_size`: see [Note: ZeRO-3 reduce-scatter buckets] (0: one per unit);
         `auto_external`: see [Note: automatic external parameters] (None: from the environment);
-        `reduce_policy`, `comm_dtype`: prescale/predivide and communication_data_type (reducer.py)."""
+        `reduce_policy`, `comm_dtype`: prescale/predivide and communication_data_type (reducer.py);
+        `quantized_gradients`, `quantized_weights`, `hpz_group`: ZeRO++ qgZ (zero/qgz.py), qwZ
+        (zero/qwz.py) and hpZ's node group (stage3/hpz.py)."""
         auto_external = external.enabled_by_env() if auto_external is None else auto_external
         self.module, self.shard_device = module, shard_device
         self._keep_limit = min(max_reuse_distance, max_live_parameters)
@@ -126,10 +129,13 @@ class Stage3Coordinator:
         self.stats = GatherStats()
         self.units = [ShardedUnit(spec, [named[n] for n in spec.param_names], group, shard_device, pin_memory,
                                   self.stats) for spec in self.plan.units]
+        for unit in self.units:
+            unit.configure_zeropp(quantized_weights, hpz_group)
         self._unit_set = set(self.units)
         self.prefetcher = Prefetcher(self.units, prefetch_bucket_size, max_live_parameters)
         largest = max((u.partition.padded_numel for u in self.units if u.trainable), default=0)
-        self.reducer = UnitGradReducer(group, bucket_cap(reduce_bucket_size, largest), reduce_policy, comm_dtype)
+        self.reducer = UnitGradReducer(group, bucket_cap(reduce_bucket_size, largest), reduce_policy, comm_dtype,
+                                       quantized_gradients)
         self._by_module: set[ShardedUnit] = set()   # used by a leaf: [Note: leaf units complete by module]
         self._leaves: set[str] = set()                  # hooked modules that are z3 leaves
         self._quiet = False                             # in our hooks: the detector ignores our tensor ops
@@ -473,7 +479,7 @@ class Stage3Coordinator:
     def gathered(self) -> Iterator[None]:
         """Every parameter full inside the block (read-only use: writes are not scattered back)."""
         for unit in self.units:
-            unit.acquire()
+            unit.acquire(exact=True)
         try:
             yield
         finally:

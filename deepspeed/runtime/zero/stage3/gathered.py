@@ -56,7 +56,7 @@ class GatheredParameters:
         self._units = list(dict.fromkeys(u for u in map(unit_of, self.params) if u is not None))
         self._init_params = [p for p in self.params if init_context.init_shard(p) is not None]
         for unit in self._units:
-            unit.acquire()
+            unit.acquire(exact=True)
         for p in self._init_params:
             init_context.acquire(p)
         return self

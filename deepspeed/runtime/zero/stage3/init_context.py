@@ -366,8 +366,10 @@ class Init:
     group the parameters are split over), `remote_device` "cpu" or None (where the slices
     live), `pin_memory` (only with CUDA), `dtype` (floating parameters cast before being
     split; else fp16/bf16 from `config_dict_or_path`, else left as built), `enabled`. Ignored:
-    `mem_efficient_linear`, `zero_param_parallel_group` (hpZ: a communication optimisation).
-    Rejected: NVMe (`remote_device="nvme"`, `param_swapper`) and quantized weights.
+    `mem_efficient_linear`, `zero_param_parallel_group` (hpZ's groups come from the config's
+    `zero_hpz_partition_size` at initialize), `zero_quantized_weights` (qwZ quantises the engine's
+    gathers, set by the config; zero.Init's own gathers stay exact). Rejected: NVMe
+    (`remote_device="nvme"`, `param_swapper`) and `zero_quantized_nontrainable_weights`.
     """
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
@@ -379,8 +381,8 @@ class Init:
         self.enabled = enabled
         if not enabled:
             return
-        if zero_quantized_weights or zero_quantized_nontrainable_weights:
-            raise _not_supported("quantized weights (zero_quantized_weights / zero_quantized_nontrainable_weights)")
+        if zero_quantized_nontrainable_weights:
+            raise _not_supported("quantized frozen weights (zero_quantized_nontrainable_weights=True)")
         if param_swapper is not None:
             raise _not_supported("param_swapper (NVMe parameter offload)")
         config = config_dict_or_path if config_dict_or_path is not None else config

@@ -61,11 +61,12 @@ class UnitGradReducer:
     """Reduces queued units' gradients into their `grad_shard`s, one collective per bucket."""
 
     def __init__(self, group: Any = None, bucket_numel: int = 0, policy: ReducePolicy | None = None,
-                 comm_dtype: torch.dtype | None = None) -> None:
+                 comm_dtype: torch.dtype | None = None, quantized: bool = False) -> None:
         """`bucket_numel` 0: every unit reduced alone, when it completes. `policy`: DeepSpeed's
         prescale_gradients / gradient_predivide_factor (default: sum, then divide by N);
-        `comm_dtype`: communication_data_type (default: the parameters' dtype)."""
-        self.group, self.bucket_numel = group, bucket_numel
+        `comm_dtype`: communication_data_type (default: the parameters' dtype); `quantized`:
+        ZeRO++ qgZ, int8 on the wire ([Note: qgZ quantized reduce-scatter] in zero/qgz.py)."""
+        self.group, self.bucket_numel, self.quantized = group, bucket_numel, quantized
         self.world = ds_comm.get_world_size(group)
         self.policy = policy if policy is not None else ReducePolicy(self.world)
         self.comm_dtype = comm_dtype
@@ -143,13 +144,15 @@ class UnitGradReducer:
         else:   # rank-major interleave: row r holds every unit's slice r
             flat = torch.cat([f.view(self.world, -1) for _, f in items], dim=1).view(-1)
             spec = bucket_spec(units)
-        if self.comm_dtype is not None and flat.dtype != self.comm_dtype:
+        if self.comm_dtype is not None and flat.dtype != self.comm_dtype and not self.quantized:
             flat = flat.to(self.comm_dtype)
         before, after = self.policy.before(), self.policy.after()
         if before != 1.0:
             flat.mul_(before)   # our own tensor (take_grads made it)
         out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)
-        if ds_comm.is_initialized():
+        if ds_comm.is_initialized() and self.quantized and self.world > 1:
+            watchdog.quantized_reduce_scatter(out, flat, self.group, spec, "gradient")
+        elif ds_comm.is_initialized():
             watchdog.reduce_scatter(out, flat, self.group, spec, "gradient")
         else:
             out.copy_(flat)

@@ -43,6 +43,7 @@ from .... import comm as ds_comm
 from ..partition import ParamwisePartition
 from . import init_context, param_attrs, watchdog
 from .param_attrs import OWNER_ATTR as _OWNER_ATTR
+from .hpz import SecondaryShard
 from .param_attrs import ZeroParamStatus, unit_of
 from .unit_layout import UnitLayout
 from .units import UnitSpec
@@ -108,6 +109,10 @@ class ShardedUnit:
         self.stats = stats if stats is not None else GatherStats()
         self._pending: watchdog.PendingGather | None = None
         self._received: torch.Tensor | None = None   # a rank-major all-gather buffer not yet unpacked
+        self.quantize_weights = False     # qwZ: [Note: qwZ quantized weight all-gather] (zero/qwz.py)
+        self.secondary: SecondaryShard | None = None   # hpZ: [Note: hpZ secondary partition] (hpz.py)
+        self._exact = True                # the gathered values are the shards' (not dequantised)
+        self._primary = False             # the pending gather is the primary one: refresh the secondary
         dtypes = {(p.dtype, p.device) for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"ZeRO-3 unit of module '{spec.owner}' mixes dtypes/devices {sorted(map(str, dtypes))}; "
@@ -213,24 +218,57 @@ class ShardedUnit:
                                    f"{tuple(tensor.shape)}; this rank's partition has shape {tuple(piece.shape)}")
             piece.copy_(tensor.detach())
             tensor.data = piece
+            self.shard_changed()
 
     # --- gather / release -------------------------------------------------------------------
     @property
     def available(self) -> bool:
         return self.status is ZeroParamStatus.AVAILABLE
 
-    def gather(self) -> None:
+    def configure_zeropp(self, quantize_weights: bool = False, hpz_group: Any = None) -> None:
+        """ZeRO++ for this unit's gathers: qwZ (int8 all-gathers) and hpZ (a secondary copy
+        within `hpz_group`, a node of ZeRO's group). Called before the first gather."""
+        self.quantize_weights = quantize_weights
+        self.secondary = SecondaryShard(self.layout, hpz_group) if hpz_group is not None else None
+
+    def shard_changed(self) -> None:
+        """Whoever writes `shard` calls this (on every rank alike): hpZ's secondary copy is stale."""
+        if self.secondary is not None:
+            self.secondary.invalidate()
+
+    def gather(self, exact: bool = False) -> None:
         """ONE all-gather of the unit, or the wait for its prefetch; parameters become views of
-        the flat buffer. See [Note: ZeRO-3 release and autograd's saved tensors]."""
-        if self.available:
+        the flat buffer. See [Note: ZeRO-3 release and autograd's saved tensors]. `exact`: the
+        values must be the shards' even under qwZ (a unit gathered quantised is gathered again)."""
+        if self.available and (self._exact or not exact):
             return
         if self.status is ZeroParamStatus.INFLIGHT:
             self.stats.waited += 1
-            return self._finish_prefetch()
+            self._finish_prefetch()
+            return self.gather(exact)
+        if self.available:   # re-gather exactly into the same (allocated) storage
+            self._set_status(ZeroParamStatus.NOT_AVAILABLE)
         phase = "backward" if self._held else ("forward" if self._refs else "post-step")
-        watchdog.gather_or_copy(self._gather_buffer(), self.shard.to(self.flat.device), self.group, self.spec, phase)
+        self._fill(self._gather_buffer(), phase, exact)
         self.stats.sync += 1
         self._show_gathered()
+
+    def _fill(self, out: torch.Tensor, phase: str, exact: bool) -> None:
+        """Issue the gather into `out` (`_gather_buffer`'s): hpZ's secondary copy within the node
+        where it is valid, else the primary all-gather (int8 under qwZ unless `exact`)."""
+        secondary = self.secondary
+        if secondary is not None and secondary.valid and (secondary.exact or not exact):
+            self._received = None
+            secondary.gather_into(self.flat, self.spec, phase)
+            self._exact, self._primary = secondary.exact, False
+            return
+        shard = self.shard.to(self.flat.device)
+        quantize = self.quantize_weights and not exact and ds_comm.is_initialized() and shard.numel() > 0
+        if quantize:
+            watchdog.quantized_all_gather(out, shard, self.group, self.spec, phase)
+        else:
+            watchdog.gather_or_copy(out, shard, self.group, self.spec, phase)
+        self._exact, self._primary = not quantize, True
 
     def _gather_buffer(self) -> torch.Tensor:
         """Re-allocate `flat` and return what the all-gather writes: `flat` itself where the
@@ -246,6 +284,9 @@ class ShardedUnit:
         if received is not None:
             self.layout.unpack(received, self.flat)
             del received
+        if self._primary and self.secondary is not None:
+            self.secondary.take(self.flat, self._exact)
+        self._primary = False
         for view, p in zip(self._views, self.params):
             p.data = view
         self._set_status(ZeroParamStatus.AVAILABLE)
@@ -255,12 +296,7 @@ class ShardedUnit:
         `gather()` waits for it instead of issuing one. `.data` stays the placeholder meanwhile."""
         if self.status is not ZeroParamStatus.NOT_AVAILABLE:
             raise RuntimeError(f"ZeRO-3: prefetch of {self}, which is not released")
-        out = self._gather_buffer()
-        shard = self.shard.to(self.flat.device)
-        if ds_comm.is_initialized():
-            self._pending = watchdog.gather_or_copy(out, shard, self.group, self.spec, phase)
-        else:
-            out.copy_(shard)
+        self._fill(self._gather_buffer(), phase, exact=False)
         self.stats.prefetched += 1
         self._set_status(ZeroParamStatus.INFLIGHT)
 
@@ -292,10 +328,10 @@ class ShardedUnit:
         if self._refs == 0 and not self._held and not self.spec.persistent and self.available:
             self._free(keep_aliases)
 
-    def acquire(self) -> None:
-        """A forward use begins: gather if needed. Balanced by `release()`."""
+    def acquire(self, exact: bool = False) -> None:
+        """A forward use begins: gather if needed (`exact`: see `gather`). Balanced by `release()`."""
         self._refs += 1
-        self.gather()
+        self.gather(exact)
 
     def release(self, keep_aliases: bool = False) -> None:
         """A forward use ends; the unit is freed once no forward use nor backward needs it.
@@ -318,6 +354,7 @@ class ShardedUnit:
 
     def refresh(self) -> None:
         """After `shard` changed (an optimizer step): re-gather a persistent unit now."""
+        self.shard_changed()
         if self.available and self.spec.persistent:
             self.status = ZeroParamStatus.NOT_AVAILABLE   # force the collective; storage stays allocated
             self.gather()
@@ -346,6 +383,7 @@ class ShardedUnit:
         changed = new != self.shard
         if bool(changed.any()):
             self.shard.copy_(new)
+            self.shard_changed()
             for listener in self._shard_listeners:
                 listener(changed)
 

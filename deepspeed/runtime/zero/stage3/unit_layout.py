@@ -36,7 +36,9 @@ from ..partition import ParamwisePartition
 class UnitLayout:
     """Offsets of a unit's parameters in its shard, all-gather buffer and gathered buffer."""
 
-    def __init__(self, numels: tuple[int, ...], world: int) -> None:
+    def __init__(self, numels: tuple[int, ...], world: int, flat_offsets: list[int] | None = None) -> None:
+        """`flat_offsets`: where the parameters sit in the gathered buffer (default: this layout's
+        own parameter-major order; hpZ's secondary layout reads and writes the primary's)."""
         self.numels, self.world = tuple(numels), world
         self.partition = ParamwisePartition(self.numels, world)
         self.sizes = [-(-n // world) for n in self.numels]        # s: each parameter's piece
@@ -46,9 +48,9 @@ class UnitLayout:
             at += s
         self.shard_numel = at
         self.padded_numel = at * world
-        self.offsets = [world * a for a in self.starts]           # parameter offsets inside `flat`
+        self.offsets = [world * a for a in self.starts] if flat_offsets is None else list(flat_offsets)
         # Rank-major and parameter-major orders are the same buffer when no row holds two pieces.
-        self.direct = world == 1 or sum(1 for n in self.numels if n) <= 1
+        self.direct = flat_offsets is None and (world == 1 or sum(1 for n in self.numels if n) <= 1)
 
     def piece(self, shard: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter `index`'s piece of a shard laid out like this unit (a view)."""

@@ -344,6 +344,22 @@ def reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any, spec: Unit
                      lambda t, s: reduce_scatter_tensor_within(out, flat, t, group, label=s))
 
 
+def quantized_reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any, spec: UnitSpec, phase: str) -> None:
+    """The unit's reduce-scatter as qgZ's int8 all-to-all (zero/qgz.py), bounded and checked like it."""
+    from ..qgz import quantized_reduce_scatter as exchange
+
+    _unit_collective("reduce-scatter", phase, spec, group, out.device,
+                     lambda t, s: exchange(out, flat, group, t, label=s))
+
+
+def quantized_all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec, phase: str) -> None:
+    """The unit's all-gather as qwZ's int8 one (zero/qwz.py), bounded and checked like it."""
+    from ..qwz import quantized_all_gather as exchange
+
+    _unit_collective("all-gather", phase, spec, group, out.device,
+                     lambda t, s: exchange(out, shard, group, t, label=s))
+
+
 def gather_or_copy(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec | None = None,
                    phase: str = "") -> None:
     """All-gather through deepspeed.comm (counted); a plain copy in a process without a group.
