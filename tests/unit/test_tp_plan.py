@@ -78,7 +78,7 @@ def test_uneven_dimension_refused_naming_the_layer():
 def test_unsupported_style_and_tied_head():
     model = _llama()
     model._tp_plan = {"lm_head": "sequence_parallel"}
-    with pytest.raises(ValueError, match="'lm_head' has Hugging Face tp_plan style 'sequence_parallel'"):
+    with pytest.raises(ValueError, match=r"unsupported partition style\(s\) \['sequence_parallel'\] \(keys \['lm_head'\]\)"):
         build_plan(model, 2)
     net = _Net()
     net.lm_head = nn.Linear(8, 10)
@@ -92,8 +92,12 @@ def test_config_section_accepted_and_checked():
                           "preset_model": "llama", "partition_config": {"use_default_specs": True, "layer_specs": [
                               {"patterns": ["x"], "partition_type": "row"}]}}}, world_size=1)
     assert ok.model.tensor_parallel.autotp_size == 2
+    fused = {"patterns": ["x"], "shape": [[8, 4, 4], -1]}
+    DeepSpeedConfig({"train_batch_size": 2, "tensor_parallel": {"partition_config": {"layer_specs": [fused]}}},
+                    world_size=1)
     for bad, where in (({"preset_model": "nope"}, "preset_model"),
-                       ({"partition_config": {"layer_specs": [{"patterns": ["x"], "shape": [2, -1]}]}}, "shape"),
+                       ({"partition_config": {"layer_specs": [{"patterns": ["x"], "shape": [4, -1, 8]}]}}, "shape.*only 2-D"),
+                       ({"partition_config": {"layer_specs": [{"patterns": ["x"], "shape": [[8, 0], -1]}]}}, "shape"),
                        ({"partition_config": {"layer_specs": [{"partition_type": "diagonal"}]}}, "partition_type"),
                        ({"autotp_size": -1}, "autotp_size")):
         with pytest.raises(DeepSpeedConfigError, match=where):

@@ -35,7 +35,8 @@ DEEPSPEED_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen
                   "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
                   "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
                   "mp_world_size", "ds_config", "ds_version", "optimizer_param_names",
-                  "checkpoint_parallel_dimensions", "tp_partition_dims"}
+                  "checkpoint_parallel_dimensions", "tp_partition_dims",
+                  "tp_sub_param_sizes"}
 
 
 @dataclass
