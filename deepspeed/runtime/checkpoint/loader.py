@@ -62,6 +62,7 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
         tag = files.read_latest(load_dir, latest)
         if tag is None:
             return None
+    check_tensor_parallel_size(engine, load_dir, str(tag))
     reader = engine._checkpoint_reader(load_dir, str(tag)) if hasattr(engine, "_checkpoint_reader") \
         else CheckpointReader(load_dir, str(tag), mp_rank=mp_rank(engine))
     hp = HpState(engine) if engine._has_optimizer else None
@@ -87,6 +88,27 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
         if os.path.isfile(rng):
             plan.rng = files.load_file(rng, mmap=False)
     return plan
+
+
+def check_tensor_parallel_size(engine: Any, load_dir: str, tag: str) -> None:
+    """A checkpoint holds one file set per AutoTP rank, each with that rank's slices; loading it at another
+    TP size is refused (both sizes named) before any rank reads slices of the wrong width. (Runs inside
+    the load's agreed phase: every rank raises.)"""
+    from ...module_inject.layers import tensor_parallel_size
+
+    path = files.tag_dir(load_dir, tag)
+    first = os.path.join(path, files.model_file(0)) if path is not None else None
+    if first is None or not os.path.isfile(first):
+        return   # the reader names what is missing
+    states = files.load_file(first)
+    saved = int(states.get("mp_world_size", 1) or 1) if states.get("tp_partition_dims") else 1
+    have = tensor_parallel_size(engine.module)
+    if saved != have:
+        raise files.CheckpointError(
+            f"{path} was saved at tensor-parallel size (autotp_size) {saved}, and this run has autotp_size {have}: "
+            f"resuming at another tensor-parallel size is not supported; resume with autotp_size={saved} (any "
+            "data-parallel size), or consolidate the weights with zero_to_fp32 / save_16bit_model and start "
+            "from those")
 
 
 def apply_plan(engine: Any, plan: LoadPlan) -> None:
