@@ -29,6 +29,19 @@ DS_TENSOR_MODEL_PARALLEL = "tensor_model_parallel"
 DS_IS_REPLACED_MODULE = "ds_is_replaced_module"
 
 
+_AUTOTP_TRAINING = False   # upstream's AutoTP mode switch: tp_model_init turns it on
+
+
+def set_autotp_mode(training: bool = False) -> None:
+    """Upstream's switch between AutoTP for inference and for training (tp_model_init sets training)."""
+    global _AUTOTP_TRAINING
+    _AUTOTP_TRAINING = bool(training)
+
+
+def is_autotp_training_mode() -> bool:
+    return _AUTOTP_TRAINING
+
+
 def is_tensor_parallel(param: torch.Tensor) -> bool:
     """True for a parameter sharded over the tensor-parallel group."""
     return bool(getattr(param, DS_TENSOR_MODEL_PARALLEL, False))
