@@ -126,8 +126,8 @@ class TensorParallel_Layer(nn.Module):
     def _slice(self, full: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's slice: of each fused block in turn, or of the whole dim when not fused."""
         blocks = full.split(list(self._blocks(dim) or (full.shape[dim],)), dim)
-        pieces = [b.narrow(dim, self.tp_index * (b.shape[dim] // self.tp_world_size), b.shape[dim] // self.tp_world_size)
-                  for b in blocks]
+        widths = [b.shape[dim] // self.tp_world_size for b in blocks]
+        pieces = [b.narrow(dim, self.tp_index * w, w) for b, w in zip(blocks, widths)]
         return torch.cat(pieces, dim).detach().clone().contiguous()
 
     def join(self, slices: list[torch.Tensor], dim: int) -> torch.Tensor:

@@ -6,18 +6,20 @@ layer gathers its output). It is decided from the first source that applies, in 
 
 1. explicit `tensor_parallel.partition_config.layer_specs` (regexes matched, as upstream, with
    `re.match` against "<module>.weight"; with `preset_model` and `use_default_specs` the explicit specs
-   come first and the preset's follow); a Linear no spec matches stays replicated;
+   come first and the preset's follow); a Linear no spec matches stays replicated; a spec's `shape`
+   splits a fused weight block by block ([Note: fused sub-parameters] in autotp_config.py);
 2. `preset_model` alone (built-in specs for common architectures);
 3. the Hugging Face model's `tp_plan` (the model's `_tp_plan`, its base model's, and the config's
-   `base_model_tp_plan` under the base model's prefix): `colwise` -> column, `rowwise` -> row,
-   `colwise_gather_output`/`colwise_rep` -> column with the output gathered; other styles are refused;
+   `base_model_tp_plan` under the base model's prefix), converted to specs by TPPlanConverter:
+   `colwise` -> column, `rowwise` -> row, `colwise_gather_output`/`colwise_rep` -> column with the
+   output gathered; a plan with any other style is refused whole;
 4. upstream's automatic rule: in each module whose direct children hold two or more Linear layers,
    the output projections (o_proj, down_proj, out_proj, dense_4h_to_h, fc2, wo, w2, c_proj) are row-
    parallel and the others column-parallel; where none of those names occur, the last Linear is row-
    parallel and the ones before it column-parallel. A Linear alone in its parent, the LM head
    (lm_head / embed_out) and Linear layers tied to an embedding stay replicated.
 
-A column layer needs `out_features`, a row layer `in_features`, divisible by the TP size; and a model
+A column layer needs `out_features`, a row layer `in_features` (each fused block), divisible by the TP size; and a model
 whose config has head counts needs `num_attention_heads` and `num_key_value_heads` divisible by it
 (else a head would be split across ranks). Anything else is refused with an error naming the layer;
 uneven shards are not made.
