@@ -26,6 +26,11 @@ DS_VERSION = "ds_version"
 # A client-state key: Megatron-style trainers store their parameter-handling patterns under it for
 # upstream's universal converter. Ours saves it like any client state and does not need it.
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+# Keys inside that info (upstream's names; AutoTP does not attach the info here, see docs/compatibility.md).
+ORIGINAL_VOCAB_SIZE = "original_vocab_size"
+VOCABULARY_PARAMETER_PATTERNS = "vocabulary_parameter_patterns"
+PARAMETER_WITH_ROW_PARALLELISM_PATTERNS = "parameter_with_row_parallelism_patterns"
+TP_REPLICATED_PARAMETER_PATTERNS = "tp_replicated_parameter_patterns"
 
 # --- file names ---------------------------------------------------------------------------------
 ZERO_FILE_PREFIX = "zero_pp_rank_"

@@ -7,8 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layers import LinearAllreduce, LinearLayer, tensor_parallel_size
-from .tp_plan import COLUMN, ROW, build_plan, summary
+from .layers import (LinearAllreduce, LinearLayer, SubParamLinearAllreduce, SubParamLinearLayer,
+                     tensor_parallel_size)
+from .. import comm as dist
+from .autotp_config import AutoTPConfig, PartitionType, TPLayerSpec  # noqa: F401  (upstream imports them from here)
+from .tp_plan import COLUMN, SKIP, LayerPlan, build_plan, check_plan, summary
 
 
 def _set_child(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -28,11 +31,18 @@ def shard_model(model: nn.Module, tp_size: int, tp_config: dict | None, group: A
     plan = build_plan(model, tp_size, tp_config)
     modules = dict(model.named_modules())
     for name, layer in plan.items():
-        if layer.kind == COLUMN:
-            _set_child(model, name, LinearLayer(modules[name], group, gather_output=layer.gather_output, name=name))
-        elif layer.kind == ROW:
-            _set_child(model, name, LinearAllreduce(modules[name], group, name=name))
+        if layer.kind != SKIP:
+            _set_child(model, name, make_layer(modules[name], layer, group, name))
     return summary(plan)
+
+
+def make_layer(linear: nn.Linear, layer: LayerPlan, group: Any, name: str) -> nn.Module:
+    """The tensor-parallel layer that replaces `linear` under its plan entry (fused: the SubParam kind)."""
+    if layer.kind == COLUMN:
+        cls = SubParamLinearLayer if layer.sub_sizes else LinearLayer
+        return cls(linear, group, gather_output=layer.gather_output, name=name, sub_sizes=layer.sub_sizes)
+    cls = SubParamLinearAllreduce if layer.sub_sizes else LinearAllreduce
+    return cls(linear, group, name=name, sub_sizes=layer.sub_sizes)
 
 
 def broadcast_for_tensor_parallel(model: nn.Module, group: Any) -> None:
@@ -68,3 +78,53 @@ def tensor_parallel_section(config: Any) -> dict:
 
 def cast(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     return model.to(dtype) if dtype is not None else model
+
+
+class AutoTP:
+    """Upstream's class-level entry (`deepspeed.module_inject.auto_tp.AutoTP`) over the same plan: walks
+    the module tree with each child's full dotted path and replaces the Linear layers a
+    `partition_config` (AutoTPConfig) spec matches. `shard_model` is what the engine uses."""
+
+    def __init__(self, module: nn.Module, all_reduce_linears: Any = (), prefix: str = "", state_dict: Any = None,
+                 linear_layer_setting: Any = None, orig_layer_impl: Any = None, keep_module_on_host: bool = False,
+                 partition_config: AutoTPConfig | None = None) -> None:
+        self.module, self.prefix, self.partition_config = module, prefix, partition_config
+        self.all_reduce_linears = list(all_reduce_linears or ())
+        self.mp_size, self.mp_group = 1, None
+        self.linear_policies = None
+
+    def set_tensor_parallel_config(self, mp_size: int, mp_group: Any) -> None:
+        self.mp_size, self.mp_group = mp_size, mp_group
+
+    def update_linear_policies(self) -> None:
+        self.linear_policies = {nn.Linear: self._replace_with_config}
+
+    def _get_model_type(self) -> str | None:
+        return getattr(getattr(self.module, "config", None), "model_type", None)
+
+    def _replace_with_config(self, child: nn.Module, full_name: str) -> nn.Module | None:
+        """The tensor-parallel layer for `child` (None: keep it) under the first matching spec; a Linear
+        tied to an embedding stays whole (no vocabulary-parallel embedding here)."""
+        if self.partition_config is None or not isinstance(child, nn.Linear):
+            return None
+        spec = self.partition_config.find_matching_spec(full_name + ".weight", self._get_model_type())
+        if spec is None or spec.partition_type == PartitionType.SKIP:
+            return None
+        if id(child.weight) in {id(m.weight) for m in self.module.modules() if isinstance(m, nn.Embedding)}:
+            return None
+        kind = spec.partition_type.value
+        layer = LayerPlan(kind, spec.gather_output, "partition_config",
+                          spec.sub_sizes(child.out_features if kind == COLUMN else child.in_features))
+        size = dist.get_world_size(self.mp_group) if self.mp_group is not None else 1
+        check_plan(nn.ModuleDict({"layer": child}), {"layer": layer}, size)
+        return make_layer(child, layer, self.mp_group, full_name)
+
+    def _replace_module(self, r_module: nn.Module, prev_name: str = "", prev_class_name: str = "") -> nn.Module:
+        for name, child in list(r_module.named_children()):
+            full_name = f"{prev_class_name}.{name}" if prev_class_name else name
+            new = self._replace_with_config(child, full_name) if isinstance(child, nn.Linear) else None
+            if new is not None:
+                setattr(r_module, name, new)
+            elif not isinstance(child, nn.Linear):
+                self._replace_module(child, name, full_name)
+        return r_module

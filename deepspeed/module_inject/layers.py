@@ -29,6 +29,19 @@ DS_TENSOR_MODEL_PARALLEL = "tensor_model_parallel"
 DS_IS_REPLACED_MODULE = "ds_is_replaced_module"
 
 
+_AUTOTP_TRAINING = False   # upstream's AutoTP mode switch: tp_model_init turns it on
+
+
+def set_autotp_mode(training: bool = False) -> None:
+    """Upstream's switch between AutoTP for inference and for training (tp_model_init sets training)."""
+    global _AUTOTP_TRAINING
+    _AUTOTP_TRAINING = bool(training)
+
+
+def is_autotp_training_mode() -> bool:
+    return _AUTOTP_TRAINING
+
+
 def is_tensor_parallel(param: torch.Tensor) -> bool:
     """True for a parameter sharded over the tensor-parallel group."""
     return bool(getattr(param, DS_TENSOR_MODEL_PARALLEL, False))
@@ -97,8 +110,9 @@ class TensorParallel_Layer(nn.Module):
     partition_dim: int = 0   # of the weight: 0 for column-parallel, 1 for row-parallel
     tp_overlap_comm: bool = False   # upstream's switch; accepted, the all-reduce is not overlapped here
 
-    def __init__(self, mp_group: Any, name: str | None = None) -> None:
+    def __init__(self, mp_group: Any, name: str | None = None, sub_sizes: tuple[int, ...] | None = None) -> None:
         super().__init__()
+        self.sub_sizes = tuple(sub_sizes) if sub_sizes else None   # [Note: fused sub-parameters] (autotp_config)
         self.mp_group = mp_group
         self.tp_world_size = dist.get_world_size(mp_group) if mp_group is not None else 1
         self.tp_index = dist.get_rank(mp_group) if mp_group is not None else 0
@@ -106,9 +120,21 @@ class TensorParallel_Layer(nn.Module):
         self.name = name
         self.support_training = True
 
+    def _blocks(self, dim: int) -> tuple[int, ...] | None:
+        return self.sub_sizes if dim == self.partition_dim else None
+
     def _slice(self, full: torch.Tensor, dim: int) -> torch.Tensor:
-        size = full.shape[dim] // self.tp_world_size
-        return full.narrow(dim, self.tp_index * size, size).detach().clone().contiguous()
+        """This rank's slice: of each fused block in turn, or of the whole dim when not fused."""
+        blocks = full.split(list(self._blocks(dim) or (full.shape[dim],)), dim)
+        widths = [b.shape[dim] // self.tp_world_size for b in blocks]
+        pieces = [b.narrow(dim, self.tp_index * w, w) for b, w in zip(blocks, widths)]
+        return torch.cat(pieces, dim).detach().clone().contiguous()
+
+    def join(self, slices: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """The whole tensor from every rank's slice, in rank order (the inverse of `_slice`)."""
+        from ..utils.zero_to_fp32 import join_tp_slices
+
+        return join_tp_slices(slices, dim, self._blocks(dim))
 
     def _mark(self, param: torch.Tensor) -> None:
         setattr(param, DS_TENSOR_MODEL_PARALLEL, True)
@@ -125,7 +151,7 @@ class TensorParallel_Layer(nn.Module):
             return param.data.clone()
         pieces = [torch.empty_like(param.data) for _ in range(self.tp_world_size)]
         dist.all_gather(pieces, param.data.contiguous(), group=self.mp_group)
-        return torch.cat(pieces, dim=dim)
+        return self.join(pieces, dim)
 
     def extra_repr(self) -> str:
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, " \
@@ -139,8 +165,9 @@ class LinearLayer(TensorParallel_Layer):
     partition_dim = 0
 
     def __init__(self, module: nn.Linear, mp_group: Any = None, skip_partition: bool = False,
-                 gather_output: bool = False, name: str | None = None, **kwargs: Any) -> None:
-        super().__init__(mp_group, name)
+                 gather_output: bool = False, name: str | None = None, sub_sizes: tuple[int, ...] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(mp_group, name, sub_sizes)
         self.weight, self.bias = module.weight, module.bias
         self.in_features, self.out_features = module.in_features, module.out_features
         self.gather_output = gather_output
@@ -171,8 +198,8 @@ class LinearAllreduce(TensorParallel_Layer):
     partition_dim = 1
 
     def __init__(self, module: nn.Linear, mp_group: Any = None, skip_partition: bool = False,
-                 name: str | None = None, **kwargs: Any) -> None:
-        super().__init__(mp_group, name)
+                 name: str | None = None, sub_sizes: tuple[int, ...] | None = None, **kwargs: Any) -> None:
+        super().__init__(mp_group, name, sub_sizes)
         self.weight, self.bias = module.weight, module.bias
         self.in_features, self.out_features = module.in_features, module.out_features
         if not skip_partition and self.tp_world_size > 1:
@@ -187,6 +214,22 @@ class LinearAllreduce(TensorParallel_Layer):
         if self.tp_world_size > 1:
             out = reduce_from_tensor_parallel(out, self.mp_group)
         return out + self.bias if self.bias is not None else out
+
+
+class SubParamLinearLayer(LinearLayer):
+    """A column layer over a fused weight (`shape` in a layer spec): each block split on its own."""
+
+
+class SubParamLinearAllreduce(LinearAllreduce):
+    """A row layer over a weight fused along its input features."""
+
+
+class fused_LinearLayer(SubParamLinearLayer):   # noqa: N801 (upstream's name): fused q/k/v, equal blocks
+    pass
+
+
+class GateUpPack_LinearLayer(SubParamLinearLayer):   # noqa: N801 (upstream's name): [gate; up]
+    pass
 
 
 def tp_layers(module: nn.Module) -> list[TensorParallel_Layer]:

@@ -6,18 +6,20 @@ layer gathers its output). It is decided from the first source that applies, in 
 
 1. explicit `tensor_parallel.partition_config.layer_specs` (regexes matched, as upstream, with
    `re.match` against "<module>.weight"; with `preset_model` and `use_default_specs` the explicit specs
-   come first and the preset's follow); a Linear no spec matches stays replicated;
+   come first and the preset's follow); a Linear no spec matches stays replicated; a spec's `shape`
+   splits a fused weight block by block ([Note: fused sub-parameters] in autotp_config.py);
 2. `preset_model` alone (built-in specs for common architectures);
 3. the Hugging Face model's `tp_plan` (the model's `_tp_plan`, its base model's, and the config's
-   `base_model_tp_plan` under the base model's prefix): `colwise` -> column, `rowwise` -> row,
-   `colwise_gather_output`/`colwise_rep` -> column with the output gathered; other styles are refused;
+   `base_model_tp_plan` under the base model's prefix), converted to specs by TPPlanConverter:
+   `colwise` -> column, `rowwise` -> row, `colwise_gather_output`/`colwise_rep` -> column with the
+   output gathered; a plan with any other style is refused whole;
 4. upstream's automatic rule: in each module whose direct children hold two or more Linear layers,
    the output projections (o_proj, down_proj, out_proj, dense_4h_to_h, fc2, wo, w2, c_proj) are row-
    parallel and the others column-parallel; where none of those names occur, the last Linear is row-
    parallel and the ones before it column-parallel. A Linear alone in its parent, the LM head
    (lm_head / embed_out) and Linear layers tied to an embedding stay replicated.
 
-A column layer needs `out_features`, a row layer `in_features`, divisible by the TP size; and a model
+A column layer needs `out_features`, a row layer `in_features` (each fused block), divisible by the TP size; and a model
 whose config has head counts needs `num_attention_heads` and `num_key_value_heads` divisible by it
 (else a head would be split across ranks). Anything else is refused with an error naming the layer;
 uneven shards are not made.
@@ -25,21 +27,17 @@ uneven shards are not made.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 from torch import nn
 
-COLUMN, ROW, SKIP = "column", "row", "skip"
+from .autotp_config import PRESETS, PartitionType, TPLayerSpec, spec_from_dict
+from .tp_plan_converter import TPPlanConverter
+
+COLUMN, ROW, SKIP = PartitionType.COLUMN.value, PartitionType.ROW.value, PartitionType.SKIP.value
 ROW_NAMES = frozenset({"o_proj", "down_proj", "out_proj", "dense_4h_to_h", "fc2", "wo", "w2", "c_proj"})
 HEAD_NAMES = frozenset({"lm_head", "embed_out"})
-HF_STYLES = {"colwise": (COLUMN, False), "rowwise": (ROW, False), "colwise_gather_output": (COLUMN, True),
-             "colwise_rep": (COLUMN, True)}
-_LLAMA_LIKE = ({"patterns": [r".*\.(o_proj|down_proj)\.weight$"], "partition_type": ROW},
-               {"patterns": [r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$"], "partition_type": COLUMN})
-PRESETS: dict[str, tuple[dict, ...]] = {name: _LLAMA_LIKE for name in ("llama", "mistral", "qwen2", "qwen3")}
-PRESETS["phi3"] = ({"patterns": [r".*\.(o_proj|down_proj)\.weight$"], "partition_type": ROW},)
 
 
 @dataclass(frozen=True)
@@ -47,53 +45,16 @@ class LayerPlan:
     kind: str                  # COLUMN, ROW or SKIP
     gather_output: bool = False
     source: str = "auto"       # which rule decided it (for error messages and docs)
+    sub_sizes: tuple[int, ...] | None = None   # fused blocks along the split dim ([Note: fused sub-parameters])
 
 
-@dataclass(frozen=True)
-class Spec:
-    """One layer spec: regexes over "<module>.weight", what to do with the layers they match."""
-
-    patterns: tuple[str, ...]
-    kind: str
-    gather_output: bool = False
-    model_types: tuple[str, ...] | None = None
-
-    def matches(self, weight_name: str, model_type: str | None) -> bool:
-        if self.model_types is not None and (model_type or "").lower() not in {t.lower() for t in self.model_types}:
-            return False
-        return any(re.match(p, weight_name) for p in self.patterns)
-
-
-def spec_from_dict(raw: dict, where: str) -> Spec:
-    kind = str(raw.get("partition_type", COLUMN)).lower()
-    if kind not in (COLUMN, ROW, SKIP):
-        raise ValueError(f"{where}.partition_type={raw.get('partition_type')!r}: expected 'column', 'row' or 'skip'")
-    if raw.get("shape") is not None:
-        raise ValueError(f"{where}.shape={raw['shape']!r}: sub-parameter (fused) partitioning is not supported "
-                         "here; split the fused layer or leave it replicated with partition_type 'skip'")
-    if raw.get("partition_dim") not in (None, 0 if kind == COLUMN else 1) and kind != SKIP:
-        raise ValueError(f"{where}.partition_dim={raw['partition_dim']!r}: a {kind} layer is split on dim "
-                         f"{0 if kind == COLUMN else 1} (the only one supported)")
-    patterns = raw.get("patterns") or []
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    for p in patterns:
-        try:
-            re.compile(p)
-        except re.error as e:
-            raise ValueError(f"{where}.patterns: {p!r} is not a valid regular expression ({e})") from None
-    types = raw.get("model_types")
-    return Spec(tuple(patterns), kind, bool(raw.get("gather_output", False)),
-                tuple(types) if types is not None else None)
-
-
-def specs_from_config(tp_config: dict) -> list[Spec] | None:
+def specs_from_config(tp_config: dict) -> list[TPLayerSpec] | None:
     """The explicit and preset specs of a `tensor_parallel` section, None when it has neither."""
     preset = tp_config.get("preset_model")
     partition = tp_config.get("partition_config") or None
     if preset is None and partition is None:
         return None
-    specs: list[Spec] = []
+    specs: list[TPLayerSpec] = []
     if partition is not None:
         for i, raw in enumerate(partition.get("layer_specs") or []):
             specs.append(spec_from_dict(dict(raw), f"tensor_parallel.partition_config.layer_specs[{i}]"))
@@ -123,10 +84,6 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
-def _hf_regex(key: str) -> str:
-    return "(?:.*\\.)?" + re.escape(key).replace("\\*", "[^.]+")
-
-
 def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and name]
 
@@ -136,32 +93,28 @@ def _tied_to_embedding(model: nn.Module) -> set[str]:
     return {name for name, m in _linears(model) if id(m.weight) in embeddings}
 
 
-def _from_specs(model: nn.Module, specs: list[Spec]) -> dict[str, LayerPlan]:
+def _from_specs(model: nn.Module, specs: list[TPLayerSpec], source: str = "layer_specs") -> dict[str, LayerPlan]:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     plan = {}
-    for name, _ in _linears(model):
+    for name, linear in _linears(model):
         spec = next((s for s in specs if s.matches(name + ".weight", model_type)), None)
-        plan[name] = LayerPlan(spec.kind, spec.gather_output, "layer_specs") if spec else \
-            LayerPlan(SKIP, False, "layer_specs")
+        if spec is None:
+            plan[name] = LayerPlan(SKIP, False, source)
+            continue
+        kind = spec.partition_type.value
+        try:
+            sub = spec.sub_sizes(linear.out_features if kind == COLUMN else linear.in_features)
+        except ValueError as e:
+            raise ValueError(f"AutoTP: layer {name!r} (Linear {linear.in_features}->{linear.out_features}): "
+                             f"{e}") from None
+        plan[name] = LayerPlan(kind, spec.gather_output, source, sub)
     return plan
 
 
 def _from_hf(model: nn.Module, hf_plan: dict[str, str]) -> dict[str, LayerPlan]:
-    """Entries for non-Linear modules (embedding_rowwise, norms) leave those whole; a Linear whose
-    entry has a style AutoTP does not provide is refused."""
-    compiled = [(re.compile(_hf_regex(k)), k, str(s).lower()) for k, s in hf_plan.items()]
-    plan = {}
-    for name, _ in _linears(model):
-        hit = next(((key, style) for rx, key, style in compiled if rx.fullmatch(name)), None)
-        if hit is None or hit[1] == "replicated_with_grad_allreduce":
-            plan[name] = LayerPlan(SKIP, False, "tp_plan")
-        elif hit[1] in HF_STYLES:
-            plan[name] = LayerPlan(*HF_STYLES[hit[1]], "tp_plan")
-        else:
-            raise ValueError(f"AutoTP: layer {name!r} has Hugging Face tp_plan style {hit[1]!r} (key {hit[0]!r}), "
-                             f"which AutoTP does not support (supported for Linear layers: {sorted(HF_STYLES)}); "
-                             "give tensor_parallel.partition_config.layer_specs for this model instead")
-    return plan
+    """Through TPPlanConverter: entries for non-Linear modules (embedding_rowwise, norms) leave those
+    whole; a style AutoTP does not provide rejects the whole plan."""
+    return _from_specs(model, TPPlanConverter.convert(hf_plan), "tp_plan")
 
 
 def _automatic(model: nn.Module) -> dict[str, LayerPlan]:
@@ -199,17 +152,19 @@ def build_plan(model: nn.Module, tp_size: int, tp_config: dict | None = None) ->
 def check_plan(model: nn.Module, plan: dict[str, LayerPlan], tp_size: int) -> None:
     modules = dict(model.named_modules())
     for name, layer in plan.items():
+        if layer.kind == SKIP:
+            continue
         linear = modules[name]
-        if layer.kind == COLUMN and linear.out_features % tp_size:
-            raise ValueError(f"AutoTP: layer {name!r} (Linear {linear.in_features}->{linear.out_features}) is column-"
-                             f"parallel ({layer.source}) but out_features={linear.out_features} is not divisible by "
-                             f"autotp_size={tp_size}; choose a tp size that divides it or mark the layer 'skip' in "
-                             "tensor_parallel.partition_config.layer_specs")
-        if layer.kind == ROW and linear.in_features % tp_size:
-            raise ValueError(f"AutoTP: layer {name!r} (Linear {linear.in_features}->{linear.out_features}) is row-"
-                             f"parallel ({layer.source}) but in_features={linear.in_features} is not divisible by "
-                             f"autotp_size={tp_size}; choose a tp size that divides it or mark the layer 'skip' in "
-                             "tensor_parallel.partition_config.layer_specs")
+        what = "out_features" if layer.kind == COLUMN else "in_features"
+        width = getattr(linear, what)
+        for size in layer.sub_sizes or (width,):
+            if size % tp_size:
+                part = f"{what}={width}" if layer.sub_sizes is None else \
+                    f"the fused sub-parameter of size {size} (of {what}={width}, blocks {list(layer.sub_sizes)})"
+                raise ValueError(f"AutoTP: layer {name!r} (Linear {linear.in_features}->{linear.out_features}) is "
+                                 f"{layer.kind}-parallel ({layer.source}) but {part} is not divisible by "
+                                 f"autotp_size={tp_size}; choose a tp size that divides it or mark the layer 'skip' "
+                                 "in tensor_parallel.partition_config.layer_specs")
     if any(layer.kind != SKIP for layer in plan.values()):
         check_heads(getattr(model, "config", None), tp_size)
 

@@ -240,6 +240,9 @@ def tp_model_init(model: torch.nn.Module, tp_size: int, dtype: torch.dtype | Non
     if configured > 1 and configured != tp_size:
         raise ValueError(f"deepspeed.tp_model_init(tp_size={tp_size}) but the config's tensor_parallel.autotp_size is "
                          f"{configured}; make them agree")
+    from ..module_inject.layers import set_autotp_mode
+
+    set_autotp_mode(training=True)
     model = cast(model, dtype)
     if tp_size == 1:
         return model

@@ -86,6 +86,12 @@ class EngineAccessors:
         """The ranks sharing one sample's sequence (None without sequence parallelism): upstream's accessor."""
         return self.seq_parallel_group
 
+    def autotp_size(self) -> int:
+        """The AutoTP tensor-parallel size the module is sharded for (1 without AutoTP): upstream's accessor."""
+        from ..module_inject.layers import tensor_parallel_size
+
+        return tensor_parallel_size(self.module)
+
     @property
     def is_compiled(self) -> bool:
         return self.__dict__.get("_is_compiled", False)

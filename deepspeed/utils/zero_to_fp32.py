@@ -800,14 +800,27 @@ def _tp_state_dict(ckpt, tp_dims, exclude_frozen_parameters):
             state.update(_frozen(part))
         state.update(_trainable_stage12(part))
         states.append(state)
+    blocks = ckpt.model0.get("tp_sub_param_sizes") or {}
     out = OrderedDict()
     for name, value in states[0].items():
         dim = tp_dims.get(name)
-        out[name] = value if dim is None else torch.cat([s[name].contiguous() for s in states], dim=dim)
+        out[name] = value if dim is None else join_tp_slices([s[name].contiguous() for s in states], dim,
+                                                              blocks.get(name))
     for alias, target in (ckpt.model0.get(SHARED_PARAMS) or {}).items():
         if target in out:
             out[alias] = out[target]
     return out
+
+
+def join_tp_slices(slices, dim, blocks=None):
+    """A whole weight from its tensor ranks' slices; a fused one (`blocks`: the sizes of its sub-parameters
+    along `dim`) holds a piece of every block per rank, so it is joined block by block. (The runtime's
+    AutoTP layers use this one too: this script stands alone, so it holds it.)"""
+    if not blocks:
+        return torch.cat(slices, dim=dim)
+    widths = [b // len(slices) for b in blocks]
+    per_rank = [s.split(widths, dim) for s in slices]
+    return torch.cat([per_rank[r][j] for j in range(len(blocks)) for r in range(len(slices))], dim=dim)
 
 
 # =============================================================================== public API

@@ -129,3 +129,36 @@ def test_muon_with_tp_refused_on_every_rank(how):
 
     for message in run_distributed(2, muon_with_tp, how):
         assert message.startswith("NotSupportedYet:") and "Muon" in message and "autotp_size=2" in message, message
+
+
+def test_fused_gate_up_shape_split_per_block(tmp_path):
+    """`shape: [2, -1]` on a fused [gate; up] Linear: each rank holds half of gate and half of up (an even
+    split of the whole weight would give rank 0 all of gate, and wrong maths); ZeRO-2 TP=2 equals one
+    process, the local weight is 1/2 of it, and zero_to_fp32 joins the slices block by block."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ref = reference("glu", STEPS, dp=1, micro=2, lr=0.5, clip=1.0)
+    results = run_distributed(2, train_tp, "glu", STEPS, 2, 2, clip=1.0, save_dir=str(tmp_path))
+    _check(results, ref)
+    _check_losses(results, ref, tp=2, dp=1)
+    for result in results:
+        assert result["local_numel"]["block.gate_up.weight"] == result["full_numel"]["block.gate_up.weight"] // 2
+        assert "block.gate_up.bias" in result["sharded"]
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="tp")
+    for name, value in results[0]["params"].items():
+        assert torch.equal(consolidated[name].float(), value), name
+
+
+def test_head_count_not_divisible_by_tp_refused_on_every_rank():
+    """num_key_value_heads=1 at autotp_size=2: a head would straddle two ranks; every rank raises."""
+    with pytest.raises(Exception, match="num_key_value_heads=1 is not divisible by autotp_size=2"):
+        run_distributed(2, train_tp, "llama-kv1", 1, 2, 0)
+
+
+@pytest.mark.parametrize("saved,loaded", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
+def test_resume_at_another_tp_size_refused(tmp_path, saved, loaded):
+    """A TP=`saved` checkpoint loaded at TP=`loaded` (same world): refused on every rank, both sizes named."""
+    run_distributed(2, train_tp, "mlp", 1, saved, 1, save_dir=str(tmp_path))
+    with pytest.raises(Exception, match=f"saved at tensor-parallel size \\(autotp_size\\) {saved}, and this run "
+                                        f"has autotp_size {loaded}"):
+        run_distributed(2, train_tp, "mlp", 1, loaded, 1, load_dir=str(tmp_path))

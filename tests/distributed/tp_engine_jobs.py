@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 VOCAB, HIDDEN, SEQ = 32, 16, 6
+MLP_KINDS = ("mlp", "glu")
 
 
 class _Block(nn.Module):
@@ -20,6 +21,25 @@ class _Block(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.down(nn.functional.gelu(self.up(h)))
+
+
+class _GluBlock(nn.Module):
+    """gate and up fused in one Linear ([gate; up] on the output features), as Phi-3's gate_up_proj."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(HIDDEN, 2 * 4 * HIDDEN)
+        self.down = nn.Linear(4 * HIDDEN, HIDDEN)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return self.down(nn.functional.silu(gate) * up)
+
+
+# layer_specs for "glu": the fused gate_up split block by block (shape [2, -1]), down row-parallel
+GLU_SPECS = {"partition_config": {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r".*gate_up\.weight$"], "partition_type": "column", "shape": [2, -1]},
+    {"patterns": [r".*down\.weight$"], "partition_type": "row"}]}}
 
 
 class TinyMLPLM(nn.Module):
@@ -47,11 +67,15 @@ class TinyMLPLM(nn.Module):
 
 def build(kind: str) -> nn.Module:
     torch.manual_seed(1234)
-    if kind == "mlp":
-        return TinyMLPLM()
+    if kind in MLP_KINDS:
+        model = TinyMLPLM()
+        if kind == "glu":
+            model.block = _GluBlock()
+        return model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+    kv = 1 if kind == "llama-kv1" else 2   # llama-kv1: a KV head count that tp=2 does not divide
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=kv, intermediate_size=128,
                          num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64)
     config._attn_implementation = "eager"
     return LlamaForCausalLM(config)
@@ -63,7 +87,7 @@ def make_data(steps: int, batch: int) -> list[torch.Tensor]:
 
 
 def _loss(model: nn.Module, kind: str, ids: torch.Tensor) -> torch.Tensor:
-    if kind == "mlp":
+    if kind in MLP_KINDS:
         return model(ids, ids.roll(-1, dims=1))
     return model(input_ids=ids, labels=ids).loss
 
@@ -98,7 +122,7 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
     full_numel = {n: p.numel() for n, p in model.named_parameters()}
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": clip,
               "zero_optimization": {"stage": stage}, "steps_per_print": 10**6,
-              "tensor_parallel": {"autotp_size": tp}}
+              "tensor_parallel": {"autotp_size": tp, **(GLU_SPECS if kind == "glu" else {})}}
     config.update(copy.deepcopy(extra or {}))
     if via_init:
         model = deepspeed.tp_model_init(model, tp_size=tp, dtype=torch.float32, config=config)
@@ -124,7 +148,7 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
         if count_bytes:
             dist.all_reduce = counting
         try:
-            loss = engine(x, x.roll(-1, dims=1)) if kind == "mlp" else engine(input_ids=x, labels=x).loss
+            loss = engine(x, x.roll(-1, dims=1)) if kind in MLP_KINDS else engine(input_ids=x, labels=x).loss
             engine.backward(loss)
         finally:
             dist.all_reduce = real if count_bytes else dist.all_reduce

@@ -78,7 +78,7 @@ def test_uneven_dimension_refused_naming_the_layer():
 def test_unsupported_style_and_tied_head():
     model = _llama()
     model._tp_plan = {"lm_head": "sequence_parallel"}
-    with pytest.raises(ValueError, match="'lm_head' has Hugging Face tp_plan style 'sequence_parallel'"):
+    with pytest.raises(ValueError, match=r"unsupported partition style\(s\) \['sequence_parallel'\] \(keys \['lm_head'\]\)"):
         build_plan(model, 2)
     net = _Net()
     net.lm_head = nn.Linear(8, 10)
@@ -92,8 +92,12 @@ def test_config_section_accepted_and_checked():
                           "preset_model": "llama", "partition_config": {"use_default_specs": True, "layer_specs": [
                               {"patterns": ["x"], "partition_type": "row"}]}}}, world_size=1)
     assert ok.model.tensor_parallel.autotp_size == 2
+    fused = {"patterns": ["x"], "shape": [[8, 4, 4], -1]}
+    DeepSpeedConfig({"train_batch_size": 2, "tensor_parallel": {"partition_config": {"layer_specs": [fused]}}},
+                    world_size=1)
     for bad, where in (({"preset_model": "nope"}, "preset_model"),
-                       ({"partition_config": {"layer_specs": [{"patterns": ["x"], "shape": [2, -1]}]}}, "shape"),
+                       ({"partition_config": {"layer_specs": [{"patterns": ["x"], "shape": [4, -1, 8]}]}}, "shape.*only 2-D"),
+                       ({"partition_config": {"layer_specs": [{"patterns": ["x"], "shape": [[8, 0], -1]}]}}, "shape"),
                        ({"partition_config": {"layer_specs": [{"partition_type": "diagonal"}]}}, "partition_type"),
                        ({"autotp_size": -1}, "autotp_size")):
         with pytest.raises(DeepSpeedConfigError, match=where):
@@ -109,3 +113,27 @@ def test_sharded_layer_forward_equals_linear_without_group():
     x = torch.randn(2, 4)
     want = b(a(x))
     assert torch.equal(LinearAllreduce(b, None)(LinearLayer(a, None)(x)), want)
+
+
+def test_fused_shape_plan_and_block_split():
+    """`shape: [[8, 4, 4], -1]` (GQA-style q/k/v): the plan records the blocks, each rank's slice is its
+    piece of every block in order, and joining the slices gives the weight back; a block tp does not
+    divide is refused naming the layer and the block ([Note: fused sub-parameters])."""
+    from deepspeed.module_inject.layers import LinearLayer
+
+    net = nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 4))
+    specs = {"partition_config": {"layer_specs": [
+        {"patterns": [r"0\.weight"], "partition_type": "column", "shape": [[8, 4, 4], -1]},
+        {"patterns": [r"1\.weight"], "partition_type": "row"}]}}
+    assert build_plan(net, 2, specs)["0"].sub_sizes == (8, 4, 4)
+    with pytest.raises(ValueError, match=r"layer '0'.*fused sub-parameter of size 4 .*autotp_size=8"):
+        build_plan(net, 8, specs)
+    weight = torch.arange(64.0).view(16, 4)
+    layers = []
+    for rank in range(2):
+        layer = LinearLayer(nn.Linear(4, 16), None, sub_sizes=(8, 4, 4))
+        layer.tp_world_size, layer.tp_index = 2, rank
+        layers.append(layer)
+    slices = [layer._slice(weight, 0) for layer in layers]
+    assert slices[0][:, 0].tolist() == [0, 4, 8, 12, 32, 36, 48, 52]   # q rows 0-3, k rows 8-9, v rows 12-13
+    assert torch.equal(layers[0].join(slices, 0), weight)

@@ -35,7 +35,8 @@ DEEPSPEED_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen
                   "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
                   "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
                   "mp_world_size", "ds_config", "ds_version", "optimizer_param_names",
-                  "checkpoint_parallel_dimensions", "tp_partition_dims"}
+                  "checkpoint_parallel_dimensions", "tp_partition_dims",
+                  "tp_sub_param_sizes"}
 
 
 @dataclass
@@ -61,6 +62,7 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
         tag = files.read_latest(load_dir, latest)
         if tag is None:
             return None
+    check_tensor_parallel_size(engine, load_dir, str(tag))
     if moe_io.is_moe_engine(engine):   # [Note: MoE checkpoint layout]
         reader = moe_io.MoECheckpointReader(engine, load_dir, str(tag))
     elif hasattr(engine, "_checkpoint_reader"):
@@ -90,6 +92,27 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
         if os.path.isfile(rng):
             plan.rng = files.load_file(rng, mmap=False)
     return plan
+
+
+def check_tensor_parallel_size(engine: Any, load_dir: str, tag: str) -> None:
+    """A checkpoint holds one file set per AutoTP rank, each with that rank's slices; loading it at another
+    TP size is refused (both sizes named) before any rank reads slices of the wrong width. (Runs inside
+    the load's agreed phase: every rank raises.)"""
+    from ...module_inject.layers import tensor_parallel_size
+
+    path = files.tag_dir(load_dir, tag)
+    first = os.path.join(path, files.model_file(0)) if path is not None else None
+    if first is None or not os.path.isfile(first):
+        return   # the reader names what is missing
+    states = files.load_file(first)
+    saved = int(states.get("mp_world_size", 1) or 1) if states.get("tp_partition_dims") else 1
+    have = tensor_parallel_size(engine.module)
+    if saved != have:
+        raise files.CheckpointError(
+            f"{path} was saved at tensor-parallel size (autotp_size) {saved}, and this run has autotp_size {have}: "
+            f"resuming at another tensor-parallel size is not supported; resume with autotp_size={saved} (any "
+            "data-parallel size), or consolidate the weights with zero_to_fp32 / save_16bit_model and start "
+            "from those")
 
 
 def apply_plan(engine: Any, plan: LoadPlan) -> None:

@@ -76,9 +76,11 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
         ds_config=engine.config,
         ds_version=__version__,
     )
-    tp_dims = _tp_partition_dims(module)
+    tp_dims, tp_blocks = _tp_partition_dims(module)
     if tp_dims:
         out["tp_partition_dims"] = tp_dims   # zero_to_fp32 joins the tensor ranks' slices along these
+    if tp_blocks:
+        out["tp_sub_param_sizes"] = tp_blocks   # fused weights: joined block by block
     if hp is not None:
         out["optimizer_param_names"] = hp.optimizer_names
     reserved = set(out) & set(client_state)
@@ -202,12 +204,20 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _tp_partition_dims(module: Any) -> dict[str, int]:
-    """{parameter name: the dim AutoTP split it on} (empty without tensor-parallel layers)."""
+def _tp_partition_dims(module: Any) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """{parameter name: the dim AutoTP split it on}, and {name: fused block sizes along it} (both empty
+    without tensor-parallel layers)."""
     from ...module_inject.layers import tp_layers
 
-    dims = {id(p): dim for layer in tp_layers(module) for p, dim in layer.sharded_params()}
-    return {n: dims[id(p)] for n, p in module.named_parameters() if id(p) in dims}
+    dims, blocks = {}, {}
+    for layer in tp_layers(module):
+        for p, dim in layer.sharded_params():
+            dims[id(p)] = dim
+            if layer._blocks(dim):
+                blocks[id(p)] = list(layer._blocks(dim))
+    named = list(module.named_parameters())
+    return ({n: dims[id(p)] for n, p in named if id(p) in dims},
+            {n: blocks[id(p)] for n, p in named if id(p) in blocks})
 
 
 def dp_rank(engine: Any) -> int:

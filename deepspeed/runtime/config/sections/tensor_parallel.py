@@ -18,7 +18,7 @@ class LayerSpecConfig(DSModel):
     partition_type: Literal["column", "row", "skip", "COLUMN", "ROW", "SKIP"] = "column"
     """column: split the output features; row: split the input features (all-reduce of the output); skip: keep whole."""
     shape: Optional[Any] = None
-    """Sub-parameter (fused) layout: not supported here (must be null)."""
+    """Fused sub-parameters along the split dim: [3, -1] (equal q/k/v), [[q, k, v], -1], [2, -1] (gate/up)."""
     partition_dim: Optional[Int] = None
     """The weight dim to split: 0 for column, 1 for row (the only ones supported)."""
     model_types: Optional[list[str]] = None
@@ -29,12 +29,14 @@ class LayerSpecConfig(DSModel):
     """Accepted for upstream configs; replicated layers' gradients are already equal on every TP rank."""
 
     def _problems(self) -> Iterator[Problem]:
-        if self.shape is not None:
-            yield "shape", ("sub-parameter (fused) partitioning is not supported by this implementation; split the "
-                            "fused layer or mark it partition_type 'skip'")
-        want = 0 if self.partition_type.lower() == "column" else 1
-        if self.partition_dim is not None and self.partition_type.lower() != "skip" and self.partition_dim != want:
-            yield "partition_dim", f"a {self.partition_type.lower()} layer is split on dim {want}, got {self.partition_dim}"
+        from ....module_inject.autotp_config import TPLayerSpec
+
+        try:   # one validation for the config and the plan ([Note: fused sub-parameters])
+            TPLayerSpec(patterns=list(self.patterns), partition_type=self.partition_type, shape=self.shape,
+                        partition_dim=self.partition_dim)
+        except ValueError as e:
+            key = next((k for k in ("shape", "partition_dim", "patterns") if str(e).startswith(k)), "shape")
+            yield key, str(e)
 
 
 class PartitionConfig(DSModel):
@@ -72,7 +74,7 @@ class TensorParallelConfig(DSModel):
             yield "tp.tp_size", not_supported("inference tensor parallelism (tp.tp_size > 1)",
                                               "remove it or set it to 1 (autotp_size is the training switch)")
         if self.preset_model is not None:
-            from ....module_inject.tp_plan import PRESETS
+            from ....module_inject.autotp_config import PRESETS
 
             if self.preset_model.lower() not in PRESETS:
                 yield "preset_model", f"unknown preset {self.preset_model!r}; known: {sorted(PRESETS)}"

@@ -1,0 +1,1 @@
+"""Upstream's `deepspeed.runtime.tensor_parallel` path; AutoTP lives in deepspeed/module_inject."""
