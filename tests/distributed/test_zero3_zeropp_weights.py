@@ -95,7 +95,8 @@ def _probe_fc(engine, x, y) -> dict:
     with torch.no_grad():
         engine(x, y)
     handle.remove()
-    return {"exact_is_master": bool(torch.equal(exact, master)) and bool(torch.equal(inner[0], master)), "used_err": float((seen[0] - exact).abs().max()),
+    return {"accessors": (engine.zero_quantized_weights(), engine.zero_hpz_partition_size()),
+            "exact_is_master": bool(torch.equal(exact, master)) and bool(torch.equal(inner[0], master)), "used_err": float((seen[0] - exact).abs().max()),
             "bound": float(exact.abs().max()) / 254, "rel": float((seen[0] - exact).norm() / exact.norm())}
 
 
@@ -111,6 +112,7 @@ def test_qwz_engine_bytes_error_and_loss_curve() -> None:
     # The weights a forward computes with: within max|W| / 254 of the exact ones (a per-block
     # bound, so the tensor's is an upper bound), and not exact; GatheredParameters is exact.
     probe, plain_probe = quant["probe"], plain["probe"]
+    assert plain_probe["accessors"] == (False, 1) and probe["accessors"] == (True, 1)   # upstream's engine methods
     assert plain_probe["used_err"] == 0 and plain_probe["exact_is_master"] and probe["exact_is_master"]
     assert 0 < probe["used_err"] <= probe["bound"] * (1 + 1e-5), probe
     # relative (Frobenius) error: ~ max|block| / 127 / sqrt(12) / rms ~ 7e-3 for Gaussian-like blocks
