@@ -44,6 +44,10 @@ _ACCESSORS: dict[str, Callable[[Any], Any]] = {
     "zero_offload_optimizer": lambda c: _offload_device(c.model.zero_optimization.offload_optimizer),
     "zero_offload_param": lambda c: _offload_device(c.model.zero_optimization.offload_param),
     "zero_cpu_offload": lambda c: _offload_device(c.model.zero_optimization.offload_optimizer) == "cpu",
+    "zero_hpz_partition_size": lambda c: c.model.zero_optimization.zero_hpz_partition_size,
+    "zero_quantized_weights": lambda c: c.model.zero_optimization.zero_quantized_weights,
+    "zero_quantized_nontrainable_weights": lambda c: c.model.zero_optimization.zero_quantized_nontrainable_weights,
+    "zero_quantized_gradients": lambda c: c.model.zero_optimization.zero_quantized_gradients,
     "zero_gather_16bit_weights_on_model_save":
         lambda c: c.model.zero_optimization.stage3_gather_16bit_weights_on_model_save,
     "optimizer_name": lambda c: c.model.optimizer.name if c.model.optimizer else None,

@@ -95,7 +95,8 @@ def _probe_fc(engine, x, y) -> dict:
     with torch.no_grad():
         engine(x, y)
     handle.remove()
-    return {"exact_is_master": bool(torch.equal(exact, master)) and bool(torch.equal(inner[0], master)), "used_err": float((seen[0] - exact).abs().max()),
+    return {"accessors": (engine.zero_quantized_weights(), engine.zero_hpz_partition_size()),
+            "exact_is_master": bool(torch.equal(exact, master)) and bool(torch.equal(inner[0], master)), "used_err": float((seen[0] - exact).abs().max()),
             "bound": float(exact.abs().max()) / 254, "rel": float((seen[0] - exact).norm() / exact.norm())}
 
 
@@ -111,6 +112,7 @@ def test_qwz_engine_bytes_error_and_loss_curve() -> None:
     # The weights a forward computes with: within max|W| / 254 of the exact ones (a per-block
     # bound, so the tensor's is an upper bound), and not exact; GatheredParameters is exact.
     probe, plain_probe = quant["probe"], plain["probe"]
+    assert plain_probe["accessors"] == (False, 1) and probe["accessors"] == (True, 1)   # upstream's engine methods
     assert plain_probe["used_err"] == 0 and plain_probe["exact_is_master"] and probe["exact_is_master"]
     assert 0 < probe["used_err"] <= probe["bound"] * (1 + 1e-5), probe
     # relative (Frobenius) error: ~ max|block| / 127 / sqrt(12) / rms ~ 7e-3 for Gaussian-like blocks
@@ -142,7 +144,7 @@ def _train_hpz(zeropp: dict, steps: int, gas: int) -> dict:
     engine = _engine(zeropp, gas)
     units = len(engine._stage3.units)
     dist.comms_counter.keep_records = True
-    losses, crossing, inside = [], [], []
+    losses, crossing, inside, dtypes = [], [], [], set()
     batches = list(_structured_batches(steps * gas, micro * world))
     for step in range(steps):
         dist.comms_counter.reset()
@@ -154,9 +156,11 @@ def _train_hpz(zeropp: dict, steps: int, gas: int) -> dict:
         gathers = [r for r in dist.comms_counter.records if r.op == "all_gather_into_tensor"]
         crossing.append(sum(1 for r in gathers if r.world_size == world))
         inside.append(sum(1 for r in gathers if r.world_size < world))
+        dtypes |= {(r.world_size == world, r.dtype) for r in gathers}
     dist.comms_counter.keep_records = False
     params = {n: p.ds_tensor.detach().clone() for n, p in engine.module.named_parameters()}
-    return {"losses": losses, "params": params, "crossing": crossing, "inside": inside, "units": units}
+    return {"losses": losses, "params": params, "crossing": crossing, "inside": inside, "units": units,
+            "dtypes": dtypes}
 
 
 @pytest.mark.slow   # two 4-rank jobs (~20 s on an idle 2-core host)
@@ -174,5 +178,14 @@ def test_hpz_parity_and_node_crossing_gathers() -> None:
         assert h["crossing"][step] + h["inside"][step] == p["crossing"][step]
         assert h["crossing"][step] == h["units"], h    # once per unit per optimizer step
         assert h["inside"][step] > 2 * h["crossing"][step], h
+    assert h["dtypes"] == {(True, "torch.float32"), (False, "torch.float32")}
+    # hpZ + qwZ + qgZ: the crossing gathers are int8, the node-local ones send the dequantised
+    # secondary copy; training stays within 1% of plain ZeRO-3 over these steps.
+    both = run_distributed(4, _train_hpz, {"zero_hpz_partition_size": 2, "zero_quantized_weights": True,
+                                           "zero_quantized_gradients": True}, steps, gas)[0]
+    assert both["dtypes"] == {(True, "torch.int8"), (False, "torch.float32")}
+    assert both["crossing"] == h["crossing"] and both["inside"] == h["inside"]
+    drift = max(abs(a - b) / b for a, b in zip(both["losses"], p["losses"]))
+    assert 0 < drift < 0.01, drift
     print(f"hpZ: all-gathers per step {p['crossing'][0]} crossing nodes (plain) -> {h['crossing'][0]} crossing "
           f"+ {h['inside'][0]} inside a node ({h['units']} units, GAS {gas})")
