@@ -122,6 +122,14 @@ class TopKGate(Module):
         return l_aux, combine, dispatch, exp_counts
 
 
+def _route(gate: Module, tokens: Tensor, used_token: Optional[Tensor]) -> tuple[Tensor, Routes, Tensor]:
+    """A `TopKGate`'s routes; any other gate through upstream's sparse 7-tuple."""
+    if isinstance(gate, TopKGate):
+        return gate.route(tokens, used_token)
+    l_aux, capacity, num_experts, indices, locations, gates, exp_counts = gate(tokens, used_token, True)
+    return l_aux, Routes(indices.long(), locations.long(), gates, int(capacity), int(num_experts)), exp_counts
+
+
 def _agree(values: list[int], group: Any) -> list[int]:
     """Element-wise max of small integers over `group` (every member calls it on every forward)."""
     t = torch.tensor(values, dtype=torch.int64)
@@ -182,7 +190,7 @@ class MOELayer(Module):
         tokens = x.reshape(-1, d_model)
         self._check_input(tokens)
         used_token = input[1] if len(input) > 1 else None
-        self.l_aux, routes, self.exp_counts = self.gate.route(tokens, used_token)
+        self.l_aux, routes, self.exp_counts = _route(self.gate, tokens, used_token)
         capacity = routes.capacity
         if self._exchange():   # the group's largest: every rank's buffer has the same rows
             capacity = _agree([capacity], self.ep_group)[0]
