@@ -197,3 +197,27 @@ def test_moe_layer_equals_dense_reference_world4():
 @pytest.mark.slow
 def test_moe_layer_all_variants_world4():
     _check(_transpose(run_distributed(4, _run_configs, _configs((1, 2, 4), ("random", "skewed", "uneven")))))
+
+
+def _one_rank_bad_input(bad_rank: int) -> str:
+    """Rank `bad_rank` holds fewer tokens than min_capacity; the group's first forward also makes
+    the expert groups (no set_deepspeed_parallelism call: [Note: when the expert groups are made])."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime import mesh
+
+    mesh.reset()
+    layer = _build({"ep": 2, "k": 1, "cf": 1.0, "drop": True})
+    ok = layer(torch.randn(6, H))[0]   # lazily made groups, a normal step
+    assert ok.shape == (6, H) and layer.deepspeed_moe.ep_group is not None
+    tokens = 1 if dist.get_rank() == bad_rank else 6
+    try:
+        layer(torch.randn(tokens, H))
+    except ValueError as e:
+        dist.barrier()   # every rank got here: none is stuck in an exchange
+        return str(e)
+    return "no error"
+
+
+def test_one_rank_bad_input_makes_every_rank_raise():
+    messages = run_distributed(2, _one_rank_bad_input, 1, timeout=60)
+    assert all("fewer tokens than min_capacity" in m for m in messages), messages
