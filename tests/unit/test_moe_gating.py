@@ -102,3 +102,21 @@ def test_experts_are_marked_for_the_engine_and_residual_mixes():
     assert not hasattr(layer.deepspeed_moe.gate.wg.weight, "allreduce") and layer.mlp is expert
     with pytest.warns(UserWarning, match="Tutel"):
         MoE(4, expert, num_experts=2, use_tutel=True)
+
+
+def test_bf16_layer_routes_like_fp32_and_keeps_dtype():
+    """bf16 experts, fp32 gate (the gate upcasts its input and weight, as upstream): the same routes
+    as an fp32 copy fed the same (bf16-representable) values; outputs to bf16 precision."""
+    import copy
+
+    torch.manual_seed(0)
+    expert = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    layer = MoE(8, expert, num_experts=4, k=2, min_capacity=2, capacity_factor=0.75).to(torch.bfloat16)
+    ref = copy.deepcopy(layer).float()
+    x = torch.randn(3, 8, 8).to(torch.bfloat16)
+    torch.manual_seed(3)
+    out, l_aux, counts = layer(x)
+    torch.manual_seed(3)
+    want, want_l_aux, want_counts = ref(x.float())
+    assert out.dtype == torch.bfloat16 and torch.equal(counts, want_counts) and torch.equal(l_aux, want_l_aux)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
