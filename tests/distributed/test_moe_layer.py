@@ -101,47 +101,53 @@ def _theory_capacity(cfg: dict, ref: dict, group: list[int]) -> int:
 
 
 def _run_configs(configs: list[dict]) -> list[dict]:
+    from deepspeed.runtime import mesh
+
+    try:
+        return [_run_config(cfg) for cfg in configs]
+    finally:
+        mesh.reset()   # leave the pool's ranks without this test's mesh
+
+
+def _run_config(cfg: dict) -> dict:
     from deepspeed import comm as dist
     from deepspeed.runtime import mesh
     from deepspeed.utils import groups
 
-    results = []
-    for cfg in configs:
-        mesh.reset()
-        rank = dist.get_rank()
-        layer = _build(cfg)
-        layer.set_deepspeed_parallelism()
-        group = groups._get_expert_parallel_group_ranks(layer.expert_group_name)
-        ep_rank = group.index(rank)
-        local = list(layer.deepspeed_moe.experts.deepspeed_experts)
-        for i, expert in enumerate(local):
-            _expert_weights(ep_rank * len(local) + i, expert)
-        x = _inputs(rank, cfg["scenario"], layer.deepspeed_moe.gate.wg.weight.detach()).requires_grad_()
-        dist.comms_counter.reset()
-        torch.manual_seed(1000 + rank)
-        y, l_aux, counts = layer(x, _used(rank, cfg["scenario"], x.shape[0] * x.shape[1]))
-        ((y * _loss_weights(rank, y.shape)).sum() + l_aux).backward()
-        stats = dist.comms_counter.summary()
-        ref = _reference(layer, cfg, group)
-        mine = ref[rank]
+    mesh.reset()
+    rank = dist.get_rank()
+    layer = _build(cfg)
+    layer.set_deepspeed_parallelism()
+    group = groups._get_expert_parallel_group_ranks(layer.expert_group_name)
+    ep_rank = group.index(rank)
+    local = list(layer.deepspeed_moe.experts.deepspeed_experts)
+    for i, expert in enumerate(local):
+        _expert_weights(ep_rank * len(local) + i, expert)
+    x = _inputs(rank, cfg["scenario"], layer.deepspeed_moe.gate.wg.weight.detach()).requires_grad_()
+    dist.comms_counter.reset()
+    torch.manual_seed(1000 + rank)
+    y, l_aux, counts = layer(x, _used(rank, cfg["scenario"], x.shape[0] * x.shape[1]))
+    ((y * _loss_weights(rank, y.shape)).sum() + l_aux).backward()
+    stats = dist.comms_counter.summary()
+    ref = _reference(layer, cfg, group)
+    mine = ref[rank]
 
-        def err(a: torch.Tensor, b: torch.Tensor) -> float:
-            return float((a - b).abs().max()) if a.numel() else 0.0
+    def err(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max()) if a.numel() else 0.0
 
-        expert_err = max(err(p.grad, q) for i, e in enumerate(local)
-                         for p, q in zip(e.parameters(), ref["experts"][ep_rank * len(local) + i]))
-        capacity = _theory_capacity(cfg, ref, group)
-        a2a = stats.get("all_to_all_single", {"count": 0, "bytes": 0})
-        local_loads = [int(ref[r]["counts"].view(len(group), -1)[ep_rank].sum()) for r in group]
-        results.append({
-            "cfg": cfg, "rank": rank, "y": err(y.detach(), mine["y"]), "l_aux": err(l_aux.detach(), mine["l_aux"]),
-            "x_grad": err(x.grad, mine["x_grad"]), "gate_grad": err(layer.deepspeed_moe.gate.wg.weight.grad,
-                                                                    mine["gate_grad"]),
-            "experts": expert_err, "counts": torch.equal(counts, mine["counts"]),
-            "a2a_count": a2a["count"], "a2a_bytes": a2a["bytes"], "a2a_theory": 4 * E * capacity * H * 4,
-            "local_loads": local_loads, "routed": int((mine["routes"].indices >= 0).sum()),
-            "y_norm": float(y.detach().norm())})
-    return results
+    expert_err = max(err(p.grad, q) for i, e in enumerate(local)
+                     for p, q in zip(e.parameters(), ref["experts"][ep_rank * len(local) + i]))
+    capacity = _theory_capacity(cfg, ref, group)
+    a2a = stats.get("all_to_all_single", {"count": 0, "bytes": 0})
+    local_loads = [int(ref[r]["counts"].view(len(group), -1)[ep_rank].sum()) for r in group]
+    return {
+        "cfg": cfg, "rank": rank, "y": err(y.detach(), mine["y"]), "l_aux": err(l_aux.detach(), mine["l_aux"]),
+        "x_grad": err(x.grad, mine["x_grad"]), "gate_grad": err(layer.deepspeed_moe.gate.wg.weight.grad,
+                                                                mine["gate_grad"]),
+        "experts": expert_err, "counts": torch.equal(counts, mine["counts"]),
+        "a2a_count": a2a["count"], "a2a_bytes": a2a["bytes"], "a2a_theory": 4 * E * capacity * H * 4,
+        "local_loads": local_loads, "routed": int((mine["routes"].indices >= 0).sum()),
+        "y_norm": float(y.detach().norm())}
 
 
 def _check(results: list[list[dict]]) -> None:
