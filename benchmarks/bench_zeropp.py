@@ -15,9 +15,9 @@ training happens. Cases (each a fresh set of 4 processes):
 * ``hpz``      ``zero_hpz_partition_size: 2`` (2 simulated nodes x 2 ranks)
 * ``qwz+qgz``  ``zero_quantized_weights`` and ``zero_quantized_gradients``
 
-A case the implementation refuses or that fails is a row with its error. DeepSpeed's ranks run with
-LOCAL_SIZE=2, so that its CPU accelerator reports 2 devices per "node" and its qgZ (which it only
-uses when world / devices-per-node > 1) and hpZ see 2 nodes.
+A case the implementation refuses or that fails is a row with its error. DeepSpeed's qgZ cases run
+with LOCAL_SIZE=2, so that its CPU accelerator reports 2 devices per "node": it only quantises when
+world / devices-per-node > 1 (with LOCAL_SIZE=4 it silently runs the fp32 reduce-scatter).
 
 Bytes: what one rank puts on the wire per step, message bytes x (N-1)/N for the reduce-scatter,
 all-gather, all-to-all and broadcast, x 2(N-1)/N for the all-reduce (deepspeed/comm/counting.py). Ours
@@ -122,8 +122,9 @@ class _TorchCounter:
 
 def _rank(rank: int, world: int, port: int, case: str, cfg: dict, out: str, queue) -> None:
     impl = os.environ["BENCH_IMPL"]
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % 2 if impl == "ds" else rank),
-                      LOCAL_SIZE="2" if impl == "ds" else str(world), MASTER_ADDR="127.0.0.1",
+    local = 2 if impl == "ds" and CASES[case].get("zero_quantized_gradients") else world   # see the docstring
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local), LOCAL_SIZE=str(local),
+                      MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     import torch
 
