@@ -3,8 +3,8 @@
 Each gating function decides, for the S tokens of this rank, which experts every token goes to, the
 slot ("location") it takes in that expert's buffer of `capacity` rows, and the weight its expert
 output gets when combined back. It returns upstream's dense form
-`(l_aux, combine_weights[S, E, C], dispatch_mask[S, E, C], exp_counts[E])`; `MOELayer` asks for the
-sparse `Routes` form instead (`routes=True`), which the dense form is built from.
+`(l_aux, combine_weights[S, E, C], dispatch_mask[S, E, C], exp_counts[E])`, upstream's sparse form with
+`sparse_routes=True`, or (`routes=True`, what `MOELayer` uses) the `Routes` both are built from.
 
 [Note: gating equals DeepSpeed 0.19.8]
 For the same logits and RNG state the routes, capacity, l_aux and exp_counts are bit-equal to
@@ -102,9 +102,13 @@ def _balance(gates: Tensor, mask: Tensor) -> Tensor:
     return torch.mean(gates, dim=0) * torch.mean(mask.float(), dim=0)
 
 
-def _out(l_aux: Tensor, routes: Routes, exp_counts: Tensor, want_routes: bool) -> tuple:
+def _out(l_aux: Tensor, routes: Routes, exp_counts: Tensor, sparse_routes: bool, want_routes: bool) -> tuple:
+    """Routes form, upstream's sparse 7-tuple, or upstream's dense 4-tuple."""
     if want_routes:
         return l_aux, routes, exp_counts
+    if sparse_routes:
+        return (l_aux, torch.tensor(routes.capacity), routes.num_experts, routes.indices.to(torch.int32),
+                routes.locations.to(torch.int32), routes.gates, exp_counts)
     combine, dispatch = routes.dense()
     return l_aux, combine, dispatch, exp_counts
 
@@ -118,7 +122,8 @@ def _route_of(mask: Tensor, indices: Tensor, locations: Tensor, gates_s: Tensor)
 
 def top1gating(logits: Tensor, capacity_factor: float, min_capacity: int, used_token: Optional[Tensor] = None,
                noisy_gate_policy: Optional[str] = None, drop_tokens: bool = True, use_rts: bool = True,
-               ep_group: Any = None, use_tutel: bool = False, routes: bool = False) -> tuple:
+               ep_group: Any = None, sparse_routes: bool = False, use_tutel: bool = False, *,
+               routes: bool = False) -> tuple:
     """Switch-style top-1 gating. With `drop_tokens`, each expert keeps at most
     ceil(S / E * capacity_factor) (>= min_capacity) tokens, chosen at random (RTS) or by position;
     without, the capacity is the largest expert load over the expert-parallel group (and <= S)."""
@@ -145,11 +150,13 @@ def top1gating(logits: Tensor, capacity_factor: float, min_capacity: int, used_t
     locations = torch.sum((torch.cumsum(mask, dim=0) - 1) * mask, dim=1)
     gates_s = torch.sum(gates * mask.float(), dim=1)   # one non-zero term: exact
     route = _route_of(mask, chosen, locations, gates_s)
-    return _out(l_aux, Routes(*(t.unsqueeze(0) for t in route), capacity, num_experts), exp_counts, routes)
+    return _out(l_aux, Routes(*(t.unsqueeze(0) for t in route), capacity, num_experts), exp_counts, sparse_routes,
+                routes)
 
 
 def top2gating(logits: Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group: Any = None, top2_2nd_expert_sampling: bool = True, routes: bool = False) -> tuple:
+               ep_group: Any = None, top2_2nd_expert_sampling: bool = True, sparse_routes: bool = False, *,
+               routes: bool = False) -> tuple:
     """GShard top-2 gating: the best expert, then the best other one (sampled with Gumbel noise on
     the logits when `top2_2nd_expert_sampling`); the two gates renormalised over the kept routes.
     Capacity 2 * S / E * capacity_factor; second routes queue behind every first route."""
@@ -177,11 +184,12 @@ def top2gating(logits: Tensor, capacity_factor: float, min_capacity: int, drop_t
     r1 = _route_of(mask1, first, torch.sum(loc1 * mask1, dim=1), gates1 / denom)
     r2 = _route_of(mask2, second, torch.sum(loc2 * mask2, dim=1), gates2 / denom)
     stacked = Routes(*(torch.stack([a, b]) for a, b in zip(r1, r2)), capacity, num_experts)
-    return _out(l_aux, stacked, exp_counts, routes)
+    return _out(l_aux, stacked, exp_counts, sparse_routes, routes)
 
 
 def topkgating(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group: Any = None, drop_policy: str = "probs", routes: bool = False) -> tuple:
+               ep_group: Any = None, drop_policy: str = "probs", sparse_routes: bool = False, *,
+               routes: bool = False) -> tuple:
     """Top-k gating, gates renormalised over the kept routes. Dropping keeps, per expert, the tokens
     with the highest gate ('probs') or the first ones ('position'); capacity k * S / E * factor."""
     if drop_policy not in ("probs", "position"):
@@ -210,7 +218,7 @@ def topkgating(logits: Tensor, k: int, capacity_factor: float, min_capacity: int
     kept = mask.gather(1, top_idx)
     stacked = Routes(torch.where(kept, top_idx, -1).t().contiguous(), (locations.gather(1, top_idx) * kept).t().contiguous(),
                      masked.gather(1, top_idx).t().contiguous(), capacity, num_experts)
-    return _out(l_aux, stacked, exp_counts, routes)
+    return _out(l_aux, stacked, exp_counts, sparse_routes, routes)
 
 
 def _check_policy(noisy_gate_policy: Optional[str]) -> None:

@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from .. import comm as dist
-from .gating import (Routes, _check_policy, capacity_for, gumbel_rsample, multiplicative_jitter, top1gating,
+from .gating import (Routes, _check_policy, _out, capacity_for, gumbel_rsample, multiplicative_jitter, top1gating,
                      top2gating, topkgating)
 
 TOPK_GATE_TIMER = "topk_gate"
@@ -115,11 +115,38 @@ class TopKGate(Module):
     def forward(self, input: Tensor, used_token: Optional[Tensor] = None, sparse_routes: bool = False,  # noqa: A002
                 use_tutel: bool = False) -> tuple:
         l_aux, routes, exp_counts = self.route(input, used_token)
-        if sparse_routes:
-            return (l_aux, torch.tensor(routes.capacity), routes.num_experts, routes.indices.to(torch.int32),
-                    routes.locations.to(torch.int32), routes.gates, exp_counts)
-        combine, dispatch = routes.dense()
-        return l_aux, combine, dispatch, exp_counts
+        return _out(l_aux, routes, exp_counts, sparse_routes, False)
+
+
+def _route_slots(indices: Tensor, locations: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """Upstream's helper: each route's flat slot in an [E * capacity] buffer; dropped routes
+    (index -1) the extra row E * capacity."""
+    return Routes(indices.long(), locations.long(), torch.empty(0), int(capacity), int(num_experts)).slots()
+
+
+def _sparse_encode(reshaped_input: Tensor, slots: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """The [E, capacity, M] expert buffer with every routed token in its slot (zero rows elsewhere);
+    differentiable (index_add: its gradient gathers the rows back)."""
+    k = slots.shape[0]
+    buffer = reshaped_input.new_zeros(num_experts * capacity + 1, reshaped_input.shape[1])
+    buffer = buffer.index_add(0, slots.reshape(-1), reshaped_input.repeat(k, 1))   # dropped routes: the extra row
+    return buffer[:-1].view(num_experts, capacity, reshaped_input.shape[1])
+
+
+def _sparse_decode(expert_output: Tensor, slots: Tensor, gates: Tensor, num_tokens: int) -> Tensor:
+    """Each token's gate-weighted sum of its routes' rows of the [E * capacity, M] expert output,
+    accumulated in fp32 (the gates' dtype), returned in the output's dtype."""
+    rows = torch.cat([expert_output, expert_output.new_zeros(1, expert_output.shape[1])])
+    routed = rows.index_select(0, slots.reshape(-1)).view(slots.shape[0], num_tokens, expert_output.shape[1])
+    return (routed * gates.unsqueeze(-1)).sum(0).to(expert_output.dtype)
+
+
+def _route(gate: Module, tokens: Tensor, used_token: Optional[Tensor]) -> tuple[Tensor, Routes, Tensor]:
+    """A `TopKGate`'s routes; any other gate through upstream's sparse 7-tuple."""
+    if isinstance(gate, TopKGate):
+        return gate.route(tokens, used_token)
+    l_aux, capacity, num_experts, indices, locations, gates, exp_counts = gate(tokens, used_token, True)
+    return l_aux, Routes(indices.long(), locations.long(), gates, int(capacity), int(num_experts)), exp_counts
 
 
 def _agree(values: list[int], group: Any) -> list[int]:
@@ -182,26 +209,21 @@ class MOELayer(Module):
         tokens = x.reshape(-1, d_model)
         self._check_input(tokens)
         used_token = input[1] if len(input) > 1 else None
-        self.l_aux, routes, self.exp_counts = self.gate.route(tokens, used_token)
+        self.l_aux, routes, self.exp_counts = _route(self.gate, tokens, used_token)
         capacity = routes.capacity
         if self._exchange():   # the group's largest: every rank's buffer has the same rows
             capacity = _agree([capacity], self.ep_group)[0]
         slots = routes.slots(capacity)
         num_experts = routes.num_experts
-        k = slots.shape[0]
-        buffer = tokens.new_zeros(num_experts * capacity + 1, d_model)
-        buffer = buffer.index_add(0, slots.reshape(-1), tokens.repeat(k, 1))   # dropped routes: the extra row
-        dispatched = buffer[:-1].view(num_experts, capacity, d_model)
+        dispatched = _sparse_encode(tokens, slots, num_experts, capacity)
         if self._exchange():
             dispatched = _AllToAll.apply(self.ep_group, dispatched)
         expert_output = self.experts(dispatched.reshape(self.ep_size, self.num_local_experts, capacity, d_model))
         expert_output = expert_output.reshape(num_experts, capacity, d_model)
         if self._exchange():
             expert_output = _AllToAll.apply(self.ep_group, expert_output)
-        rows = torch.cat([expert_output.reshape(num_experts * capacity, d_model),
-                          expert_output.new_zeros(1, d_model)])
-        routed = rows.index_select(0, slots.reshape(-1)).view(k, tokens.shape[0], d_model)
-        combined = (routed * routes.gates.unsqueeze(-1)).sum(0)   # fp32 gates: fp32 accumulation
+        combined = _sparse_decode(expert_output.reshape(num_experts * capacity, d_model), slots, routes.gates,
+                                  tokens.shape[0])
         return combined.to(x.dtype).reshape(x.shape)
 
 
