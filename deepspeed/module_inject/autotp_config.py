@@ -60,6 +60,10 @@ class TPLayerSpec:
         if self.shape is not None:
             self.shape = _tuple(self.shape)
             self._validate_shape()
+        want = 0 if self.partition_type == PartitionType.COLUMN else 1
+        if self.partition_type != PartitionType.SKIP and self.partition_dim not in (None, want):
+            raise ValueError(f"partition_dim={self.partition_dim!r}: a {self.partition_type.value} layer is split on "
+                             f"dim {want} (the only one supported here)")
 
     def _validate_shape(self) -> None:
         shape, dim = self.shape, self.get_partition_dim()

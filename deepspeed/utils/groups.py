@@ -164,6 +164,14 @@ def get_tensor_model_parallel_rank() -> int:
     return mesh.rank("tensor") if mesh is not None else 0
 
 
+def get_tensor_model_parallel_src_rank() -> int:
+    """The global rank of tensor rank 0 in this rank's TP group (tensor is the fastest mesh axis, so
+    TP peers are neighbouring ranks): the source of a broadcast over the group."""
+    from .. import comm as dist
+
+    return dist.get_rank() - get_tensor_model_parallel_rank()
+
+
 get_model_parallel_group = _get_model_parallel_group
 get_model_parallel_world_size = _get_model_parallel_world_size
 get_model_parallel_rank = _get_model_parallel_rank

@@ -35,6 +35,7 @@ def test_tp2_dp2_llama_matches_one_process(stage):
         assert result["norms"] == pytest.approx(ref["norms"], rel=1e-5)
     batches = [r["first_batch"] for r in results]   # deepspeed_io: TP peers (0,1), (2,3) share a batch
     assert batches[0] == batches[1] and batches[2] == batches[3] and batches[0] != batches[2]
+    assert [r["tp_src"] for r in results] == [0, 0, 2, 2]   # groups.get_tensor_model_parallel_src_rank
 
 
 @pytest.mark.parametrize("stage,via_init", [(0, False), (2, True)])

@@ -116,6 +116,7 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.module_inject.layers import GatherReplacedLayerParams, is_tensor_parallel
+    from deepspeed.utils import groups
 
     model = build(kind)
     model.checkpoint_block = checkpoint_block
@@ -167,7 +168,8 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
     after = {n: p.numel() for n, p in engine.module.named_parameters()}
     return {"params": full, "losses": losses, "norms": norms, "local_numel": local,
             "full_numel": full_numel, "after_numel": after, "sharded": sorted(sharded), "bytes": counted,
-            "tensor_rank": dist.get_rank() % tp, "first_batch": first_batch}
+            "tensor_rank": dist.get_rank() % tp, "first_batch": first_batch,
+            "tp_src": groups.get_tensor_model_parallel_src_rank()}
 
 
 def muon_with_tp(how: str) -> str:

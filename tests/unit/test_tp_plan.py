@@ -98,6 +98,8 @@ def test_config_section_accepted_and_checked():
     for bad, where in (({"preset_model": "nope"}, "preset_model"),
                        ({"partition_config": {"layer_specs": [{"patterns": ["x"], "shape": [4, -1, 8]}]}}, "shape.*only 2-D"),
                        ({"partition_config": {"layer_specs": [{"patterns": ["x"], "shape": [[8, 0], -1]}]}}, "shape"),
+                       ({"partition_config": {"layer_specs": [{"patterns": ["x"], "partition_dim": 1}]}},
+                        "partition_dim.*split on dim 0"),
                        ({"partition_config": {"layer_specs": [{"partition_type": "diagonal"}]}}, "partition_type"),
                        ({"autotp_size": -1}, "autotp_size")):
         with pytest.raises(DeepSpeedConfigError, match=where):
