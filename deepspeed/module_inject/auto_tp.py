@@ -9,7 +9,7 @@ from torch import nn
 
 from .layers import (LinearAllreduce, LinearLayer, SubParamLinearAllreduce, SubParamLinearLayer,
                      tensor_parallel_size)
-from .. import comm as dist
+from .. import comm as ds_comm
 from .autotp_config import AutoTPConfig, PartitionType, TPLayerSpec  # noqa: F401  (upstream imports them from here)
 from .tp_plan import COLUMN, SKIP, LayerPlan, build_plan, check_plan, summary
 
@@ -115,7 +115,7 @@ class AutoTP:
         kind = spec.partition_type.value
         layer = LayerPlan(kind, spec.gather_output, "partition_config",
                           spec.sub_sizes(child.out_features if kind == COLUMN else child.in_features))
-        size = dist.get_world_size(self.mp_group) if self.mp_group is not None else 1
+        size = ds_comm.get_world_size(self.mp_group) if self.mp_group is not None else 1
         check_plan(nn.ModuleDict({"layer": child}), {"layer": layer}, size)
         return make_layer(child, layer, self.mp_group, full_name)
 

@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from .. import comm as dist
+from .. import comm as ds_comm
 
 DS_TENSOR_MODEL_PARALLEL = "tensor_model_parallel"
 DS_IS_REPLACED_MODULE = "ds_is_replaced_module"
@@ -58,7 +58,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple:
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        ds_comm.all_reduce(grad, group=ctx.group)
         return None, grad
 
 
@@ -68,7 +68,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group: Any, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
+        ds_comm.all_reduce(x, group=group)
         return x
 
     @staticmethod
@@ -82,9 +82,9 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group: Any, x: torch.Tensor) -> torch.Tensor:
         ctx.group, ctx.width = group, x.shape[-1]
-        ctx.rank = dist.get_rank(group)
-        pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(pieces, x.contiguous(), group=group)
+        ctx.rank = ds_comm.get_rank(group)
+        pieces = [torch.empty_like(x) for _ in range(ds_comm.get_world_size(group))]
+        ds_comm.all_gather(pieces, x.contiguous(), group=group)
         return torch.cat(pieces, dim=-1)
 
     @staticmethod
@@ -114,8 +114,8 @@ class TensorParallel_Layer(nn.Module):
         super().__init__()
         self.sub_sizes = tuple(sub_sizes) if sub_sizes else None   # [Note: fused sub-parameters] (autotp_config)
         self.mp_group = mp_group
-        self.tp_world_size = dist.get_world_size(mp_group) if mp_group is not None else 1
-        self.tp_index = dist.get_rank(mp_group) if mp_group is not None else 0
+        self.tp_world_size = ds_comm.get_world_size(mp_group) if mp_group is not None else 1
+        self.tp_index = ds_comm.get_rank(mp_group) if mp_group is not None else 0
         self.world_size, self.rank = self.tp_world_size, self.tp_index   # upstream's older names
         self.name = name
         self.support_training = True
@@ -150,7 +150,7 @@ class TensorParallel_Layer(nn.Module):
         if self.tp_world_size == 1:
             return param.data.clone()
         pieces = [torch.empty_like(param.data) for _ in range(self.tp_world_size)]
-        dist.all_gather(pieces, param.data.contiguous(), group=self.mp_group)
+        ds_comm.all_gather(pieces, param.data.contiguous(), group=self.mp_group)
         return self.join(pieces, dim)
 
     def extra_repr(self) -> str:

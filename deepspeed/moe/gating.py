@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import comm as dist
+from .. import comm as ds_comm
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 
@@ -90,9 +90,9 @@ def gumbel_rsample(shape: Any, device: torch.device) -> Tensor:
 def _group_max(value: Tensor, ep_group: Any) -> Tensor:
     """The largest `value` over the expert-parallel group: every member must agree on a no-drop
     capacity. Every member calls this on every forward, whatever its tokens route to."""
-    if ep_group is not None and dist.is_initialized() and dist.get_world_size(group=ep_group) > 1:
+    if ep_group is not None and ds_comm.is_initialized() and ds_comm.get_world_size(group=ep_group) > 1:
         value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=ep_group)
+        ds_comm.all_reduce(value, op=ds_comm.ReduceOp.MAX, group=ep_group)
     return value
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .. import comm as dist
+from .. import comm as ds_comm
 from ..runtime.errors import NotSupportedYet
 from ..utils import groups
 from .experts import Experts
@@ -78,7 +78,7 @@ class MoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor,
                 used_token: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.ep_size > 1 and self.deepspeed_moe.ep_group is None:
-            if not dist.is_initialized():
+            if not ds_comm.is_initialized():
                 raise RuntimeError(f"MoE(ep_size={self.ep_size}) needs torch.distributed: call "
                                    f"deepspeed.init_distributed() (or deepspeed.initialize) before the forward")
             self.set_deepspeed_parallelism()   # [Note: when the expert groups are made]

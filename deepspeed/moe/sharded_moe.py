@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from .. import comm as dist
+from .. import comm as ds_comm
 from .gating import (Routes, _check_policy, _out, capacity_for, gumbel_rsample, multiplicative_jitter, top1gating,
                      top2gating, topkgating)
 
@@ -46,7 +46,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.group = group
         input = input.contiguous()
         output = torch.empty_like(input)
-        dist.all_to_all_single(output, input, group=group)
+        ds_comm.all_to_all_single(output, input, group=group)
         return output
 
     @staticmethod
@@ -152,7 +152,7 @@ def _route(gate: Module, tokens: Tensor, used_token: Optional[Tensor]) -> tuple[
 def _agree(values: list[int], group: Any) -> list[int]:
     """Element-wise max of small integers over `group` (every member calls it on every forward)."""
     t = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    ds_comm.all_reduce(t, op=ds_comm.ReduceOp.MAX, group=group)
     return [int(v) for v in t.tolist()]
 
 

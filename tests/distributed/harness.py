@@ -55,7 +55,17 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any) -> None:
     deepspeed.init_distributed(dist_backend="gloo", verbose=False,
                                timeout=datetime.timedelta(seconds=_GLOO_TIMEOUT_S))
     conn.send(("ready", None))
+    import logging
+
+    from deepspeed.utils.logging import logger
+
+    # A job may change logging for the whole process (the HF Trainer sets levels per process rank);
+    # the next job in this worker starts from the levels the worker started with.
+    logging_state = (logger.level, logger.disabled, logging.root.manager.disable)
     while True:
+        logger.setLevel(logging_state[0])
+        logger.disabled = logging_state[1]
+        logging.disable(logging_state[2])
         message = conn.recv()
         if message is None:
             break
