@@ -11,7 +11,7 @@ from .layers import (LinearAllreduce, LinearLayer, SubParamLinearAllreduce, SubP
                      tensor_parallel_size)
 from .. import comm as ds_comm
 from .autotp_config import AutoTPConfig, PartitionType, TPLayerSpec  # noqa: F401  (upstream imports them from here)
-from .tp_plan import COLUMN, SKIP, LayerPlan, build_plan, check_plan, summary
+from .tp_plan import COLUMN, SKIP, LayerPlan, build_plan, check_plan, grad_allreduce_modules, summary
 
 
 def _set_child(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -33,7 +33,25 @@ def shard_model(model: nn.Module, tp_size: int, tp_config: dict | None, group: A
     for name, layer in plan.items():
         if layer.kind != SKIP:
             _set_child(model, name, make_layer(modules[name], layer, group, name))
+    for name in grad_allreduce_modules(model, tp_config):
+        sum_grads_over_tensor_group(modules[name], group)
     return summary(plan)
+
+
+def sum_grads_over_tensor_group(module: nn.Module, group: Any) -> None:
+    """Each backward's gradient of `module`'s (whole, replicated) parameters summed over the TP group, by a
+    tensor hook: it runs before the gradient is accumulated into `.grad`, so once per micro-step on that
+    micro-step's share, and before any data-parallel reduction or ZeRO partition sees it. The TP ranks
+    then hold equal gradients, and clipping counts the parameter once (on TP rank 0, as every replicated one)."""
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        total = grad.clone()
+        ds_comm.all_reduce(total, group=group)
+        return total
+
+    for param in module.parameters():
+        if param.requires_grad and not getattr(param, "ds_tp_grad_allreduce", False):
+            param.register_hook(hook)
+            param.ds_tp_grad_allreduce = True
 
 
 def make_layer(linear: nn.Linear, layer: LayerPlan, group: Any, name: str) -> nn.Module:

@@ -161,7 +161,11 @@ class AutoTPConfig:
 _ROW_SPEC = {"patterns": [r".*\.(o_proj|down_proj)\.weight$"], "partition_type": "row"}
 _LLAMA_LIKE = (_ROW_SPEC, {"patterns": [r".*\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$"],
                            "partition_type": "column"})
-PRESETS: dict[str, tuple[dict, ...]] = {name: _LLAMA_LIKE for name in ("llama", "mistral", "qwen2", "qwen3")}
+PRESETS: dict[str, tuple[dict, ...]] = {name: _LLAMA_LIKE for name in ("llama", "mistral", "qwen2")}
+# Qwen3's per-head q_norm/k_norm act on the column q/k_proj's heads: whole, gradient summed over TP (its tp_plan's
+# replicated_with_grad_allreduce)
+PRESETS["qwen3"] = _LLAMA_LIKE + ({"patterns": [r".*\.(q_norm|k_norm)\.weight$"], "partition_type": "skip",
+                                   "grad_allreduce": True},)
 # Phi-3: gate_up_proj is [gate; up] fused (split per block), down_proj row; the attention's fused qkv_proj
 # has model-dependent q/k/v sizes, so attention stays whole (give `shape: [[q, k, v], -1]` to split it).
 PRESETS["phi3"] = ({"patterns": [r".*\.down_proj\.weight$"], "partition_type": "row"},

@@ -111,10 +111,29 @@ def _from_specs(model: nn.Module, specs: list[TPLayerSpec], source: str = "layer
     return plan
 
 
-def _from_hf(model: nn.Module, hf_plan: dict[str, str]) -> dict[str, LayerPlan]:
-    """Through TPPlanConverter: entries for non-Linear modules (embedding_rowwise, norms) leave those
-    whole; a style AutoTP does not provide rejects the whole plan."""
-    return _from_specs(model, TPPlanConverter.convert(hf_plan), "tp_plan")
+def plan_specs(model: nn.Module, tp_config: dict | None) -> tuple[list[TPLayerSpec] | None, str]:
+    """The specs the plan follows (sources 1-3 of [Note: the AutoTP plan]) and their source; None: the
+    automatic rule. A Hugging Face plan goes through TPPlanConverter (a style AutoTP does not provide
+    rejects the whole plan)."""
+    specs = specs_from_config(dict(tp_config or {}))
+    if specs is not None:
+        return specs, "layer_specs"
+    return TPPlanConverter.convert(hf_tp_plan(model)), "tp_plan"
+
+
+def grad_allreduce_modules(model: nn.Module, tp_config: dict | None) -> list[str]:
+    """Modules kept whole whose first matching spec has `grad_allreduce` (Hugging Face's
+    `replicated_with_grad_allreduce`, e.g. Qwen3's per-head q_norm/k_norm after a column q_proj): each TP
+    rank's backward gives only its own heads' share of their gradient, so it is summed over the TP group
+    (auto_tp.sum_grads_over_tensor_group)."""
+    specs, _ = plan_specs(model, tp_config)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    names = []
+    for name, _ in model.named_modules():
+        spec = next((s for s in specs or () if name and s.matches(name + ".weight", model_type)), None)
+        if spec is not None and spec.grad_allreduce and spec.partition_type.value == SKIP:
+            names.append(name)
+    return names
 
 
 def _automatic(model: nn.Module) -> dict[str, LayerPlan]:
@@ -134,15 +153,8 @@ def _automatic(model: nn.Module) -> dict[str, LayerPlan]:
 def build_plan(model: nn.Module, tp_size: int, tp_config: dict | None = None) -> dict[str, LayerPlan]:
     """The plan for every Linear of `model` ([Note: the AutoTP plan]); raises ValueError naming the
     layer when a sharded dimension does not divide by `tp_size`."""
-    tp_config = dict(tp_config or {})
-    specs = specs_from_config(tp_config)
-    hf_plan = hf_tp_plan(model) if specs is None else {}
-    if specs is not None:
-        plan = _from_specs(model, specs)
-    elif hf_plan:
-        plan = _from_hf(model, hf_plan)
-    else:
-        plan = _automatic(model)
+    specs, source = plan_specs(model, tp_config)
+    plan = _automatic(model) if specs is None else _from_specs(model, specs, source)
     for name in _tied_to_embedding(model):   # a vocabulary-parallel embedding is not provided: keep both whole
         plan[name] = LayerPlan(SKIP, False, "tied to an embedding")
     check_plan(model, plan, tp_size)

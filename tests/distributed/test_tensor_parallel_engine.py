@@ -38,6 +38,26 @@ def test_tp2_dp2_llama_matches_one_process(stage):
     assert [r["tp_src"] for r in results] == [0, 0, 2, 2]   # groups.get_tensor_model_parallel_src_rank
 
 
+@pytest.mark.parametrize("stage,via_init,preset", [(1, False, False), (2, True, False), (0, False, True)])
+def test_tp2_qwen3_norms_sum_their_gradient_over_tp(stage, via_init, preset):
+    """Qwen3's tp_plan (and the qwen3 preset) keeps the per-head q_norm/k_norm whole
+    (`replicated_with_grad_allreduce`) after a column q/k_proj: each TP rank's backward sees only its heads'
+    share of their gradient, summed over the TP group before ZeRO; with 2 micro-steps of gradient
+    accumulation the weights equal one process's."""
+    ref = reference("qwen3", STEPS, dp=2, micro=2, lr=0.5, clip=1.0)
+    extra = {"tensor_parallel": {"autotp_size": 2, "preset_model": "qwen3"}} if preset else None
+    results = run_distributed(2, train_tp, "qwen3", STEPS, 2, stage, clip=1.0, via_init=via_init, accumulate=2,
+                              extra=extra)
+    for result in results:
+        for name in ("model.layers.1.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight"):
+            torch.testing.assert_close(result["params"][name], ref["params"][name], rtol=2e-5, atol=2e-6)
+    _check(results, ref)
+    for result in results:
+        assert result["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert result["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+        assert "model.layers.0.self_attn.q_proj.weight" in result["sharded"]
+
+
 @pytest.mark.parametrize("stage,via_init", [(0, False), (2, True)])
 def test_tp2_mlp_matches_one_process(stage, via_init):
     ref = reference("mlp", STEPS, dp=1, micro=2, lr=0.5, clip=0.5)

@@ -72,8 +72,13 @@ def build(kind: str) -> nn.Module:
         if kind == "glu":
             model.block = _GluBlock()
         return model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+    if kind == "qwen3":   # its tp_plan keeps q_norm/k_norm whole: replicated_with_grad_allreduce
+        config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             intermediate_size=128, num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64)
+        config._attn_implementation = "eager"
+        return Qwen3ForCausalLM(config)
     kv = 1 if kind == "llama-kv1" else 2   # llama-kv1: a KV head count that tp=2 does not divide
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=kv, intermediate_size=128,
                          num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64)
@@ -110,8 +115,8 @@ def reference(kind: str, steps: int, dp: int, micro: int, lr: float, clip: float
 def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: float = 0.5, clip: float = 0.0,
              via_init: bool = False, count_bytes: bool = False, save_dir: str | None = None,
              load_dir: str | None = None, extra: dict | None = None, start: int = 0, momentum: float = 0.0,
-             save_16bit: str | None = None, checkpoint_block: bool = False) -> dict:
-    """Every rank: its replica's micro-batch (rows [dp_rank*micro, (dp_rank+1)*micro) of the global batch).
+             save_16bit: str | None = None, checkpoint_block: bool = False, accumulate: int = 1) -> dict:
+    """Every rank: its replica's micro-batches (`accumulate` of them, consecutive rows of the global batch).
     `via_init`: shard with deepspeed.tp_model_init first (transformers' way), else by the config alone."""
     import deepspeed
     import deepspeed.comm as dist
@@ -122,6 +127,7 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
     model.checkpoint_block = checkpoint_block
     full_numel = {n: p.numel() for n, p in model.named_parameters()}
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": clip,
+              "gradient_accumulation_steps": accumulate,
               "zero_optimization": {"stage": stage}, "steps_per_print": 10**6,
               "tensor_parallel": {"autotp_size": tp, **(GLU_SPECS if kind == "glu" else {})}}
     config.update(copy.deepcopy(extra or {}))
@@ -134,7 +140,7 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
     dp, dp_rank = engine.dp_world_size, engine.get_data_parallel_rank()
     rows = torch.utils.data.TensorDataset(torch.arange(64.0).view(32, 2))
     first_batch = next(iter(engine.deepspeed_io(rows)))[0].tolist()   # this replica's first micro-batch
-    assert dp == dist.get_world_size() // tp and engine.train_batch_size() == micro * dp
+    assert dp == dist.get_world_size() // tp and engine.train_batch_size() == micro * dp * accumulate
     counted: list[tuple[str, int]] = []
     if count_bytes:
         real = dist.all_reduce
@@ -144,17 +150,19 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
             return real(tensor, *args, **kwargs)
 
     losses, norms = [], []
-    for ids in make_data(start + steps, dp * micro)[start:]:
-        x = ids[dp_rank * micro:(dp_rank + 1) * micro]
-        if count_bytes:
-            dist.all_reduce = counting
-        try:
-            loss = engine(x, x.roll(-1, dims=1)) if kind in MLP_KINDS else engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-        finally:
-            dist.all_reduce = real if count_bytes else dist.all_reduce
-        engine.step()
-        losses.append(float(loss.detach()))
+    for ids in make_data(start + steps, dp * micro * accumulate)[start:]:
+        for j in range(accumulate):
+            first = (dp_rank * accumulate + j) * micro
+            x = ids[first:first + micro]
+            if count_bytes:
+                dist.all_reduce = counting
+            try:
+                loss = engine(x, x.roll(-1, dims=1)) if kind in MLP_KINDS else engine(input_ids=x, labels=x).loss
+                engine.backward(loss)
+            finally:
+                dist.all_reduce = real if count_bytes else dist.all_reduce
+            engine.step()
+            losses.append(float(loss.detach()))
         norms.append(engine.get_global_grad_norm())
     if save_dir is not None:
         engine.save_checkpoint(save_dir, tag="tp")
