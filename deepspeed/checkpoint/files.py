@@ -38,6 +38,16 @@ def optim_file(dp_rank: int, bf16: bool, mp_rank: int = 0) -> str:
     return OPTIM_FILE.format(prefix="bf16_" if bf16 else "", dp=dp_rank, mp=mp_rank)
 
 
+def expert_file(layer: int, expert: int, mp_rank: int = 0) -> str:
+    """An MoE expert's model states (upstream's layout: one file per layer and global expert id)."""
+    return f"layer_{layer}_expert_{expert}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def expp_file(ep_rank: int, mp_rank: int = 0) -> str:
+    """Stage-0 optimizer states of an expert-parallel rank (upstream's `expp_rank_*`)."""
+    return f"expp_rank_{ep_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
 def model_file(mp_rank: int = 0, zero3_dp_rank: int | None = None) -> str:
     if zero3_dp_rank is not None:
         return ZERO3_MODEL_FILE.format(dp=zero3_dp_rank, mp=mp_rank)

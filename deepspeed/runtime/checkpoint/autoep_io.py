@@ -32,7 +32,7 @@ def autoep_params(engine: Any) -> dict[str, tuple[int, Any]]:
 def expert_entries(engine: Any, params: dict[str, tuple[int, Any]]) -> list[tuple[str, dict]]:
     """This rank's per-expert files (on the first rank of each expert-data-parallel group)."""
     from ...utils import groups
-    from .moe_io import expert_file
+    from ...checkpoint.files import expert_file
 
     named = dict(engine.module.named_parameters())
     files: dict[tuple[int, int], dict] = {}
@@ -56,7 +56,7 @@ def piece_in_whole(engine: Any, params: dict[str, tuple[int, Any]], name: str, s
 def read_module(path: str, params: dict[str, tuple[int, Any]]) -> dict[str, torch.Tensor]:
     """This rank's slices from the per-expert files (any ep_size wrote them)."""
     from ...checkpoint.files import CheckpointError, load_file
-    from .moe_io import expert_file
+    from ...checkpoint.files import expert_file
 
     out = {}
     for name, (layer_id, layer) in params.items():

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ...checkpoint.files import CheckpointError, load_file
+from ...checkpoint.files import CheckpointError, expert_file, expp_file, load_file
 from ...checkpoint.reader import CheckpointReader
 from ...moe.utils import is_moe_param
 from ...utils import groups
@@ -34,13 +34,6 @@ from .autoep_io import autoep_params, expert_entries, own_rows, piece_in_whole, 
 EXPERT_RE = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")
 PIECES = "ds_moe_pieces"
 
-
-def expert_file(layer: int, expert: int, mp_rank: int = 0) -> str:
-    return f"layer_{layer}_expert_{expert}_mp_rank_{mp_rank:02d}_model_states.pt"
-
-
-def expp_file(ep_rank: int, mp_rank: int = 0) -> str:
-    return f"expp_rank_{ep_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
 def is_moe_engine(engine: Any) -> bool:
