@@ -19,13 +19,14 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_child(impl: str, script: str, argv: list[str], ds_venv: str, timeout: float) -> dict:
+def run_child(impl: str, script: str, argv: list[str], ds_venv: str, timeout: float,
+              extra_env: dict[str, str] | None = None) -> dict:
     """Run `script argv` with ours ("ours") or DeepSpeed's python; its RESULT json, or {"error": ...}."""
     python = sys.executable if impl == "ours" else os.path.join(ds_venv, "bin", "python")
     work = tempfile.mkdtemp(prefix=f"bench_{impl}_")   # cwd outside the repo: no `deepspeed` from here
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
-               TORCH_EXTENSIONS_DIR=os.path.join(work, "torch_extensions"))
+               TORCH_EXTENSIONS_DIR=os.path.join(work, "torch_extensions"), **(extra_env or {}))
     if impl == "ours":
         env["PYTHONPATH"] = ROOT
     else:

@@ -41,9 +41,7 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +49,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+from _ds_child import ds_available, run_child  # noqa: E402
 from _ranks import run_ranks  # noqa: E402
 
 WORLD = 4
@@ -201,46 +200,12 @@ def child(args) -> None:
 
 
 def launch(args, impl: str, case: str, steps: int) -> dict:
-    python = sys.executable if impl == "ours" else os.path.join(args.ds_venv, "bin", "python")
-    work = tempfile.mkdtemp(prefix=f"bench_zeropp_{impl}_")   # cwd outside the repo: no `deepspeed` from here
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", BENCH_IMPL=impl,
-               TORCH_EXTENSIONS_DIR=os.path.join(work, "torch_extensions"))
-    if impl == "ours":
-        env["PYTHONPATH"] = ROOT
-    else:
-        prebuilt = os.path.join(args.ds_venv, "torch_extensions")
-        if os.path.isdir(prebuilt):   # a private copy: no JIT lock shared with another job
-            shutil.copytree(prebuilt, env["TORCH_EXTENSIONS_DIR"], ignore=shutil.ignore_patterns("lock"))
-    argv = [python, os.path.abspath(__file__), "--child-case", case, "--hidden", str(args.hidden), "--layers",
-            str(args.layers), "--vocab", str(args.vocab), "--seq", str(args.seq), "--micro", str(args.micro),
-            "--steps", str(steps), "--warmup", str(args.warmup), "--job-timeout", str(args.job_timeout)]
-    proc = subprocess.Popen(argv, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=args.job_timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: " + " | ".join(output.strip().splitlines()[-6:])}
-    result = json.loads(lines[-1][len("RESULT "):])
-    errors = [r["error"] for r in result["ranks"] if "error" in r]
+    argv = ["--child-case", case, "--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab",
+            str(args.vocab), "--seq", str(args.seq), "--micro", str(args.micro), "--steps", str(steps),
+            "--warmup", str(args.warmup), "--job-timeout", str(args.job_timeout)]
+    result = run_child(impl, __file__, argv, args.ds_venv, args.job_timeout, extra_env={"BENCH_IMPL": impl})
+    errors = [r["error"] for r in result.get("ranks", []) if "error" in r]
     return {"error": errors[0]} if errors else result
-
-
-def ds_available(venv: str) -> str | None:
-    python = os.path.join(venv, "bin", "python")
-    if not os.path.exists(python):
-        return None
-    probe = subprocess.run([python, "-c", "import deepspeed; print(deepspeed.__version__)"], capture_output=True,
-                           text=True, cwd=tempfile.gettempdir(), env={k: v for k, v in os.environ.items()
-                                                                       if k != "PYTHONPATH"})
-    version = probe.stdout.strip().splitlines()[-1] if probe.returncode == 0 and probe.stdout.strip() else ""
-    return version if version == "0.19.8" else None
 
 
 def _per_step(result: dict, ops: tuple[str, ...] | None) -> float:
