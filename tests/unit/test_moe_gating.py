@@ -1,6 +1,8 @@
 """Gating of deepspeed.moe against DeepSpeed 0.19.8 (tests/fixtures/moe/gating.pt, made by
-generate.py there), capacity arithmetic, and the layer's argument errors. Bit equality is exact by
-construction ([Note: gating equals DeepSpeed 0.19.8] in deepspeed/moe/gating.py)."""
+generate.py there), capacity arithmetic, and the layer's argument errors. On the machine that made the
+fixtures the match is bit-exact ([Note: gating equals DeepSpeed 0.19.8] in deepspeed/moe/gating.py), but
+the fixtures are stored: on another CPU (AVX-512 vs AVX2) softmax and the gate's matmul may round the last
+bit differently, so float outputs are compared to 1e-6 and the integer ones (routes, masks, counts) exactly."""
 
 import os
 
@@ -16,11 +18,18 @@ CASES = torch.load(FIXTURE, weights_only=False)["cases"]
 FUNCTIONS = {"top1": top1gating, "top2": top2gating, "topk": topkgating}
 
 
+def _close(ours, theirs):
+    if ours.is_floating_point():
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    else:
+        assert torch.equal(ours, theirs), (ours, theirs)
+
+
 def _assert_same(case, out):
     l_aux, combine, dispatch, exp_counts = out
-    assert torch.equal(l_aux.detach(), case["l_aux"])
+    _close(l_aux.detach(), case["l_aux"])
     assert combine.shape == case["combine_weights"].shape   # capacity = combine.shape[2]
-    assert torch.equal(combine.detach(), case["combine_weights"])
+    _close(combine.detach(), case["combine_weights"])
     assert torch.equal(dispatch, case["dispatch_mask"])
     assert torch.equal(exp_counts, case["exp_counts"]) and exp_counts.dtype == case["exp_counts"].dtype
 
@@ -45,9 +54,10 @@ def test_topk_gate_equals_deepspeed_0_19_8(index):
     torch.manual_seed(case["seed"])
     sparse = gate(case["input"], None, True)
     want = case["sparse"]
-    assert torch.equal(sparse[0].detach(), want[0]) and int(sparse[1]) == int(want[1]) and sparse[2] == want[2]
+    _close(sparse[0].detach(), want[0])
+    assert int(sparse[1]) == int(want[1]) and sparse[2] == want[2]
     for ours, theirs in zip(sparse[3:6], want[3:6]):
-        assert torch.equal(ours.detach(), theirs), (ours, theirs)
+        _close(ours.detach(), theirs)
 
 
 def test_fixture_covers_dropping_and_no_dropping():
