@@ -75,4 +75,4 @@ set +e
 ls "$out"/chunks/*.args | xargs -d '\n' -n 1 -P "$jobs" bash -c 'run_chunk "$0"' | tee "$out/pytest.log"
 set -e
 "$python" "$here/tools/upstream_tests/report.py" "$out"/chunks/*.xml \
-    ${UPSTREAM_BASELINE:+--baseline "$UPSTREAM_BASELINE"} | tee "$out/per_file.md"
+    ${UPSTREAM_BASELINE:+--baseline $UPSTREAM_BASELINE} | tee "$out/per_file.md"   # baseline unquoted: a glob of junit files
