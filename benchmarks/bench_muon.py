@@ -3,6 +3,12 @@ bytes per rank (counted from the base optimizer's state tensors) and bytes each 
 step (deepspeed.comm's counter; Muon's two all-to-alls also shown apart).
 
     python benchmarks/bench_muon.py [--steps 12] [--dim 256] [--layers 4] [--repeats 3]
+    python benchmarks/bench_muon.py --impls ours,ds [--ds-venv /tmp/ds-venv]   # side by side with DeepSpeed 0.19.8
+
+Side by side, each implementation runs in its own interpreter (_ds_child.run_child); the bytes there are
+what each rank puts on the wire per step with a ring: for DeepSpeed counted by wrapping torch.distributed's
+collectives in the rank, for ours by deepspeed.comm's counter (the same ring formula; ours' ZeRO-3 gathers
+call the ProcessGroup directly, past torch.distributed's module functions).
 
 Cases run round-robin `repeats` times (the machine is shared: interleaving spreads its load over
 all of them); the table gives the median of the per-run medians and their range.
@@ -20,6 +26,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ds_child import add_impl_args, chosen_impls, optimizer_state_bytes, run_case_and_report, run_child  # noqa: E402
 from _ranks import run_ranks  # noqa: E402
 
 VOCAB, SEQ, BATCH = 1024, 16, 8
@@ -99,16 +106,149 @@ def _rank(rank: int, world: int, port: int, cases: list, steps: int, dim: int, l
         queue.put(rows)
 
 
+_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single", "broadcast",
+                "all_gather", "reduce_scatter", "_reduce_scatter_base", "_all_gather_base", "reduce")
+
+
+def _count_torch_distributed(tdist, counter: dict, world: int) -> None:
+    """Wrap torch.distributed's collectives: add what one rank puts on the wire with a bandwidth-optimal
+    ring to counter["bytes"] (2(N-1)/N of the message for all_reduce, (N-1)/N for the others; the message
+    is the full logical tensor: an all-gather's output, a reduce-scatter's input)."""
+    ring = (world - 1) / world
+
+    def wrap(name, original):
+        def counted(*args, **kwargs):
+            values = list(args) + list(kwargs.values())
+            tensors = [a for a in values if hasattr(a, "element_size")]
+            lists = [list(a) for a in values if isinstance(a, (list, tuple)) and a and hasattr(a[0], "element_size")]
+            if lists:   # all_gather(list, tensor) / reduce_scatter(tensor, list): the list is the message
+                message = lists[0]
+            elif name in ("all_reduce", "broadcast", "reduce") or len(tensors) < 2:
+                message = tensors[:1]
+            else:   # (output, input): an all-gather's output, a reduce-scatter's or all-to-all's input
+                message = [tensors[0] if "gather" in name else tensors[1]]
+            nbytes = sum(t.numel() * t.element_size() for t in message)
+            counter["bytes"] += nbytes * (2 * ring if name == "all_reduce" else ring)
+            return original(*args, **kwargs)
+        return counted
+
+    for name in _COLLECTIVES:
+        if hasattr(tdist, name):
+            setattr(tdist, name, wrap(name, getattr(tdist, name)))
+
+
+def _side_rank(rank: int, world: int, port: int, cases: list, steps: int, dim: int, layers: int, out: str,
+               queue) -> None:
+    """One rank of the side-by-side run (ours or DeepSpeed 0.19.8, whichever `import deepspeed` finds)."""
+    import glob
+    import json
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    import torch
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    import deepspeed
+    import deepspeed.comm as dist
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    counter = {"bytes": 0}
+    _count_torch_distributed(tdist, counter, world)
+    rows = []
+    for name, optimizer, stage in cases:
+        config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": optimizer,
+                  "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+        row = {"case": name, "stage": stage, "wall": [], "cpu": [], "bytes": [], "losses": []}
+        try:
+            engine, opt, _, _ = deepspeed.initialize(model=_model(dim, layers), config=config)
+            g = torch.Generator().manual_seed(rank)
+            for step in range(steps):
+                x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+                dist.barrier()
+                counter["bytes"] = 0
+                if hasattr(dist, "comms_counter"):
+                    dist.comms_counter.reset()
+                wall, cpu = time.perf_counter(), time.process_time()
+                loss = engine(x, x)
+                engine.backward(loss)
+                engine.step()
+                row["wall"].append(time.perf_counter() - wall)
+                row["cpu"].append(time.process_time() - cpu)
+                if hasattr(dist, "comms_counter"):   # ours: its ZeRO-3 gathers call the ProcessGroup, past the wrapper
+                    row["bytes"].append(sum(s["wire_bytes"] for op, s in dist.comms_counter.summary().items()
+                                            if op != "barrier"))
+                else:
+                    row["bytes"].append(counter["bytes"])
+                row["losses"].append(float(loss.detach()))
+            row["state"] = optimizer_state_bytes(opt)
+            del engine, opt
+        except Exception as exc:   # an unsupported case is a row, not the end of the run
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        rows.append(row)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(rows, f)
+    dist.barrier()
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_{rank}"):   # DeepSpeed's CPU comm leaves these
+        os.unlink(path)
+    if rank == 0:
+        queue.put("done")
+
+
+def _side_by_side(args, cases: list) -> None:
+    import json
+
+    impls = chosen_impls(args)
+    names = {"ours": "ours", "ds": "DeepSpeed 0.19.8"}
+    print(f"2 ranks x 1 thread, gloo; medians of steps 3-{args.steps}; bytes = ring wire bytes of every "
+          "torch.distributed collective per rank per step")
+    print("| impl | optimizer | ZeRO stage | wall s/step | CPU s/step (rank max) | optimizer state / rank (bytes) "
+          "| sent / rank / step (bytes) | losses (steps 1, 2, last) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for impl in impls:
+        argv = ["--child", json.dumps(cases), "--steps", str(args.steps), "--dim", str(args.dim),
+                "--layers", str(args.layers)]
+        result = run_child(impl, __file__, argv, args.ds_venv, args.job_timeout)
+        if "error" in result:
+            print(f"| {names[impl]} | error: {result['error'][:300]} |||||||")
+            continue
+        for i, (name, _, stage) in enumerate(cases):
+            per_rank = [ranks[i] for ranks in result["ranks"]]
+            r0 = per_rank[0]
+            if "error" in r0:
+                print(f"| {names[impl]} | {name} | {stage} | error: `{r0['error']}` |||||")
+                continue
+            cpu = max(statistics.median(r["cpu"][2:]) for r in per_rank)
+            losses = ", ".join(f"{v:.4f}" for v in (r0["losses"][0], r0["losses"][1], r0["losses"][-1]))
+            print(f"| {names[impl]} | {name} | {stage} | {statistics.median(r0['wall'][2:]):.4f} | {cpu:.4f} | "
+                  f"{r0['state']:,} | {statistics.median(r0['bytes'][2:]):,.0f} | {losses} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--stages", default="1,3")
+    add_impl_args(parser)
+    parser.set_defaults(impls="")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:   # in the interpreter run_child started: ours or DeepSpeed's
+        cases = [tuple(c) for c in __import__("json").loads(args.child)]
+        run_case_and_report(_side_rank, 2, cases, args.steps, args.dim, args.layers, timeout=args.job_timeout)
+        return
     adamw = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}}
+    if args.impls:
+        cases = []
+        for stage in (int(s) for s in args.stages.split(",")):
+            cases.append(("AdamW", adamw, stage))
+            cases.append(("Muon", {"type": "Muon", "params": {"lr": 1e-3, "muon_lr": 0.02}}, stage))
+        _side_by_side(args, cases)
+        return
     cases = []
-    for stage in (1, 3):
+    for stage in (int(s) for s in args.stages.split(",")):
         cases.append(("AdamW", adamw, stage))
         for method in ("standard", "gram"):
             cases.append((f"Muon ({method})",
