@@ -39,13 +39,17 @@ _LAZY = {
     "checkpoint": ("deepspeed.checkpoint", None),
     "tp_model_init": ("deepspeed.runtime.builder", "tp_model_init"),
     "set_optimizer_flags": ("deepspeed.runtime.builder", "set_optimizer_flags"),
+    "resolve_per_head_muon_after_sharding": ("deepspeed.runtime.zero.muon.per_head",
+                                             "resolve_per_head_muon_after_sharding"),
+    "_attention_head_count": ("deepspeed.runtime.zero.muon.per_head", "_attention_head_count"),   # upstream's
+    "_confirm": ("deepspeed.runtime.zero.muon.per_head", "_confirm"),   # helpers, imported by its tests
     "OnDevice": ("deepspeed.utils.init_on_device", "OnDevice"),
     "checkpointing": ("deepspeed.runtime.activation_checkpointing.checkpointing", None),
     "DeepSpeedTransformerConfig": ("deepspeed.ops.transformer", "DeepSpeedTransformerConfig"),
     "DeepSpeedTransformerLayer": ("deepspeed.ops.transformer", "DeepSpeedTransformerLayer"),
 }
 
-__all__ = ["__version__", "version", *_LAZY]
+__all__ = ["__version__", "version", *(n for n in _LAZY if not n.startswith("_"))]
 
 
 def __getattr__(name: str) -> Any:

@@ -108,19 +108,23 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
 
 def set_optimizer_flags(config_class: Any, model: torch.nn.Module) -> None:
     """`"optimizer": {"type": "Muon"}`: tag each parameter `use_muon` by upstream's rule (matrices,
-    ndim >= 2, whose name contains neither "embed" nor "lm_head", are Muon's; embeddings, the
-    output head, biases and norms AdamW's). A tag the user set already is kept (upstream
-    overwrites it): that is how a model routes a parameter the name rule gets wrong."""
+    ndim >= 2 as layers (ZeRO-3's `ds_shape`), whose name contains neither "embed" nor "lm_head",
+    are Muon's; embeddings, the output head, biases and norms AdamW's). A tag the user set already
+    is kept (upstream overwrites it): that is how a model routes a parameter the name rule gets
+    wrong. Then `muon_num_heads` per parameter ([Note: per-head tagging], opt-in with
+    `optimizer.params.per_head_muon`). Reads upstream's `optimizer_name` / `optimizer_params`."""
     from .constants import MUON_OPTIMIZER
+    from .zero.muon.per_head import layer_shape, tag_per_head
 
-    section = config_class.model.optimizer
-    name = section.type if section is not None else None
+    name = getattr(config_class, "optimizer_name", None)
     if not isinstance(name, str) or name.lower() != MUON_OPTIMIZER:
         return
     for param_name, p in model.named_parameters():
         if not hasattr(p, "use_muon"):
             lowered = param_name.lower()
-            p.use_muon = p.ndim >= 2 and "embed" not in lowered and "lm_head" not in lowered
+            p.use_muon = len(layer_shape(p)) >= 2 and "embed" not in lowered and "lm_head" not in lowered
+    params = getattr(config_class, "optimizer_params", None) or {}
+    tag_per_head(model, bool(params.get("per_head_muon", False)))
 
 
 def check_muon_tensor_parallel(config_class: Any, model: torch.nn.Module, optimizer: Any) -> None:

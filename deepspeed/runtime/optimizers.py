@@ -125,6 +125,7 @@ def _build_adam(type_name: str, params: dict, model_parameters, on_cpu_offload: 
 # upstream's engine reads these keys for each half (muon_lr / adam_lr override lr there)
 _MUON_KEYS = ("lr", "momentum", "weight_decay", "muon_lr", "ns_method")
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "adam_lr")
+_TAGGING_KEYS = ("per_head_muon",)   # read by set_optimizer_flags (per-parameter muon_num_heads), not a group key
 
 
 def build_muon(params: dict, model_parameters: list) -> torch.optim.Optimizer:
@@ -136,8 +137,8 @@ def build_muon(params: dict, model_parameters: list) -> torch.optim.Optimizer:
     from .zero.muon.original_muon import check_ns_method
 
     for key in params:
-        if key not in _MUON_KEYS + _ADAM_KEYS:
-            accepted = ", ".join(dict.fromkeys(_MUON_KEYS + _ADAM_KEYS))
+        if key not in _MUON_KEYS + _ADAM_KEYS + _TAGGING_KEYS:
+            accepted = ", ".join(dict.fromkeys(_MUON_KEYS + _ADAM_KEYS + _TAGGING_KEYS))
             raise ValueError(f"optimizer.params.{key}: not a parameter of optimizer type 'Muon'; accepted keys: "
                              f"{accepted}")
     if "ns_method" in params:

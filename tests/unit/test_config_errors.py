@@ -312,13 +312,28 @@ def test_unsupported_zero_features(enabled, disabled, path):
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 @pytest.mark.parametrize("key,value,shown", [("zero_quantized_gradients", True, "true"),
-                                             ("zero_quantized_weights", True, "true"),
-                                             ("zero_hpz_partition_size", 2, "2")])
+                                             ("zero_quantized_weights", True, "true")])
 def test_zeropp_needs_stage_3(stage, key, value, shown):
-    """qgZ, qwZ and hpZ change stage 3's collectives; below stage 3 each is refused, naming key and value."""
+    """qgZ and qwZ change stage 3's collectives; below stage 3 each is refused, naming key and value."""
     DeepSpeedConfig({**BASE, "zero_optimization": {"stage": 3, key: value}}, world_size=1)
     text = str(errors_of({"zero_optimization": {"stage": stage, key: value}}))
     assert f"zero_optimization.{key}: {shown} needs stage 3, got stage {stage}" in text
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_hpz_below_stage_3_is_accepted_with_a_warning(stage, monkeypatch):
+    """hpZ only partitions stage 3's parameters; upstream ignores it at lower stages (its own test builds
+    DeepSpeedZeroConfig(zero_hpz_partition_size=4) at the default stage 0), so it is kept, and logged."""
+    from deepspeed.runtime.config.sections import zero as zero_section
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    warned = []
+    monkeypatch.setattr(zero_section.logger, "warning", lambda msg, *a: warned.append(msg % a if a else msg))
+    config = DeepSpeedConfig({**BASE, "zero_optimization": {"stage": stage, "zero_hpz_partition_size": 2}},
+                             world_size=1)
+    assert config.model.zero_optimization.zero_hpz_partition_size == 2
+    assert DeepSpeedZeroConfig(zero_hpz_partition_size=4).zero_hpz_partition_size == 4
+    assert any(f"zero_hpz_partition_size=2 has no effect with stage {stage}" in w for w in warned), warned
 
 
 def test_allgather_bucket_size_odd_at_stage_1_2_is_rejected_as_upstream():

@@ -99,11 +99,11 @@ def test_initialize_tags_by_upstream_rule_and_keeps_user_tags() -> None:
                                  "norm": torch.nn.LayerNorm(4), "lm_head": torch.nn.Linear(4, 5),
                                  "router": torch.nn.Linear(4, 2, bias=False)})
     model["router"].weight.use_muon = False   # the user's tag wins over the shape rule
-    config = SimpleNamespace(model=SimpleNamespace(optimizer=SimpleNamespace(type="Muon")))
+    config = SimpleNamespace(optimizer_name="Muon", optimizer_params={})   # upstream's DeepSpeedConfig names
     set_optimizer_flags(config, model)
     assert {n for n, p in model.named_parameters() if p.use_muon} == {"block.weight"}
     plain = torch.nn.Linear(3, 3)
-    set_optimizer_flags(SimpleNamespace(model=SimpleNamespace(optimizer=SimpleNamespace(type="AdamW"))), plain)
+    set_optimizer_flags(SimpleNamespace(optimizer_name="adamw", optimizer_params={}), plain)
     assert not hasattr(plain.weight, "use_muon")
 
 

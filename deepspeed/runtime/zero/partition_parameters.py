@@ -1,10 +1,11 @@
 # compat: upstream path deepspeed.runtime.zero.partition_parameters (DeepSpeed 0.19.8 names).
 """Upstream's ZeRO-3 parameter API at upstream's path: `Init` (stage3/init_context.py),
 `GatheredParameters`, `register_external_parameter`, `unregister_external_parameter`
-(stage3/gathered.py) and `ZeroParamStatus`, which downstream code compares `param.ds_status`
+(stage3/gathered.py), `CUDAQuantizer` (ZeRO++'s weight quantiser, qwz.py) and `ZeroParamStatus`, which downstream code compares `param.ds_status`
 against (published by ShardedUnit and, before initialize, by the zero.Init registry)."""
 
 from ...accelerator import get_accelerator  # noqa: F401  (transformers reads pp.get_accelerator)
+from .qwz import CUDAQuantizer
 from .stage3.gathered import GatheredParameters, register_external_parameter, unregister_external_parameter
 from .stage3.init_context import Init
 from .stage3.init_context import contradicting_single_rank_group as _contradicting_single_rank_pg_error  # noqa: F401
@@ -33,4 +34,4 @@ class MultipleAllGatherHandles:
 _orig_torch_arange = _ORIGINALS["arange"]
 
 __all__ = ["Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
-           "ZeroParamStatus"]
+           "ZeroParamStatus", "CUDAQuantizer"]

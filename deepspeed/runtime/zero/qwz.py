@@ -45,3 +45,61 @@ def quantized_all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, tim
     values = dequantize_blockwise(rows[:, :width], rows[:, width:].contiguous().view(torch.float32), block)
     out.view(world, width).copy_(values)
 
+
+
+class TorchQuantizerKernels:
+    """The calls upstream's compiled QuantizerBuilder op answers, in plain PyTorch: symmetric int8
+    over `groups` equal groups (qgZ's block-wise quantiser), fp16 out of `dequantize` as the op."""
+
+    Symmetric, Asymmetric = 0, 1
+
+    @staticmethod
+    def _check(num_bits: int, quant_type: int) -> None:
+        if num_bits != 8 or quant_type != TorchQuantizerKernels.Symmetric:
+            raise NotImplementedError(f"quantizer: num_bits={num_bits}, quant_type={quant_type}; this build has "
+                                      "symmetric 8-bit groups only (num_bits=8, quant_type=Symmetric)")
+
+    def quantize(self, param: torch.Tensor, groups: int, num_bits: int, quant_type: int) -> tuple:
+        self._check(num_bits, quant_type)
+        q, scales = quantize_blockwise(param.reshape(1, -1).float(), param.numel() // groups)
+        return q.view(-1), scales.view(-1)
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, num_groups: int, num_bits: int,
+                   quant_type: int) -> torch.Tensor:
+        self._check(num_bits, quant_type)
+        return dequantize_blockwise(q.reshape(1, -1), scale.reshape(1, -1), q.numel() // num_groups).view(-1).half()
+
+
+class CUDAQuantizer:
+    """Upstream's ZeRO++ weight quantiser (`partition_parameters.CUDAQuantizer`): int8 groups of at
+    most `target_group_size` elements through `quantizer_cuda_module` (here TorchQuantizerKernels
+    unless one is set). The op reads fp16, so `quantize` hands it fp16; `dequantize(dtype=)` gives a
+    parameter back in its own dtype (a bf16 model's weights must not come back fp16)."""
+
+    async_flag = True
+    target_group_size = 8000
+    group_size_cache: dict[int, int] = {}
+    quantizer_cuda_module: Any = None
+
+    def __init__(self) -> None:
+        if CUDAQuantizer.quantizer_cuda_module is None:
+            CUDAQuantizer.quantizer_cuda_module = TorchQuantizerKernels()
+
+    def _groups(self, numel: int) -> int:
+        """Fewest equal groups of at most target_group_size elements (numel itself if none divides)."""
+        if numel not in self.group_size_cache:
+            groups = max(1, -(-numel // self.target_group_size))
+            while numel % groups:
+                groups += 1
+            self.group_size_cache[numel] = groups
+        return self.group_size_cache[numel]
+
+    def quantize(self, param: torch.Tensor, groups: int | None = None) -> tuple:
+        groups = self._groups(param.numel()) if groups is None else groups
+        module = self.quantizer_cuda_module
+        return module.quantize(param.to(dtype=torch.half), groups, 8, module.Symmetric)
+
+    def dequantize(self, quantized_param: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None):
+        module = self.quantizer_cuda_module
+        out = module.dequantize(quantized_param, scale, scale.numel(), 8, module.Symmetric)
+        return out if dtype is None or out.dtype == dtype else out.to(dtype)

@@ -118,7 +118,8 @@ class ZeroConfig(DSModel):
     parameter_alignment: bool = False
     """Stage 1/2: pad flat buffers so each parameter starts 16-byte aligned."""
     zero_hpz_partition_size: Int = Field(1, ge=0)
-    """ZeRO++ hpZ: ranks per node of the secondary parameter partition (stage 3; zero/stage3/hpz.py)."""
+    """ZeRO++ hpZ: ranks per node of the secondary parameter partition (stage 3, zero/stage3/hpz.py;
+    below stage 3 it has no effect and a warning says so, as upstream ignores it there)."""
     zero_quantized_weights: bool = False
     """ZeRO++ qwZ: int8 block-wise stage-3 parameter all-gathers (zero/qwz.py)."""
     zero_quantized_nontrainable_weights: bool = False
@@ -175,6 +176,9 @@ class ZeroConfig(DSModel):
             self.__dict__["overlap_comm"] = self.stage == 3
         if self.stage == 3 and self.elastic_checkpoint:
             logger.warning("zero_optimization.elastic_checkpoint has no effect with stage 3")
+        if self.zero_hpz_partition_size > 1 and self.stage != 3:   # upstream ignores it below stage 3 too
+            logger.warning(f"zero_optimization.zero_hpz_partition_size={self.zero_hpz_partition_size} has no effect "
+                           f"with stage {self.stage}: hpZ partitions stage 3's parameters")
         return self
 
     def _problems(self) -> Iterator[Problem]:
@@ -188,8 +192,6 @@ class ZeroConfig(DSModel):
             yield "zero_quantized_gradients", f"true needs stage 3, got stage {self.stage}"
         if self.zero_quantized_weights and self.stage != 3:     # qwZ replaces stage 3's parameter all-gather
             yield "zero_quantized_weights", f"true needs stage 3, got stage {self.stage}"
-        if self.zero_hpz_partition_size > 1 and self.stage != 3:   # hpZ partitions stage 3's parameters
-            yield "zero_hpz_partition_size", f"{self.zero_hpz_partition_size} needs stage 3, got stage {self.stage}"
         if self.stage in (1, 2) and self.allgather_bucket_size % 2:   # upstream's rule: portable configs
             yield "allgather_bucket_size", ("allgather_bucket_size must be a multiple of nccl_start_alignment_factor "
                                             f"(2), got {self.allgather_bucket_size}")

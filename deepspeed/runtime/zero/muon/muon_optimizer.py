@@ -91,7 +91,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             raise ValueError(f"MuonWithAuxAdam: a use_muon=True parameter must be a matrix (ndim >= 2), got shape "
                              f"{tuple(p.shape)}; tag it param.use_muon = False")
         direction = self.momentum_step(p, grad, group)
-        return orthogonalize(direction, p.shape, group["ns_method"]).to(p.dtype)
+        return orthogonalize(direction, p.shape, group["ns_method"],
+                             num_heads=getattr(p, "muon_num_heads", None)).to(p.dtype)
 
     def _adam_update(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> torch.Tensor:
         state = self.state[p]

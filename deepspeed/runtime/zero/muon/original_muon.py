@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 NS_METHODS = ("gram", "standard")
+NS_ALIASES = {"newtonschulz5": "standard"}   # muon_update's callers may name the kernel
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 _GRAM_RESTART = 2
@@ -102,15 +103,35 @@ def momentum_direction(grad: torch.Tensor, momentum: torch.Tensor, beta: float) 
     return grad.lerp(momentum, beta)
 
 
-def orthogonalize(direction: torch.Tensor, shape: torch.Size, ns_method: str, steps: int = NS_STEPS) -> torch.Tensor:
+def orthogonalize(direction: torch.Tensor, shape: torch.Size, ns_method: str, steps: int = NS_STEPS,
+                  num_heads: int | None = None) -> torch.Tensor:
     """NS of the whole matrix `direction` (any layout of `shape`'s elements in order), scaled by
-    sqrt(max(1, rows/cols)); returned flat in the NS compute dtype (what travels back under ZeRO)."""
+    sqrt(max(1, rows/cols)); returned flat in the NS compute dtype (what travels back under ZeRO).
+    With `num_heads` (per-head Muon, `param.muon_num_heads`), the (rows, cols) matrix is the stack
+    of `num_heads` row blocks and each block is orthogonalised (and scaled) on its own.
+
+    The kernel is looked up by its upstream module attribute at call time: every Muon path (no
+    ZeRO, ZeRO's owner rank, per-head) goes through it, so a wrapper set on
+    `original_muon.zeropower_via_*` (profiling, counting, a fused kernel) sees every call."""
     matrix = direction.reshape(shape[0], -1)
-    dtype = ns_compute_dtype(ns_method, direction.device)
-    ns = newton_schulz_gram if ns_method == "gram" else newton_schulz_standard
-    update = ns(matrix, dtype, steps)
+    if num_heads is not None:
+        matrix = split_heads(matrix, shape, num_heads)
+    kernel = zeropower_via_gram_newtonschulz if ns_method == "gram" else zeropower_via_newtonschulz5
+    update = kernel(matrix, steps)
     update *= max(1, matrix.size(-2) / matrix.size(-1)) ** 0.5
     return update.reshape(-1)
+
+
+def split_heads(matrix: torch.Tensor, shape: torch.Size, num_heads: int) -> torch.Tensor:
+    """(rows, cols) -> (num_heads, rows // num_heads, cols), or upstream's ValueError for a
+    parameter that is not a 2-D projection with whole heads on its rows."""
+    if len(shape) != 2:
+        raise ValueError(f"Per-head Muon expects a 2D attention projection, got shape {tuple(shape)}.")
+    rows, cols = matrix.shape
+    if num_heads < 1 or rows % num_heads:
+        raise ValueError(f"Per-head Muon needs the output dim to split evenly across heads, but {rows} is not "
+                         f"divisible by num_heads={num_heads}.")
+    return matrix.view(num_heads, rows // num_heads, cols)
 
 
 def adam_direction(grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
@@ -133,13 +154,15 @@ def zeropower_via_gram_newtonschulz(G: torch.Tensor, steps: int) -> torch.Tensor
 
 
 def muon_update(grad: torch.Tensor, momentum: torch.Tensor, beta: float = 0.95, ns_steps: int = NS_STEPS,
-                nesterov: bool = True, ns_method: str = "gram", is_expert_group: bool = False) -> torch.Tensor:
+                nesterov: bool = True, ns_method: str = "gram", is_expert_group: bool = False,
+                num_heads: int | None = None) -> torch.Tensor:
     """Upstream's one-matrix Muon update: advances `momentum` in place and returns the scaled,
-    orthogonalised update as a (rows, rest) matrix in `grad`'s dtype."""
+    orthogonalised update as a (rows, rest) matrix in `grad`'s dtype (per head with `num_heads`).
+    `ns_method` "newtonschulz5" is accepted as the kernel's name for "standard"."""
     if is_expert_group:
         raise NotImplementedError("muon_update(is_expert_group=True): per-expert Newton-Schulz needs expert "
                                   "parallelism, which this build does not implement")
-    check_ns_method(ns_method)
+    ns_method = check_ns_method(NS_ALIASES.get(ns_method, ns_method))
     direction = momentum_direction(grad, momentum, beta) if nesterov else momentum.lerp_(grad, 1 - beta)
-    update = orthogonalize(direction, grad.shape, ns_method, ns_steps)
+    update = orthogonalize(direction, grad.shape, ns_method, ns_steps, num_heads)
     return update.reshape(grad.shape[0], -1).to(grad.dtype)

@@ -38,6 +38,7 @@ class MuonMatrix:
     shape: torch.Size
     owner: int
     pieces: tuple[tuple[Any, ...], ...]   # per rank: that rank's fragments of it (partition Fragments)
+    num_heads: int | None = None           # per-head Muon: the model parameter's `muon_num_heads`
 
 
 def assign_owners(numels: list[int], world: int) -> list[int]:
@@ -59,9 +60,9 @@ def plan_matrices(shards: list[Any], shapes: list[list[torch.Size]], muon_ids: s
         for i, p in enumerate(shard.params):
             if id(p) in muon_ids:
                 pieces = tuple(tuple(f for f in frags if f.index == i) for frags in per_rank)
-                found.append((s, i, shapes[s][i], pieces))
-    owners = assign_owners([shape.numel() for _, _, shape, _ in found], world)
-    return [MuonMatrix(s, i, shape, owner, pieces) for (s, i, shape, pieces), owner in zip(found, owners)]
+                found.append((s, i, shapes[s][i], pieces, getattr(p, "muon_num_heads", None)))
+    owners = assign_owners([found[k][2].numel() for k in range(len(found))], world)
+    return [MuonMatrix(s, i, shape, owner, pieces, heads) for (s, i, shape, pieces, heads), owner in zip(found, owners)]
 
 
 class ShardedMuon:
@@ -126,7 +127,8 @@ class ShardedMuon:
         for rs, chunk in zip(receives, received):
             for (k, f), piece in zip(rs, chunk):
                 whole[k][f.param_start:f.param_start + f.numel].copy_(piece)
-        result = {k: orthogonalize(whole[k], matrices[k].shape, group["ns_method"]) for k in owned}
+        result = {k: orthogonalize(whole[k], matrices[k].shape, group["ns_method"], num_heads=matrices[k].num_heads)
+                  for k in owned}
         # back: per rank, the slices of my matrices' results that its fragments cover
         back = self._exchange([[result[k][f.param_start:f.param_start + f.numel] for k, f in rs] for rs in receives],
                               sends, dtype, crossing)
