@@ -19,7 +19,7 @@ from torch import nn
 from .. import comm as ds_comm
 from ..moe.fused_expert_layout import classify_fused_gate_up_layout
 from .auto_ep_layer import AutoEPMoELayer, ExpertParallelExperts, autoep_layers
-from .auto_ep_plan import BlockPlan, build_plan
+from .auto_ep_plan import BlockPlan, NeedsBlockReplacement, build_plan
 from .auto_ep_presets.base import MoELayerSpec
 from .auto_ep_presets.registry import get_preset_adapter, resolve_preset_candidates
 
@@ -55,7 +55,12 @@ def apply_autoep(model: nn.Module, section: dict, ep_size: int, *, broadcast_gro
             raise ValueError(f"expert_parallel.autoep_size={ep_size} but the model's experts are already "
                              f"sharded for ep_size {sorted({layer.ep_size for layer in done})}")
         return []
-    plans = build_plan(model, section, ep_size)
+    try:
+        plans: list = build_plan(model, section, ep_size)
+    except NeedsBlockReplacement as exc:
+        plans, swap_error = [], exc
+    else:
+        swap_error = None
     from ..utils import groups
 
     world = ds_comm.get_world_size()
@@ -65,14 +70,43 @@ def apply_autoep(model: nn.Module, section: dict, ep_size: int, *, broadcast_gro
     name = f"ep_size_{ep_size}"
     group, rank = groups._get_expert_parallel_group(name), groups._get_expert_parallel_rank(name)
     src = ds_comm.get_global_rank(broadcast_group, 0) if broadcast_group is not None else 0
+
+    def same_experts(experts: nn.Module, names: Any) -> None:
+        """Every EP rank cuts its slice from the same experts (those of the first rank of `broadcast_group`)."""
+        if ds_comm.get_world_size(broadcast_group) > 1:
+            for w in names:
+                _broadcast(getattr(experts, w).data, src, broadcast_group)
+
+    if swap_error is not None:
+        return _replace_blocks(model, section, ep_size, rank, group, same_experts, swap_error)
     for plan in plans:
         original = model.get_submodule(plan.experts_name)
-        if ds_comm.get_world_size(broadcast_group) > 1:
-            for w in (plan.w1, plan.w2):
-                _broadcast(getattr(original, w).data, src, broadcast_group)
+        same_experts(original, (plan.w1, plan.w2))
         _set_child(model, plan.experts_name,
                    ExpertParallelExperts(original, plan.w1, plan.w2, plan.num_experts, ep_size, rank, group))
     return plans
+
+
+def _replace_blocks(model: nn.Module, section: dict, ep_size: int, rank: int, group: Any, same_experts: Any,
+                    swap_error: Exception) -> list:
+    """apply_autoep for blocks that compute their experts themselves: the AutoEP class replaces each
+    whole block (routing as the preset describes); returns the layers' specs."""
+    from .auto_ep_config import parse_autoep_config, validate_autoep_post_detection
+
+    config = parse_autoep_config({**section, "enabled": True, "autoep_size": ep_size})
+    auto_ep = AutoEP(model, config)
+    try:
+        specs = auto_ep.ep_parser()
+    except ValueError as exc:
+        raise ValueError(f"{swap_error}; replacing the whole block failed too: {exc}") from exc
+    if not specs:
+        raise swap_error
+    validate_autoep_post_detection(config, specs)
+    for spec in specs:
+        experts = model.get_submodule(spec.moe_module_name).get_submodule(spec.experts_name)
+        same_experts(experts, [n for n, _ in experts.named_parameters()])
+        auto_ep.replace_moe_layer(spec, ep_size, rank).ep_group = group
+    return specs
 
 
 # -- the AutoEP class: whole-block replacement (DeepSpeed's API) ------------------------------------

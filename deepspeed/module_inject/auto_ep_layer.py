@@ -146,6 +146,10 @@ class ExpertParallelExperts(nn.Module):
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """The engine's MoE set-up calls this; the groups were built when the block was swapped."""
 
+    def expert_param_names(self) -> tuple[str, ...]:
+        """This rank's expert tensors (dim 0: its local experts), for the MoE checkpoint files."""
+        return (self._w1, self._w2)
+
     def extra_repr(self) -> str:
         return (f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} of "
                 f"{self.num_experts}, ep_size={self.ep_size}")
@@ -200,8 +204,9 @@ class ExpertParallelExperts(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-def autoep_layers(module: nn.Module) -> list[ExpertParallelExperts]:
-    return [m for m in module.modules() if isinstance(m, ExpertParallelExperts)]
+def autoep_layers(module: nn.Module) -> list[nn.Module]:
+    """The module's AutoEP layers of either kind (experts swapped, or whole blocks replaced)."""
+    return [m for m in module.modules() if isinstance(m, (ExpertParallelExperts, AutoEPMoELayer))]
 
 
 # -- whole-block replacement (AutoEP class, auto_ep.py) -------------------------------------------
@@ -275,6 +280,7 @@ class AutoEPMoELayer(nn.Module):
         self.model_family, self.top_k, self.num_experts = spec.model_family, spec.top_k, spec.num_experts
         self.ep_size, self.ep_rank, self.num_local_experts = ep_size, ep_rank, spec.num_experts // ep_size
         self.hidden_size, self.ep_group_name, self.ep_group = spec.hidden_size, f"ep_size_{ep_size}", None
+        self.expert_group_name, self.first_expert = self.ep_group_name, ep_rank * self.num_local_experts
         self.score_apply = resolve_score_apply_mode(spec, config.score_apply)
         self.combine_impl = "weighted_sum" if config.combine_impl == "auto" else config.combine_impl
         gate = getattr(source_module, spec.router_name)
@@ -322,6 +328,10 @@ class AutoEPMoELayer(nn.Module):
             groups._create_expert_and_data_parallel(self.ep_size,
                                                     use_data_before_expert_parallel_=use_data_before_expert_parallel_)
         self.ep_group = groups._get_expert_parallel_group(self.ep_group_name)
+
+    def expert_param_names(self) -> tuple[str, ...]:
+        """This rank's expert tensors (dim 0: its local experts), for the MoE checkpoint files."""
+        return ("experts.w1", "experts.w2", "experts.w3")
 
     def _compute(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         order, counts = group_by_expert(local_ids, self.num_local_experts)

@@ -18,13 +18,12 @@ import torch
 
 def autoep_params(engine: Any) -> dict[str, tuple[int, Any]]:
     """{parameter name: (MoE layer id, its AutoEP experts module)}: empty without AutoEP."""
-    from ...module_inject.auto_ep_layer import ExpertParallelExperts
     from ..engine_moe import moe_layers
 
     out = {}
     for layer_id, (prefix, layer) in enumerate(moe_layers(engine.module)):
-        if isinstance(layer, ExpertParallelExperts):
-            for name in (layer._w1, layer._w2):
+        if hasattr(layer, "expert_param_names"):   # auto_ep_layer's two kinds
+            for name in layer.expert_param_names():
                 out[f"{prefix}.{name}" if prefix else name] = (layer_id, layer)
     return out
 
