@@ -118,7 +118,41 @@ def run_on_owners(rows: torch.Tensor, expert_ids: torch.Tensor, plan: SplitPlan,
     return _AllToAll.apply(out, plan.output_splits, plan.input_splits, group)
 
 
-class ExpertParallelExperts(nn.Module):
+class _WholeExpertState:
+    """state_dict() holds whole expert tensors, every EP rank's experts in order (collective over the
+    EP group), except with keep_vars or inside local_expert_state(); load_state_dict takes whole
+    tensors (keeping this rank's experts) or this rank's slice. Needs expert_param_names(),
+    num_experts, num_local_experts, first_expert, ep_size, ep_group; call _whole_expert_state()."""
+
+    def _whole_expert_state(self) -> None:
+        self._register_state_dict_hook(_WholeExpertState._gather_hook)
+        self._register_load_state_dict_pre_hook(self._slice_hook)
+
+    def full_param(self, name: str) -> torch.Tensor:
+        """The whole tensor of expert parameter `name` (dim 0 over all experts). Collective over the EP group."""
+        local = self.get_parameter(name).detach().contiguous()
+        if self.ep_size == 1:
+            return local.clone()
+        parts = [torch.empty_like(local) for _ in range(self.ep_size)]
+        dist.all_gather(parts, local, group=self.ep_group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def _gather_hook(module: Any, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        if getattr(_LOCAL, "on", False):
+            return
+        for name in module.expert_param_names():
+            if not isinstance(state_dict.get(prefix + name), nn.Parameter):   # keep_vars: the Parameter itself
+                state_dict[prefix + name] = module.full_param(name)
+
+    def _slice_hook(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        for name in self.expert_param_names():
+            value = state_dict.get(prefix + name)
+            if value is not None and value.dim() >= 1 and value.shape[0] == self.num_experts != self.num_local_experts:
+                state_dict[prefix + name] = value[self.first_expert:self.first_expert + self.num_local_experts]
+
+
+class ExpertParallelExperts(_WholeExpertState, nn.Module):
     """This EP rank's experts of one HF MoE block, under the HF parameter names (w1: gate_up_proj
     [E/ep, 2I, H], w2: down_proj [E/ep, H, I]). The parameters are the HF module's own Parameter
     objects cut to this rank's slice (an optimizer built before the swap still holds them), marked
@@ -142,6 +176,7 @@ class ExpertParallelExperts(nn.Module):
             param.group_name = self.expert_group_name
             self.register_parameter(name, param)
         self.first_expert = first
+        self._whole_expert_state()
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """The engine's MoE set-up calls this; the groups were built when the block was swapped."""
@@ -179,29 +214,6 @@ class ExpertParallelExperts(nn.Module):
         out = run_on_owners(hidden_states[token], expert, plan, self._compute, self.ep_group, self.ep_size)
         out = out * top_k_weights[token, slot, None]
         return torch.zeros_like(hidden_states).index_add(0, token, out.to(hidden_states.dtype))
-
-    # -- the HF layout in state dicts ----------------------------------------------------------
-    def full_param(self, name: str) -> torch.Tensor:
-        """The whole fused tensor (every EP rank's experts, in order). Collective over the EP group."""
-        local = getattr(self, name).detach().contiguous()
-        if self.ep_size == 1:
-            return local.clone()
-        parts = [torch.empty_like(local) for _ in range(self.ep_size)]
-        dist.all_gather(parts, local, group=self.ep_group)
-        return torch.cat(parts)
-
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        if keep_vars or getattr(_LOCAL, "on", False):
-            return super()._save_to_state_dict(destination, prefix, keep_vars)
-        for name in (self._w1, self._w2):
-            destination[prefix + name] = self.full_param(name)
-
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
-        for name in (self._w1, self._w2):
-            value = state_dict.get(prefix + name)
-            if value is not None and value.dim() == 3 and value.shape[0] == self.num_experts != self.num_local_experts:
-                state_dict[prefix + name] = value[self.first_expert:self.first_expert + self.num_local_experts]
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 def autoep_layers(module: nn.Module) -> list[nn.Module]:
@@ -253,7 +265,7 @@ def _mark(params: Iterator[nn.Parameter], family: str, group_name: Optional[str]
             p.group_name = p.ds_zero_partition_group_name = group_name
 
 
-class AutoEPMoELayer(nn.Module):
+class AutoEPMoELayer(_WholeExpertState, nn.Module):
     """A whole MoE block replaced: the preset's routing (moe/ep_router.py), this EP rank's experts
     (moe/ep_experts.py, cut by moe/ep_repack.py), dispatch as [Note: AutoEP dispatch], and the
     block's shared experts kept as they are. For blocks that compute their experts themselves; Hugging
@@ -316,6 +328,7 @@ class AutoEPMoELayer(nn.Module):
         self.shared_experts_gate = (getattr(source_module, spec.shared_experts_gate_name, None)
                                     if spec.has_shared_experts and spec.shared_experts_gate_name else None)
         _mark(self.experts.parameters(), "autoep_expert", self.ep_group_name)
+        self._whole_expert_state()
         for dense in (self.router, self.shared_experts, self.shared_experts_gate):
             if dense is not None:
                 _mark(dense.parameters(), "replicated")
