@@ -13,6 +13,7 @@ from dataclasses import fields
 from typing import Any, Optional
 
 from .auto_ep_presets.base import _UNSET, AutoEPConfig, MoELayerSpec, MoEModelPreset, _raise_unsupported_load_balance_coeff
+from .auto_ep_folding import build_folding_spec, validate_folding_global
 from .auto_ep_presets.registry import PRESET_MODELS, available_preset_names, resolve_autoep_config_defaults
 
 __all__ = ["_UNSET", "AutoEPConfig", "MoELayerSpec", "MoEModelPreset", "PRESET_MODELS", "parse_autoep_config",
@@ -21,6 +22,8 @@ __all__ = ["_UNSET", "AutoEPConfig", "MoELayerSpec", "MoEModelPreset", "PRESET_M
 
 _CHOICES = {"score_apply": ("auto", "pre", "post"), "combine_impl": ("auto", "weighted_sum", "legacy_bmm"),
             "score_func": ("auto", "softmax", "sigmoid")}
+_FOLDING_OPTIONS = ("zero_stage", "deepcompile_enabled", "use_data_before_expert_parallel", "mpu",
+                    "zero_offload_optimizer", "zero_offload_param")
 _ATTR_NAMES = ("expert_w1", "expert_w2", "num_experts_attr", "top_k_attr", "router_pattern", "expert_pattern",
                "shared_experts_pattern", "shared_experts_gate_pattern")
 
@@ -36,7 +39,7 @@ def parse_autoep_config(param_dict: Optional[dict]) -> AutoEPConfig:
 
 
 def validate_autoep_config(config: AutoEPConfig, world_size: int, pp_size: int, tp_size: int, sp_size: int,
-                           **_: Any) -> None:
+                           **options: Any) -> None:
     """Errors (ValueError naming the key) for a section that cannot run on this topology."""
     if config.load_balance_coeff is not None:
         _raise_unsupported_load_balance_coeff(config.load_balance_coeff)
@@ -48,13 +51,11 @@ def validate_autoep_config(config: AutoEPConfig, world_size: int, pp_size: int, 
     ep = config.autoep_size
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ValueError(f"expert_parallel.autoep_size must be a positive integer, got {ep!r}")
-    if config.expert_tensor_parallel_size != 1:
-        raise ValueError(f"expert_parallel.expert_tensor_parallel_size={config.expert_tensor_parallel_size}: only "
-                         "expert_tensor_parallel_size=1 is supported")
-    stage = world_size // max(pp_size, 1)
-    if stage % ep:
-        raise ValueError(f"expert_parallel.autoep_size={ep} must divide the stage size {stage} (world size "
-                         f"{world_size} / pipeline stages {pp_size})")
+    folding = build_folding_spec(world_size=world_size, pp_size=pp_size, tp_size=max(tp_size, 1), ep_size=ep,
+                                 etp_size=config.expert_tensor_parallel_size)
+    validate_folding_global(folding, sp_size=sp_size, ep_preset=config.preset_model,
+                            tp_preset=options.get("tp_preset_model"), **{
+        k: v for k, v in options.items() if k in _FOLDING_OPTIONS})
     if config.preset_model is not None and config.preset_model not in PRESET_MODELS:
         raise ValueError(f"expert_parallel.preset_model={config.preset_model!r}: unknown; available presets: "
                          f"{list(available_preset_names())}")
