@@ -13,9 +13,14 @@ from torch import nn
 _UNSET = object()   # "key absent" for fields where an explicit null means something else
 
 
+def unsupported_load_balance_coeff(value: object) -> str:
+    """The one message for a non-null load_balance_coeff (the engine's config section says it too)."""
+    return (f"load_balance_coeff={value!r} is not supported: expert_bias (auxiliary-loss-free load balancing) is not "
+            "built; set load_balance_coeff to null or omit the key")
+
+
 def _raise_unsupported_load_balance_coeff(value: object) -> NoReturn:
-    raise ValueError(f"expert_parallel.load_balance_coeff={value!r} is not supported: expert_bias (auxiliary-loss-free "
-                     "load balancing) is not built; set load_balance_coeff to null or omit the key")
+    raise ValueError(f"expert_parallel.{unsupported_load_balance_coeff(value)}")
 
 
 @dataclass
