@@ -269,6 +269,8 @@ def checkpoint_run(kind: str, save_dir: str, stage: int, save_ep: int, load_ep: 
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         consolidated = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t")
+        model_states = torch.load(os.path.join(save_dir, "t", "mp_rank_00_model_states.pt"), weights_only=False)
+        consolidated["ds_autoep_layers"] = model_states["ds_autoep_layers"]
     dist.barrier()
     straight = train(engine, steps)
     whole = {k: v.clone() for k, v in engine.module.state_dict().items()}

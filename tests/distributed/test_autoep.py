@@ -98,6 +98,10 @@ def test_autoep_engine_checkpoint_resumes(tmp_path, stage: int, save_ep: int, lo
 
     results = run_distributed(2, checkpoint_run, "mixtral", str(tmp_path), stage, save_ep, load_ep)
     consolidated = results[0]["consolidated"]
+    assert consolidated.pop("ds_autoep_layers") == [   # DeepSpeed's description of the AutoEP layers
+        {"moe_layer_id": i, "module_path": f"model.layers.{i}.mlp", "expert_key_prefix": f"model.layers.{i}.mlp.experts",
+         "num_experts": 4,
+         "num_local_experts": 4 // save_ep, "ep_size": save_ep} for i in range(2)]
     assert sorted(consolidated) == sorted(results[0]["at_save"])
     for name, value in results[0]["at_save"].items():   # zero_to_fp32: the whole HF tensors
         torch.testing.assert_close(consolidated[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")

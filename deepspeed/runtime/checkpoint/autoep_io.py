@@ -28,6 +28,23 @@ def autoep_params(engine: Any) -> dict[str, tuple[int, Any]]:
     return out
 
 
+def layer_metadata(engine: Any) -> list[dict]:
+    """DeepSpeed's `ds_autoep_layers` entry of the model-states file: each AutoEP layer's MoE block
+    (module_path), where its expert tensors live (expert_key_prefix) and its expert split."""
+    from ..engine_moe import moe_layers
+
+    out = []
+    for layer_id, (prefix, layer) in enumerate(moe_layers(engine.module)):
+        if hasattr(layer, "expert_param_names"):
+            whole_block = getattr(layer, "_is_autoep_layer", False)   # AutoEPMoELayer; else the experts child
+            block = prefix if whole_block else prefix.rpartition(".")[0]
+            out.append({"moe_layer_id": layer_id, "module_path": block,
+                        "expert_key_prefix": f"{prefix}.experts" if whole_block else prefix,
+                        "num_experts": layer.num_experts, "num_local_experts": layer.num_local_experts,
+                        "ep_size": layer.ep_size})
+    return out
+
+
 def expert_entries(engine: Any, params: dict[str, tuple[int, Any]]) -> list[tuple[str, dict]]:
     """This rank's per-expert files (on the first rank of each expert-data-parallel group)."""
     from ...utils import groups
