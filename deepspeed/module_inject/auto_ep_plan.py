@@ -13,6 +13,9 @@ so gathering the slices in EP-rank order restores the original tensor.
 Only the experts child is swapped (auto_ep_layer.ExpertParallelExperts); the block, its router
 and any shared experts stay the Hugging Face modules, so routing (top-k, softmax, norm_topk_prob,
 jitter) and the router logits the HF aux loss reads are the block's own by construction.
+A block that computes its experts itself (no Transformers 5.x experts call, or nn.ModuleList
+experts) cannot keep its router this way (NeedsBlockReplacement): apply_autoep replaces it whole
+instead (auto_ep.AutoEP, routing as the preset describes).
 """
 
 from __future__ import annotations
@@ -119,7 +122,8 @@ class NeedsBlockReplacement(ValueError):
 def _check_call_contract(block: str, child: str, experts: nn.Module) -> None:
     """Only the experts child is swapped, so the block must call it as Transformers 5.x does,
     `experts(hidden_states, top_k_index, top_k_weights)`, and never index its fused parameters
-    itself (it would read local experts under global ids). Refuse experts with no such forward."""
+    itself (it would read local experts under global ids). Experts with no such forward raise
+    NeedsBlockReplacement: apply_autoep then replaces the whole block (auto_ep.AutoEP)."""
     forward = type(experts).forward
     try:
         params = [p for p in inspect.signature(forward).parameters.values() if p.name != "self"]
