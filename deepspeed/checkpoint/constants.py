@@ -41,3 +41,7 @@ MODEL_FILE_SUFFIX = "_model_states.pt"
 # --- universal checkpoints (<out>/zero/<param name>/<field>.pt, each {PARAM: tensor}) -----------
 PARAM = "param"
 FP32_WEIGHT_KEY = "fp32"
+CAT_DIM = "cat_dim"
+EP_IS_EXPERT_PARAM = "is_expert_param"   # an AutoEP expert tensor: dim 0 over all experts
+EP_NUM_EXPERTS = "ep_num_experts"
+AUTOEP_LAYERS_KEY = "ds_autoep_layers"   # model states: each AutoEP layer's place and expert split

@@ -4,8 +4,9 @@ its experts and exchanging tokens with the other EP ranks by all-to-all ([Note: 
 
 [Note: AutoEP dispatch]
 Each (token, slot) assignment goes to the EP rank owning its expert: assignments are sorted by
-expert id (stable), the per-destination counts are exchanged first (one all-to-all of ep integers:
-sizes are exchanged, never assumed), then the rows and their local expert ids travel by a
+expert id (stable), the per-(destination rank, local expert) counts are exchanged first (one
+all-to-all of num_experts integers, SplitPlan: sizes are exchanged, never assumed; each rank then
+knows the local expert of every row it receives, as every sender sorted them), then the rows travel by a
 variable-split all-to-all. Every EP rank computes its experts on what it received (an expert with
 no rows still runs on an empty batch, so every local expert parameter gets a gradient, zero when
 unused) and the results travel back by the reverse all-to-all; the sender weights them by the
@@ -25,13 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm as ds_comm
+from .. import comm as dist
+from ..moe.ep_count import count_tokens_per_expert
+from ..moe.ep_kernels import group_by_expert, inverse_permutation, local_ids_by_source
 
 _LOCAL = threading.local()
 
@@ -47,6 +50,47 @@ def local_expert_state() -> Iterator[None]:
         _LOCAL.on = before
 
 
+class SplitPlan(NamedTuple):
+    """One dispatch's sizes on this EP rank: rows sent to each EP rank (input_splits), rows received
+    from each (output_splits), received rows per local expert (local_counts) and the same per
+    source rank (local_counts_by_source [ep, E_local])."""
+
+    input_splits: list
+    output_splits: list
+    local_counts: torch.Tensor
+    local_counts_by_source: torch.Tensor
+
+
+def _split_plan_from_counts(counts: torch.Tensor, rows: int, ep_size: int, num_local_experts: int,
+                            ep_group: Any) -> SplitPlan:
+    """One all-to-all of the [ep, E_local] per-(rank, local expert) counts gives every size."""
+    if ep_size == 1:
+        return SplitPlan([rows], [rows], counts, counts.view(1, num_local_experts))
+    send = counts.to(torch.int32).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=ep_group)
+    by_source = received.view(ep_size, num_local_experts)
+    return SplitPlan(send.view(ep_size, num_local_experts).sum(dim=1).tolist(), by_source.sum(dim=1).tolist(),
+                     by_source.sum(dim=0), by_source)
+
+
+def compute_split_plan(selected_experts: torch.Tensor, num_experts: int, ep_size: int, num_local_experts: int,
+                       ep_group: Any, num_tokens_per_expert: Optional[torch.Tensor] = None) -> SplitPlan:
+    """The split plan of a routing decision (`selected_experts` [T, k] global ids; the router's
+    histogram may be passed to skip recounting). Collective over the EP group when ep_size > 1."""
+    if num_tokens_per_expert is None:
+        num_tokens_per_expert = count_tokens_per_expert(selected_experts, num_experts)
+    return _split_plan_from_counts(num_tokens_per_expert, selected_experts.numel(), ep_size, num_local_experts,
+                                   ep_group)
+
+
+def compute_split_plan_from_expert_indices(expert_indices: torch.Tensor, num_experts: int, ep_size: int,
+                                           num_local_experts: int, ep_group: Any) -> SplitPlan:
+    """The split plan of a flat list of (already filtered) assignments."""
+    return _split_plan_from_counts(count_tokens_per_expert(expert_indices, num_experts), expert_indices.numel(),
+                                   ep_size, num_local_experts, ep_group)
+
+
 class _AllToAll(torch.autograd.Function):
     """Variable-split all-to-all over dim 0; its backward sends the gradients back the same way."""
 
@@ -54,7 +98,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-        ds_comm.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
         return out
 
     @staticmethod
@@ -62,13 +106,53 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad.contiguous(), ctx.recv, ctx.send, ctx.group), None, None, None
 
 
-def _exchange_counts(send: torch.Tensor, group: Any) -> torch.Tensor:
-    recv = torch.empty_like(send)
-    ds_comm.all_to_all_single(recv, send.contiguous(), group=group)
-    return recv
+def run_on_owners(rows: torch.Tensor, expert_ids: torch.Tensor, plan: SplitPlan, compute: Callable, group: Any,
+                  ep_size: int) -> torch.Tensor:
+    """Send `rows` (sorted by global expert id) to the EP ranks owning their experts, run
+    `compute(received_rows, local_expert_ids)` there and bring the results back in `rows`' order
+    ([Note: AutoEP dispatch]). ep_size 1: computed here; the ids are local already."""
+    if ep_size == 1:
+        return compute(rows, expert_ids)
+    got = _AllToAll.apply(rows, plan.input_splits, plan.output_splits, group)
+    out = compute(got, local_ids_by_source(plan.local_counts_by_source))
+    return _AllToAll.apply(out, plan.output_splits, plan.input_splits, group)
 
 
-class ExpertParallelExperts(nn.Module):
+class _WholeExpertState:
+    """state_dict() holds whole expert tensors, every EP rank's experts in order (collective over the
+    EP group), except with keep_vars or inside local_expert_state(); load_state_dict takes whole
+    tensors (keeping this rank's experts) or this rank's slice. Needs expert_param_names(),
+    num_experts, num_local_experts, first_expert, ep_size, ep_group; call _whole_expert_state()."""
+
+    def _whole_expert_state(self) -> None:
+        self._register_state_dict_hook(_WholeExpertState._gather_hook)
+        self._register_load_state_dict_pre_hook(self._slice_hook)
+
+    def full_param(self, name: str) -> torch.Tensor:
+        """The whole tensor of expert parameter `name` (dim 0 over all experts). Collective over the EP group."""
+        local = self.get_parameter(name).detach().contiguous()
+        if self.ep_size == 1:
+            return local.clone()
+        parts = [torch.empty_like(local) for _ in range(self.ep_size)]
+        dist.all_gather(parts, local, group=self.ep_group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def _gather_hook(module: Any, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        if getattr(_LOCAL, "on", False):
+            return
+        for name in module.expert_param_names():
+            if not isinstance(state_dict.get(prefix + name), nn.Parameter):   # keep_vars: the Parameter itself
+                state_dict[prefix + name] = module.full_param(name)
+
+    def _slice_hook(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        for name in self.expert_param_names():
+            value = state_dict.get(prefix + name)
+            if value is not None and value.dim() >= 1 and value.shape[0] == self.num_experts != self.num_local_experts:
+                state_dict[prefix + name] = value[self.first_expert:self.first_expert + self.num_local_experts]
+
+
+class ExpertParallelExperts(_WholeExpertState, nn.Module):
     """This EP rank's experts of one HF MoE block, under the HF parameter names (w1: gate_up_proj
     [E/ep, 2I, H], w2: down_proj [E/ep, H, I]). The parameters are the HF module's own Parameter
     objects cut to this rank's slice (an optimizer built before the swap still holds them), marked
@@ -92,9 +176,14 @@ class ExpertParallelExperts(nn.Module):
             param.group_name = self.expert_group_name
             self.register_parameter(name, param)
         self.first_expert = first
+        self._whole_expert_state()
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """The engine's MoE set-up calls this; the groups were built when the block was swapped."""
+
+    def expert_param_names(self) -> tuple[str, ...]:
+        """This rank's expert tensors (dim 0: its local experts), for the MoE checkpoint files."""
+        return (self._w1, self._w2)
 
     def extra_repr(self) -> str:
         return (f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} of "
@@ -120,46 +209,164 @@ class ExpertParallelExperts(nn.Module):
         order = order[flat[order] < self.num_experts]   # HF's experts skip ids >= num_experts
         expert = flat[order]
         token, slot = order // k, order % k
-        rows = hidden_states[token]
-        if self.ep_size > 1:
-            dest = torch.div(expert, self.num_local_experts, rounding_mode="floor")
-            send = torch.bincount(dest, minlength=self.ep_size)
-            recv = _exchange_counts(send, self.ep_group)
-            send_l, recv_l = send.tolist(), recv.tolist()
-            local = expert - dest * self.num_local_experts
-            got_ids = local.new_empty(sum(recv_l))
-            ds_comm.all_to_all_single(got_ids, local.contiguous(), output_split_sizes=recv_l,
-                                      input_split_sizes=send_l, group=self.ep_group)
-            got = _AllToAll.apply(rows, send_l, recv_l, self.ep_group)
-            out = _AllToAll.apply(self._compute(got, got_ids), recv_l, send_l, self.ep_group)
-        else:
-            out = self._compute(rows, expert)
+        plan = compute_split_plan_from_expert_indices(expert, self.num_experts, self.ep_size, self.num_local_experts,
+                                                      self.ep_group)
+        out = run_on_owners(hidden_states[token], expert, plan, self._compute, self.ep_group, self.ep_size)
         out = out * top_k_weights[token, slot, None]
         return torch.zeros_like(hidden_states).index_add(0, token, out.to(hidden_states.dtype))
 
-    # -- the HF layout in state dicts ----------------------------------------------------------
-    def full_param(self, name: str) -> torch.Tensor:
-        """The whole fused tensor (every EP rank's experts, in order). Collective over the EP group."""
-        local = getattr(self, name).detach().contiguous()
-        if self.ep_size == 1:
-            return local.clone()
-        parts = [torch.empty_like(local) for _ in range(self.ep_size)]
-        ds_comm.all_gather(parts, local, group=self.ep_group)
-        return torch.cat(parts)
 
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        if keep_vars or getattr(_LOCAL, "on", False):
-            return super()._save_to_state_dict(destination, prefix, keep_vars)
-        for name in (self._w1, self._w2):
-            destination[prefix + name] = self.full_param(name)
-
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
-        for name in (self._w1, self._w2):
-            value = state_dict.get(prefix + name)
-            if value is not None and value.dim() == 3 and value.shape[0] == self.num_experts != self.num_local_experts:
-                state_dict[prefix + name] = value[self.first_expert:self.first_expert + self.num_local_experts]
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+def autoep_layers(module: nn.Module) -> list[nn.Module]:
+    """The module's AutoEP layers of either kind (experts swapped, or whole blocks replaced)."""
+    return [m for m in module.modules() if isinstance(m, (ExpertParallelExperts, AutoEPMoELayer))]
 
 
-def autoep_layers(module: nn.Module) -> list[ExpertParallelExperts]:
-    return [m for m in module.modules() if isinstance(m, ExpertParallelExperts)]
+# -- whole-block replacement (AutoEP class, auto_ep.py) -------------------------------------------
+def resolve_score_apply_mode(spec: Any, config_override: str) -> str:
+    """"pre" (weight rows before the experts) or "post" (weight expert outputs): the section's
+    score_apply unless "auto", else the preset's."""
+    return spec.score_apply if config_override == "auto" else config_override
+
+
+def apply_scores_before_experts_if_enabled(routed_input: torch.Tensor, top_scores: torch.Tensor,
+                                           score_apply: str) -> torch.Tensor:
+    """Rows scaled by their routing weight (in fp32) when score_apply is "pre"; unchanged otherwise."""
+    if score_apply != "pre":
+        return routed_input
+    return (routed_input.float() * top_scores.reshape(-1, 1)).to(routed_input.dtype)
+
+
+def combine_from_routed(expert_output: torch.Tensor, top_scores: torch.Tensor, token_indices_sorted: torch.Tensor,
+                        top_k: int, score_apply: str, combine_impl: str, shape: tuple) -> torch.Tensor:
+    """Each token's output from its k expert rows: `expert_output[i]` belongs to flat (token, slot)
+    `token_indices_sorted[i]`; "post" weights the k rows by top_scores (fp32) and sums them
+    ("legacy_bmm": the same sum as one batched matmul), "pre" only sums. Returns `shape` (B, S, H)."""
+    tokens = top_scores.shape[0]
+    rows = expert_output.new_zeros((tokens * top_k, expert_output.shape[-1]))
+    rows[token_indices_sorted] = expert_output
+    rows = rows.view(tokens, top_k, -1)
+    if score_apply == "post":
+        weights = top_scores.reshape(tokens, top_k).float()
+        if combine_impl == "legacy_bmm":
+            out = torch.bmm(weights.unsqueeze(1), rows.float()).squeeze(1)
+        else:
+            out = (rows.float() * weights.unsqueeze(-1)).sum(dim=1)
+        out = out.to(expert_output.dtype)
+    else:
+        out = rows.sum(dim=1)
+    return out.reshape(shape)
+
+
+def _mark(params: Iterator[nn.Parameter], family: str, group_name: Optional[str] = None) -> None:
+    for p in params:
+        p.allreduce = group_name is None
+        p.ds_zero_placement_family = family
+        if group_name is not None:
+            p.group_name = p.ds_zero_partition_group_name = group_name
+
+
+class AutoEPMoELayer(_WholeExpertState, nn.Module):
+    """A whole MoE block replaced: the preset's routing (moe/ep_router.py), this EP rank's experts
+    (moe/ep_experts.py, cut by moe/ep_repack.py), dispatch as [Note: AutoEP dispatch], and the
+    block's shared experts kept as they are. For blocks that compute their experts themselves; Hugging
+    Face Transformers 5.x blocks keep their own router under the engine's experts swap instead
+    (ExpertParallelExperts). Expert parameters carry allreduce=False and group_name "ep_size_<ep>"."""
+
+    _is_autoep_layer = True
+
+    def __init__(self, spec: Any, source_module: nn.Module, ep_size: int, ep_rank: int, config: Any) -> None:
+        super().__init__()
+        from .auto_ep_presets.registry import resolve_autoep_config_defaults
+        from ..moe.ep_experts import GroupedExperts
+        from ..moe.ep_repack import gather_source_params, repack_expert_requires_grad_flags, repack_expert_weights
+        from ..moe.ep_router import TokenChoiceTopKRouter
+
+        coeff = resolve_autoep_config_defaults(config, spec.model_family).load_balance_coeff
+        if coeff is not None:
+            raise ValueError(f"AutoEP preset {spec.model_family!r} ({spec.moe_module_name}): "
+                             f"load_balance_coeff/expert_bias (load_balance_coeff={coeff!r}) is not supported; set "
+                             "load_balance_coeff to null or omit the key")
+        if spec.num_experts % ep_size:
+            raise ValueError(f"AutoEP: {spec.moe_module_name} has {spec.num_experts} experts, which autoep_size="
+                             f"{ep_size} does not divide")
+        self.model_family, self.top_k, self.num_experts = spec.model_family, spec.top_k, spec.num_experts
+        self.ep_size, self.ep_rank, self.num_local_experts = ep_size, ep_rank, spec.num_experts // ep_size
+        self.hidden_size, self.ep_group_name, self.ep_group = spec.hidden_size, f"ep_size_{ep_size}", None
+        self.expert_group_name, self.first_expert = self.ep_group_name, ep_rank * self.num_local_experts
+        self.score_apply = resolve_score_apply_mode(spec, config.score_apply)
+        self.combine_impl = "weighted_sum" if config.combine_impl == "auto" else config.combine_impl
+        gate = getattr(source_module, spec.router_name)
+        bias = getattr(gate, "bias", None)
+        correction = getattr(gate, "e_score_correction_bias", None)
+        self.router = TokenChoiceTopKRouter(spec.hidden_size, spec.num_experts, spec.num_expert_groups,
+                                            spec.num_limited_groups, spec.top_k, spec.score_func,
+                                            spec.route_norm if config.route_norm is None else bool(config.route_norm),
+                                            spec.route_scale, bias is not None, spec.group_score_func)
+        self.router.to(dtype=gate.weight.dtype, device=gate.weight.device)
+        with gather_source_params([gate.weight, bias, correction]), torch.no_grad():
+            for mine, theirs in ((self.router.gate.weight, gate.weight), (self.router.gate.bias, bias)):
+                if theirs is not None:
+                    mine.copy_(theirs.detach().reshape(mine.shape))
+                    mine.requires_grad_(theirs.requires_grad)
+            if correction is not None:
+                value = correction.detach().clone().reshape(spec.num_experts)
+                if isinstance(correction, nn.Parameter):
+                    self.router.e_score_correction_bias = nn.Parameter(value, requires_grad=correction.requires_grad)
+                else:
+                    self.router.register_buffer("e_score_correction_bias", value)
+        source_experts = getattr(source_module, spec.experts_name)
+        weights = repack_expert_weights(source_experts, spec, ep_rank, ep_size)
+        flags = repack_expert_requires_grad_flags(source_experts, spec, ep_rank, ep_size)
+        self.experts = GroupedExperts(spec.hidden_size, spec.ffn_hidden_size, self.num_local_experts,
+                                      config.use_grouped_mm, spec.expert_activation, dtype=weights[0].dtype,
+                                      device=weights[0].device)
+        with torch.no_grad():
+            for param, value, flag in zip((self.experts.w1, self.experts.w2, self.experts.w3), weights, flags):
+                param.copy_(value)
+                param.requires_grad_(flag)
+        self.shared_experts = getattr(source_module, spec.shared_experts_name) if spec.has_shared_experts else None
+        self.shared_experts_gate = (getattr(source_module, spec.shared_experts_gate_name, None)
+                                    if spec.has_shared_experts and spec.shared_experts_gate_name else None)
+        _mark(self.experts.parameters(), "autoep_expert", self.ep_group_name)
+        self._whole_expert_state()
+        for dense in (self.router, self.shared_experts, self.shared_experts_gate):
+            if dense is not None:
+                _mark(dense.parameters(), "replicated")
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """Build (or find) the `ep_size_<ep>` expert groups and take this rank's EP group."""
+        from ..utils import groups
+
+        if self.ep_group_name not in groups._get_expert_parallel_group_dict():
+            groups._create_expert_and_data_parallel(self.ep_size,
+                                                    use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        self.ep_group = groups._get_expert_parallel_group(self.ep_group_name)
+
+    def expert_param_names(self) -> tuple[str, ...]:
+        """This rank's expert tensors (dim 0: its local experts), for the MoE checkpoint files."""
+        return ("experts.w1", "experts.w2", "experts.w3")
+
+    def _compute(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        order, counts = group_by_expert(local_ids, self.num_local_experts)
+        return self.experts(rows[order], counts)[inverse_permutation(order)]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.ep_size > 1 and self.ep_group is None:
+            raise RuntimeError(f"AutoEPMoELayer (autoep_size={self.ep_size}): call set_deepspeed_parallelism() "
+                               "(deepspeed.initialize does) before the forward")
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        top_scores, selected, counts = self.router(x)
+        flat = selected.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = apply_scores_before_experts_if_enabled(x[order // self.top_k], top_scores.reshape(-1)[order],
+                                                      self.score_apply)
+        plan = compute_split_plan(selected, self.num_experts, self.ep_size, self.num_local_experts, self.ep_group,
+                                  counts)
+        out = run_on_owners(rows, flat[order], plan, self._compute, self.ep_group, self.ep_size)
+        out = combine_from_routed(out, top_scores, order, self.top_k, self.score_apply, self.combine_impl, x.shape)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)
+            if self.shared_experts_gate is not None:
+                shared = torch.sigmoid(self.shared_experts_gate(x)) * shared
+            out = out + shared
+        return out.reshape(hidden_states.shape)

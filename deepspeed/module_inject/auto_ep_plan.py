@@ -13,6 +13,9 @@ so gathering the slices in EP-rank order restores the original tensor.
 Only the experts child is swapped (auto_ep_layer.ExpertParallelExperts); the block, its router
 and any shared experts stay the Hugging Face modules, so routing (top-k, softmax, norm_topk_prob,
 jitter) and the router logits the HF aux loss reads are the block's own by construction.
+A block that computes its experts itself (no Transformers 5.x experts call, or nn.ModuleList
+experts) cannot keep its router this way (NeedsBlockReplacement): apply_autoep replaces it whole
+instead (auto_ep.AutoEP, routing as the preset describes).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from torch import nn
+
+from .auto_ep_presets.base import MoEModelPreset
+from .auto_ep_presets.registry import PRESET_MODELS
 
 
 @dataclass(frozen=True)
@@ -37,14 +43,18 @@ class Preset:
     hf_model_types: tuple[str, ...] = ()
 
 
-PRESETS: dict[str, Preset] = {
-    "mixtral": Preset(num_experts_attr="num_local_experts", hf_model_types=("mixtral",)),
-    "qwen3_moe": Preset(hf_model_types=("qwen3_moe", "qwen2_moe")),
-    "qwen3_5_moe": Preset(moe_layer_pattern=r"model\.(language_model\.)?layers\.\d+\.mlp",
-                          hf_model_types=("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")),
-    "deepseek_v2": Preset(num_experts_attr="n_routed_experts", hf_model_types=("deepseek_v2",)),
-    "deepseek_v3": Preset(num_experts_attr="n_routed_experts", hf_model_types=("deepseek_v3",)),
-}
+def _from_registry(preset: MoEModelPreset) -> Preset:
+    """The experts swap's view of a registry preset. It also takes the model types the registry's
+    whole-block replacement refuses with a note: keeping the HF block, it serves them."""
+    return Preset(preset.moe_layer_pattern, preset.router_pattern, preset.experts_pattern, preset.expert_w1,
+                  preset.expert_w2, preset.num_experts_attr, preset.top_k_attr,
+                  preset.hf_model_types + tuple(preset.unsupported_hf_model_type_notes))
+
+
+PRESETS: dict[str, Preset] = {name: _from_registry(p) for name, p in PRESET_MODELS.items()}
+# the composite Qwen3.5 model keeps its text layers under model.language_model; Qwen3-Next shares the block
+PRESETS["qwen3_5_moe"] = replace(PRESETS["qwen3_5_moe"], moe_layer_pattern=r"model\.(language_model\.)?layers\.\d+\.mlp",
+                                 hf_model_types=PRESETS["qwen3_5_moe"].hf_model_types + ("qwen3_next", ))
 
 # config keys that override a preset field of the same name
 OVERRIDES = ("moe_layer_pattern", "router_pattern", "expert_pattern", "expert_w1", "expert_w2",
@@ -103,10 +113,17 @@ def _config_int(model: nn.Module, attr: str) -> Optional[int]:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+class NeedsBlockReplacement(ValueError):
+    """The block computes its experts itself (no Transformers 5.x experts call, or an nn.ModuleList
+    of expert MLPs): swapping the experts child cannot serve it; apply_autoep replaces the whole
+    block instead (auto_ep.AutoEP)."""
+
+
 def _check_call_contract(block: str, child: str, experts: nn.Module) -> None:
     """Only the experts child is swapped, so the block must call it as Transformers 5.x does,
     `experts(hidden_states, top_k_index, top_k_weights)`, and never index its fused parameters
-    itself (it would read local experts under global ids). Refuse experts with no such forward."""
+    itself (it would read local experts under global ids). Experts with no such forward raise
+    NeedsBlockReplacement: apply_autoep then replaces the whole block (auto_ep.AutoEP)."""
     forward = type(experts).forward
     try:
         params = [p for p in inspect.signature(forward).parameters.values() if p.name != "self"]
@@ -114,7 +131,7 @@ def _check_call_contract(block: str, child: str, experts: nn.Module) -> None:
         params = []
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if forward is nn.Module.forward or (len(positional) < 3 and not any(p.kind == p.VAR_POSITIONAL for p in params)):
-        raise ValueError(f"expert_parallel: {block}.{child} ({type(experts).__name__}) has no "
+        raise NeedsBlockReplacement(f"expert_parallel: {block}.{child} ({type(experts).__name__}) has no "
                          "forward(hidden_states, top_k_index, top_k_weights); AutoEP swaps the experts module and "
                          "keeps the block's own routing, so the block must call its experts that way "
                          "(Transformers 5.x MoE blocks do)")
@@ -133,6 +150,9 @@ def build_plan(model: nn.Module, section: dict, ep_size: int) -> list[BlockPlan]
         router = getattr(module, preset.router_pattern, None)
         if experts is None or router is None:
             continue   # a dense MLP at a position the pattern also matches (e.g. first_k_dense layers)
+        if isinstance(experts, nn.ModuleList):
+            raise NeedsBlockReplacement(f"expert_parallel: {name}.{preset.expert_pattern} is an nn.ModuleList of "
+                                        "expert modules, not a Transformers 5.x fused experts module")
         w1, w2 = getattr(experts, preset.expert_w1, None), getattr(experts, preset.expert_w2, None)
         if not isinstance(w1, nn.Parameter) or not isinstance(w2, nn.Parameter) or w1.dim() != 3 or w2.dim() != 3:
             raise ValueError(f"expert_parallel: {name}.{preset.expert_pattern} has no fused 3-D expert parameters "

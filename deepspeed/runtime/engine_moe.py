@@ -28,7 +28,7 @@ from .. import comm as ds_comm
 from ..moe.utils import is_moe_param
 from ..utils import groups
 from .engine_autoep import setup_autoep
-from .errors import NotSupportedYet
+from .errors import NotSupportedYet, UnsupportedCombination
 
 
 def is_moe_layer(module: nn.Module) -> bool:
@@ -71,10 +71,14 @@ def setup_moe(engine: Any) -> None:
     sizes = {name: ep_size_of(name) for name in names}
     stage = int(engine._config.model.zero_optimization.stage)
     if stage == 3 and max(sizes.values()) > 1:
-        raise NotSupportedYet(f"zero_optimization.stage=3 with expert parallelism (MoE ep_size="
-                              f"{max(sizes.values())}): ZeRO-3 does not partition expert parameters over their "
-                              "expert-data-parallel group in this build; use zero_optimization.stage 0, 1 or 2 "
-                              "(experts are partitioned there), or ep_size=1 at stage 3")
+        from ..moe.layer import MoE
+
+        native = any(isinstance(m, MoE) for m in engine.moe_layers)   # upstream refuses these at ZeRO-3 outright
+        raise (UnsupportedCombination if native else NotSupportedYet)(
+            f"zero_optimization.stage=3 with {'Native DeepSpeed MoE layers' if native else 'expert parallelism'} "
+            f"(ep_size={max(sizes.values())}): ZeRO-3 does not partition expert parameters over their "
+            "expert-data-parallel group in this build; use zero_optimization.stage 0, 1 or 2 (experts are "
+            "partitioned there), or ep_size=1 at stage 3")
     if engine._split is not None or engine.sequence_parallel_size > 1 or engine.mpu is not None:
         raise NotSupportedYet(f"MoE layers (ep_size {sorted(sizes.values())}) with tensor, sequence or pipeline "
                               "parallelism or a client mpu: expert parallelism combines with data parallelism and "

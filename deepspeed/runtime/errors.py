@@ -12,3 +12,8 @@ class UsageError(RuntimeError, AssertionError):
 
 class ArgumentError(ValueError, AssertionError):
     """A bad argument that upstream rejects with an `assert` (see UsageError)."""
+
+
+class UnsupportedCombination(NotSupportedYet, AssertionError):
+    """A combination of features this build refuses where upstream refuses it too with an `assert`
+    (e.g. DeepSpeed's MoE layer under ZeRO-3): callers catching either kind see it."""

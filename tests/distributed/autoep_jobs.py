@@ -269,6 +269,8 @@ def checkpoint_run(kind: str, save_dir: str, stage: int, save_ep: int, load_ep: 
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         consolidated = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t")
+        model_states = torch.load(os.path.join(save_dir, "t", "mp_rank_00_model_states.pt"), weights_only=False)
+        consolidated["ds_autoep_layers"] = model_states["ds_autoep_layers"]
     dist.barrier()
     straight = train(engine, steps)
     whole = {k: v.clone() for k, v in engine.module.state_dict().items()}
@@ -310,3 +312,76 @@ def bf16_run(kind: str) -> dict:
     return {"logits": (out.logits.float() - want.logits.float()).abs().max().item(),
             "scale": want.logits.float().abs().max().item(), "loss": (out.loss.item(), want.loss.item()),
             "dtypes": sorted({str(g.dtype) for g in grads if g is not None}), "grads": sum(g is not None for g in grads)}
+
+
+class _SelfComputingExperts(torch.nn.Module):
+    def __init__(self, experts: int, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * ffn, hidden) * 0.3)
+        self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, ffn) * 0.3)
+
+
+class SelfComputingBlock(torch.nn.Module):
+    """A Mixtral-style block (softmax, top-2, renormalised) that indexes its fused experts itself, as
+    remote-code models do: the experts swap cannot serve it, AutoEP replaces the whole block."""
+
+    def __init__(self, experts: int = 4, hidden: int = 16, ffn: int = 8) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = _SelfComputingExperts(experts, hidden, ffn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = torch.softmax(self.gate(flat), dim=-1).topk(2, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e in range(self.gate.out_features):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            gate, up = (flat[token] @ self.experts.gate_up_proj[e].T).chunk(2, dim=-1)
+            y = (torch.nn.functional.silu(gate) * up) @ self.experts.down_proj[e].T
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out.reshape(x.shape)
+
+
+class SelfComputingMoE(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from types import SimpleNamespace
+
+        torch.manual_seed(0)
+        self.config = SimpleNamespace(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(2)])
+        for layer in self.model.layers:
+            layer.mlp = SelfComputingBlock()
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.model.layers:
+            x = x + layer.mlp(x)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+
+
+def self_computing_run(ep: int, steps: int) -> dict:
+    """SGD through the engine on SelfComputingMoE (ep=0: no expert_parallel section)."""
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    model = SelfComputingMoE()
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    if ep:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": ep}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    losses = []
+    for step in range(steps):
+        loss = engine(batch(step, dist.get_rank()))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    layers = [m for m in engine.module.modules() if isinstance(m, AutoEPMoELayer)]
+    return {"losses": losses, "state": {k: v.clone() for k, v in engine.module.state_dict().items()},
+            "local_experts": [m.experts.w1.shape[0] for m in layers]}

@@ -98,6 +98,10 @@ def test_autoep_engine_checkpoint_resumes(tmp_path, stage: int, save_ep: int, lo
 
     results = run_distributed(2, checkpoint_run, "mixtral", str(tmp_path), stage, save_ep, load_ep)
     consolidated = results[0]["consolidated"]
+    assert consolidated.pop("ds_autoep_layers") == [   # DeepSpeed's description of the AutoEP layers
+        {"moe_layer_id": i, "module_path": f"model.layers.{i}.mlp", "expert_key_prefix": f"model.layers.{i}.mlp.experts",
+         "num_experts": 4,
+         "num_local_experts": 4 // save_ep, "ep_size": save_ep} for i in range(2)]
     assert sorted(consolidated) == sorted(results[0]["at_save"])
     for name, value in results[0]["at_save"].items():   # zero_to_fp32: the whole HF tensors
         torch.testing.assert_close(consolidated[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
@@ -142,3 +146,23 @@ def test_autoep_bf16() -> None:
         assert r["logits"] <= 2e-2 * max(1.0, r["scale"]), r
         assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-2)
         assert r["dtypes"] == ["torch.bfloat16"] and r["grads"] == 4
+
+
+def test_autoep_replaces_blocks_that_compute_their_experts() -> None:
+    """A block that indexes its fused experts itself (remote code, upstream's mock) is replaced whole
+    (AutoEPMoELayer, the preset's routing): 5 SGD steps at ep=2 equal the model run as written."""
+    from autoep_jobs import self_computing_run
+
+    base = run_distributed(2, self_computing_run, 0, 5)
+    ep = run_distributed(2, self_computing_run, 2, 5)
+    assert [r["local_experts"] for r in ep] == [[2, 2], [2, 2]]
+    assert ep[0]["losses"] == pytest.approx(base[0]["losses"], rel=1e-5, abs=1e-6)
+    for name, value in ep[0]["state"].items():   # whole experts (AutoEP's w1/w2/w3) vs the block's fused tensors
+        if ".experts.w" not in name:
+            torch.testing.assert_close(value, base[0]["state"][name.replace(".router.gate.", ".gate.")], rtol=1e-5,
+                                       atol=1e-5)
+    for layer in ("model.layers.0.mlp", "model.layers.1.mlp"):
+        gate_up, down = base[0]["state"][f"{layer}.experts.gate_up_proj"], base[0]["state"][f"{layer}.experts.down_proj"]
+        torch.testing.assert_close(torch.cat([ep[0]["state"][f"{layer}.experts.w1"], ep[0]["state"][f"{layer}.experts.w3"]],
+                                             dim=1), gate_up, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ep[0]["state"][f"{layer}.experts.w2"], down, rtol=1e-5, atol=1e-5)

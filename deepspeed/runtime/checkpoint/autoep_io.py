@@ -18,14 +18,30 @@ import torch
 
 def autoep_params(engine: Any) -> dict[str, tuple[int, Any]]:
     """{parameter name: (MoE layer id, its AutoEP experts module)}: empty without AutoEP."""
-    from ...module_inject.auto_ep_layer import ExpertParallelExperts
     from ..engine_moe import moe_layers
 
     out = {}
     for layer_id, (prefix, layer) in enumerate(moe_layers(engine.module)):
-        if isinstance(layer, ExpertParallelExperts):
-            for name in (layer._w1, layer._w2):
+        if hasattr(layer, "expert_param_names"):   # auto_ep_layer's two kinds
+            for name in layer.expert_param_names():
                 out[f"{prefix}.{name}" if prefix else name] = (layer_id, layer)
+    return out
+
+
+def layer_metadata(engine: Any) -> list[dict]:
+    """DeepSpeed's `ds_autoep_layers` entry of the model-states file: each AutoEP layer's MoE block
+    (module_path), where its expert tensors live (expert_key_prefix) and its expert split."""
+    from ..engine_moe import moe_layers
+
+    out = []
+    for layer_id, (prefix, layer) in enumerate(moe_layers(engine.module)):
+        if hasattr(layer, "expert_param_names"):
+            whole_block = getattr(layer, "_is_autoep_layer", False)   # AutoEPMoELayer; else the experts child
+            block = prefix if whole_block else prefix.rpartition(".")[0]
+            out.append({"moe_layer_id": layer_id, "module_path": block,
+                        "expert_key_prefix": f"{prefix}.experts" if whole_block else prefix,
+                        "num_experts": layer.num_experts, "num_local_experts": layer.num_local_experts,
+                        "ep_size": layer.ep_size})
     return out
 
 

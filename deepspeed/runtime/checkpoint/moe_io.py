@@ -29,7 +29,8 @@ from ...moe.utils import is_moe_param
 from ...utils import groups
 from ...module_inject.auto_ep_layer import local_expert_state
 from ..engine_moe import moe_layers
-from .autoep_io import autoep_params, expert_entries, own_rows, piece_in_whole, read_module
+from ...checkpoint.constants import AUTOEP_LAYERS_KEY
+from .autoep_io import autoep_params, expert_entries, layer_metadata, own_rows, piece_in_whole, read_module
 
 EXPERT_RE = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")
 PIECES = "ds_moe_pieces"
@@ -109,6 +110,8 @@ def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool,
             state["param_shapes"] = [type(g)((n, s) for n, s in g.items() if n not in renamed and n not in autoep)
                                      for g in state["param_shapes"]]
         state["num_experts"] = list(engine.num_experts)
+        if autoep:
+            state[AUTOEP_LAYERS_KEY] = layer_metadata(engine)
         entries.append((files.model_file(0), state))
     with local_expert_state():
         module_state = engine.module.state_dict()

@@ -80,7 +80,15 @@ _COMPAT: dict[str, Callable[["DeepSpeedConfig"], Any]] = {
     "monitor_config": lambda c: _monitor_config(c.model),
     "flops_profiler_config": lambda c: c.model.flops_profiler,
     "timers_config": lambda c: c.model.timers.throughput,
+    "expert_parallel_config": lambda c: _autoep_config(c.raw),
 }
+
+
+def _autoep_config(raw: dict) -> Any:
+    """The `expert_parallel` section as DeepSpeed's AutoEPConfig (validated by the section model already)."""
+    from ...module_inject.auto_ep_config import parse_autoep_config
+
+    return parse_autoep_config(raw.get("expert_parallel"))
 
 
 def _monitor_config(model: Any) -> Any:

@@ -75,8 +75,8 @@ class ExpertParallelConfig(DSModel):
     """Group-limited routing override: only null."""
     routed_scaling_factor: Union[float, str] = "auto"
     """Only auto: the model's own scaling factor."""
-    load_balance_coeff: Optional[float] = None
-    """Upstream refuses a non-null value too (expert-bias load balancing)."""
+    load_balance_coeff: Any = None
+    """Only null: expert-bias load balancing is not built (upstream refuses a non-null value too)."""
 
     def _problems(self) -> Iterator[Problem]:
         if self.preset_model is not None:
@@ -115,5 +115,6 @@ class ExpertParallelConfig(DSModel):
                 yield key, not_supported(f"overriding the model's routing ({key}={value!r}): {_AS_MODEL}",
                                          f"leave it out or set it to {default!r}")
         if self.load_balance_coeff is not None:
-            yield "load_balance_coeff", not_supported(f"load_balance_coeff={self.load_balance_coeff!r} (expert-bias "
-                                                      "load balancing)", "leave it out or set it to null")
+            from ....module_inject.auto_ep_presets.base import unsupported_load_balance_coeff
+
+            yield "load_balance_coeff", unsupported_load_balance_coeff(self.load_balance_coeff)

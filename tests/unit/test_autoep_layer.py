@@ -1,0 +1,88 @@
+"""AutoEP's whole-block replacement pieces (no processes): split plan, router, repacking, the layer
+against the block it replaces, config parsing."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from deepspeed.module_inject.auto_ep import AutoEP
+from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer, compute_split_plan
+from deepspeed.moe.ep_kernels import local_ids_by_source
+from deepspeed.moe.ep_repack import repack_expert_weights
+from deepspeed.moe.ep_router import TokenChoiceTopKRouter
+
+
+def test_split_plan_and_received_ids() -> None:
+    plan = compute_split_plan(torch.tensor([[2, 0], [2, 3]]), 4, 1, 4, None)
+    assert plan.input_splits == plan.output_splits == [4]
+    assert plan.local_counts.tolist() == [1, 0, 2, 1]
+    # from two sources, sorted by expert: source 0 sent 2 rows of local expert 1, source 1 one of each
+    assert local_ids_by_source(torch.tensor([[0, 2], [1, 1]])).tolist() == [1, 1, 0, 1]
+
+
+def test_router_group_limited_and_scaled() -> None:
+    torch.manual_seed(0)
+    router = TokenChoiceTopKRouter(8, 8, 4, 1, 2, "sigmoid", True, 2.5, False)
+    scores, chosen, counts = router(torch.randn(32, 8))
+    assert (chosen // 2).eq((chosen // 2)[:, :1]).all()   # both picks inside the one allowed group
+    torch.testing.assert_close(scores.sum(dim=-1), torch.full((32,), 2.5))
+    assert counts.sum() == 64 and counts.dtype == torch.int32
+
+
+class _Block(nn.Module):
+    """A Mixtral-style block computing its experts itself; gate_up stored [E, H, 2F] (hidden first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 4, bias=False)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.randn(4, 8, 12))
+        self.experts.down_proj = nn.Parameter(torch.randn(4, 6, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = torch.softmax(self.gate(x), dim=-1).topk(2, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for k in range(2):
+                gate, up = (x[t] @ self.experts.gate_up_proj[idx[t, k]]).chunk(2)
+                out[t] += w[t, k] * ((nn.functional.silu(gate) * up) @ self.experts.down_proj[idx[t, k]])
+        return out
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(1)
+    model = nn.Module()
+    model.config = SimpleNamespace(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.Module()])
+    model.model.layers[0].mlp = _Block()
+    return model
+
+
+def test_layer_equals_the_block_it_replaces() -> None:
+    model = _model()
+    block = model.model.layers[0].mlp
+    x = torch.randn(5, 8)
+    want = block(x)
+    auto_ep = AutoEP(model, parse_autoep_config({"enabled": True}))
+    (spec,) = auto_ep.ep_parser()
+    assert (spec.hidden_size, spec.ffn_hidden_size, spec.num_experts, spec.top_k) == (8, 6, 4, 2)
+    w1, w2, w3 = repack_expert_weights(block.experts, spec, ep_rank=1, ep_size=2)   # experts 2, 3; transposed
+    torch.testing.assert_close(torch.cat([w1, w3], dim=1), block.experts.gate_up_proj[2:].transpose(1, 2))
+    torch.testing.assert_close(w2, block.experts.down_proj[2:].transpose(1, 2))
+    layer = auto_ep.replace_moe_layer(spec, ep_size=1, ep_rank=0)
+    assert isinstance(model.model.layers[0].mlp, AutoEPMoELayer)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    assert all(p.allreduce is False and p.group_name == "ep_size_1" for p in layer.experts.parameters())
+
+
+@pytest.mark.parametrize("value", [0.01, False, "0.01"])
+def test_load_balance_coeff_refused(value) -> None:
+    with pytest.raises(ValueError, match=r"load_balance_coeff=.*not supported.*expert_bias.*null or omit"):
+        parse_autoep_config({"enabled": True, "load_balance_coeff": value})
