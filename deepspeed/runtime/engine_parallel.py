@@ -133,7 +133,6 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
     tp = engine_tensor_parallel_size(engine.module, config_class.raw)
     if tp <= 1:
         return False
-    from .engine_setup import NotSupportedYet
     from .mesh import initialize as mesh_initialize
     from .optimizer_wrapper import SplitModel
     from ..module_inject.auto_tp import broadcast_for_tensor_parallel, shard_model
@@ -142,9 +141,6 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
     if mpu is not None:
         raise ValueError(f"tensor_parallel.autotp_size={tp} with a client `mpu`: the mesh makes the tensor-parallel "
                          "groups; pass no mpu (or leave autotp_size out and shard with your mpu's layers)")
-    if int(config_class.model.zero_optimization.stage) == 3:
-        raise NotSupportedYet(f"tensor_parallel.autotp_size={tp} with zero_optimization.stage 3: AutoTP composes with "
-                              "ZeRO stages 0, 1 and 2 here (stage 3 with TP is not implemented); use stage 1 or 2")
     parallel = mesh_initialize(sequence=sp, tensor=tp)
     tensor_group = parallel.group("tensor")
     if tensor_parallel_size(engine.module) == 1:   # not yet sharded by tp_model_init: the config asks for it
