@@ -10,7 +10,7 @@ import torch
 
 from harness import run_distributed
 from models import assert_params_close
-from tp_engine_jobs import HIDDEN, SEQ, reference, train_tp
+from tp_engine_jobs import HIDDEN, SEQ, reference, tp_model_init_rules, train_tp
 
 STEPS = 3
 
@@ -195,3 +195,15 @@ def test_resume_at_another_tp_size_refused(tmp_path, saved, loaded):
     with pytest.raises(Exception, match=f"saved at tensor-parallel size \\(autotp_size\\) {saved}, and this run "
                                         f"has autotp_size {loaded}"):
         run_distributed(2, train_tp, "mlp", 1, loaded, 1, load_dir=str(tmp_path))
+
+
+def test_tp_model_init_records_its_arguments_for_initialize():
+    """As upstream: `initialize` takes a missing autotp_size from tp_model_init, refuses its tp_group next to an
+    mpu and a dtype other than the config's; `groups._init_tp_mesh_device` returns the mesh's DP and TP groups."""
+    results = run_distributed(4, tp_model_init_rules)
+    for rank, result in enumerate(results):
+        tensor = [rank - rank % 2, rank - rank % 2 + 1]
+        assert result["mesh"] == ([rank % 2, rank % 2 + 2], tensor, tensor)
+        assert result["recorded"] == (2, 2)
+        assert result["tp_group_and_mpu"].startswith("ValueError: tp_model_init provided tp_group"), result
+        assert result["dtype"].startswith("ValueError: Conflicting dtype"), result
