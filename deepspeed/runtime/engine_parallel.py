@@ -161,6 +161,7 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
         return False
     from .mesh import initialize as mesh_initialize
     from .optimizer_wrapper import SplitModel
+    from .tensor_parallel import input_check
     from ..module_inject.auto_tp import broadcast_for_tensor_parallel, shard_model
     from ..module_inject.layers import tensor_parallel_size
 
@@ -180,4 +181,5 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
     engine.seq_dp_world_size = parallel.size("sequence_data")
     engine.seq_parallel_group = parallel.group("sequence") if sp > 1 else None
     engine._split = SplitModel(tensor_group, tensor_rank=parallel.rank("tensor"))
+    input_check.install(engine.module, tensor_group)   # TP peers must be fed the same batch
     return True

@@ -10,7 +10,7 @@ import torch
 
 from harness import run_distributed
 from models import assert_params_close
-from tp_engine_jobs import HIDDEN, SEQ, reference, tp_model_init_rules, train_tp
+from tp_engine_jobs import HIDDEN, SEQ, reference, tp_input_check, tp_model_init_rules, train_tp
 
 STEPS = 3
 
@@ -207,3 +207,9 @@ def test_tp_model_init_records_its_arguments_for_initialize():
         assert result["recorded"] == (2, 2)
         assert result["tp_group_and_mpu"].startswith("ValueError: tp_model_init provided tp_group"), result
         assert result["dtype"].startswith("ValueError: Conflicting dtype"), result
+
+
+def test_first_forward_refuses_different_inputs_on_tp_peers():
+    from deepspeed.runtime.tensor_parallel.input_check import MESSAGE
+
+    assert run_distributed(2, tp_input_check) == [[MESSAGE, "ok"]] * 2

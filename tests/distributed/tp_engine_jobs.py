@@ -245,3 +245,25 @@ def tp_model_init_rules() -> dict:
     out["dtype"] = raised(lambda: deepspeed.initialize(model=model, config={**base, "bf16": {"enabled": True}},
                                                        model_parameters=model.parameters()))
     return out
+
+
+def tp_input_check() -> list[str]:
+    """The first forward under AutoTP compares the TP ranks' inputs: different ones raise on every rank;
+    equal ones pass (and the check is gone after that)."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6, "zero_optimization": {"stage": 0},
+              "tensor_parallel": {"autotp_size": 2}}
+    out = []
+    for offset in (dist.get_rank(), 0):
+        engine = deepspeed.initialize(model=build("mlp"), config=config, optimizer=None,
+                                      model_parameters=None)[0]
+        ids = (make_data(1, 2)[0] + offset) % VOCAB
+        try:
+            engine(ids, ids)
+            engine((ids + dist.get_rank()) % VOCAB, ids)   # checked once: a later difference is not looked at
+            out.append("ok")
+        except AssertionError as exc:
+            out.append(str(exc))
+    return out
