@@ -49,9 +49,9 @@ def sum_grads_over_tensor_group(module: nn.Module, group: Any) -> None:
         return total
 
     for param in module.parameters():
-        if param.requires_grad and not getattr(param, "ds_tp_grad_allreduce", False):
+        if param.requires_grad and not getattr(param, "_ds_grad_allreduce_registered", False):
             param.register_hook(hook)
-            param.ds_tp_grad_allreduce = True
+            param._ds_grad_allreduce_registered = True   # upstream's flag
 
 
 def make_layer(linear: nn.Linear, layer: LayerPlan, group: Any, name: str) -> nn.Module:

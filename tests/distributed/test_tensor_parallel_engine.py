@@ -205,6 +205,7 @@ def test_tp_model_init_records_its_arguments_for_initialize():
         tensor = [rank - rank % 2, rank - rank % 2 + 1]
         assert result["mesh"] == ([rank % 2, rank % 2 + 2], tensor, tensor)
         assert result["recorded"] == (2, 2)
+        assert result["gather"] == (True, True, True)
         assert result["tp_group_and_mpu"].startswith("ValueError: tp_model_init provided tp_group"), result
         assert result["dtype"].startswith("ValueError: Conflicting dtype"), result
 

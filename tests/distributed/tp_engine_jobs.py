@@ -231,6 +231,17 @@ def tp_model_init_rules() -> dict:
     model = deepspeed.tp_model_init(nn.Sequential(nn.Linear(4, 4)), tp_size=2, dtype=torch.float32)
     engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=dict(base))[0]
     out["recorded"] = (engine.autotp_size(), groups.get_data_parallel_world_size())
+    # upstream's per-parameter gather and re-cut (`param.gather_params([param])`, `param._tp_partition`)
+    whole = build("mlp")
+    want = whole.block.up.weight.detach().clone()
+    sharded = deepspeed.tp_model_init(whole, tp_size=2, dtype=torch.float32)
+    weight = sharded.block.up.weight
+    storage, shard = weight.data.data_ptr(), weight.detach().clone()
+    weight.gather_params([weight])
+    gathered = torch.equal(weight.data, want)
+    weight.data.mul_(2)   # an update made while whole is kept in the slice
+    weight._tp_partition([weight])
+    out["gather"] = (gathered, weight.data.data_ptr() == storage, torch.equal(weight.data, 2 * shard))
     own = dist.new_group(ranks=[dist.get_rank()])   # (every rank creates every group, in one order)
     mine = [dist.new_group(ranks=[r]) for r in range(4)][dist.get_rank()]
     del own
