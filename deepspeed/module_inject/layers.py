@@ -309,3 +309,6 @@ def gather_full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     state = module.state_dict()
     by_name = {names[i]: t for i, t in full.items() if i in names}
     return {k: by_name.get(k, v) for k, v in state.items()}
+
+
+from .autotp_uc import collect_autotp_universal_checkpoint_info  # noqa: E402,F401  (upstream's path)

@@ -139,3 +139,25 @@ def test_fused_shape_plan_and_block_split():
     slices = [layer._slice(weight, 0) for layer in layers]
     assert slices[0][:, 0].tolist() == [0, 4, 8, 12, 32, 36, 48, 52]   # q rows 0-3, k rows 8-9, v rows 12-13
     assert torch.equal(layers[0].join(slices, 0), weight)
+
+
+def test_universal_checkpoint_info_names_each_parameter_layout():
+    """upstream's model.universal_checkpoint_info: row weights, replicated (whole) parameters incl. a row
+    layer's bias, the vocabulary-parallel LM head and fused blocks, each under its canonical name."""
+    from deepspeed.checkpoint.constants import (ORIGINAL_VOCAB_SIZE, PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+                                                PARAMETER_WITH_SUB_PARAMS, TP_REPLICATED_PARAMETER_PATTERNS,
+                                                VOCABULARY_PARAMETER_PATTERNS)
+    from deepspeed.module_inject.layers import (LinearAllreduce, LinearLayer, SubParamLinearLayer,
+                                                collect_autotp_universal_checkpoint_info)
+
+    net = nn.Module()
+    net.norm = nn.LayerNorm(8)
+    net.qkv = SubParamLinearLayer(nn.Linear(8, 12), None, name="qkv", sub_sizes=(4, 4, 4))
+    net.o_proj = LinearAllreduce(nn.Linear(8, 8), None, name="o_proj")
+    net.lm_head = LinearLayer(nn.Linear(8, 10, bias=False), None, gather_output=True, name="lm_head")
+    info = collect_autotp_universal_checkpoint_info(net)
+    assert info[PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] == [r"^o_proj\.weight$"]
+    assert info[TP_REPLICATED_PARAMETER_PATTERNS] == [r"^norm\.bias$", r"^norm\.weight$", r"^o_proj\.bias$"]
+    assert info[VOCABULARY_PARAMETER_PATTERNS] == [r"^lm_head\.weight$"] and info[ORIGINAL_VOCAB_SIZE] == 10
+    assert [e["patterns"] for e in info[PARAMETER_WITH_SUB_PARAMS]] == [[r"^qkv\.weight$"], [r"^qkv\.bias$"]]
+    assert info[PARAMETER_WITH_SUB_PARAMS][0]["shape"] == [(4, 4, 4), -1]
