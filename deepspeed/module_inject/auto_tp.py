@@ -29,6 +29,13 @@ def shard_model(model: nn.Module, tp_size: int, tp_config: dict | None, group: A
         return {}
     if have != 1:
         raise ValueError(f"AutoTP: the model is already sharded for tensor-parallel size {have}, not {tp_size}")
+    partitioned = [n for n, p in model.named_parameters() if hasattr(p, "ds_status") and p.numel() == 0]
+    if partitioned:   # built under zero.Init: its weights are ZeRO-3 shards, not whole matrices to slice
+        from ..runtime.errors import NotSupportedYet
+
+        raise NotSupportedYet(f"AutoTP (autotp_size={tp_size}): parameters {partitioned[:3]} are already partitioned "
+                              "by zero.Init; build the model without zero.Init (ZeRO-3 partitions the TP slices at "
+                              "deepspeed.initialize)")
     plan = build_plan(model, tp_size, tp_config)
     modules = dict(model.named_modules())
     for name, layer in plan.items():
