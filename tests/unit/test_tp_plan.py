@@ -161,3 +161,13 @@ def test_universal_checkpoint_info_names_each_parameter_layout():
     assert info[VOCABULARY_PARAMETER_PATTERNS] == [r"^lm_head\.weight$"] and info[ORIGINAL_VOCAB_SIZE] == 10
     assert [e["patterns"] for e in info[PARAMETER_WITH_SUB_PARAMS]] == [[r"^qkv\.weight$"], [r"^qkv\.bias$"]]
     assert info[PARAMETER_WITH_SUB_PARAMS][0]["shape"] == [(4, 4, 4), -1]
+
+
+def test_hf_tp_plan_skips_the_instance_copy_of_the_base_plan():
+    """transformers copies the base plan into the instance `_tp_plan` under "model."; without a base module
+    that copy must not become a second pattern, and the class's lm_head entry survives the instance plan."""
+    config = type("Config", (), {"base_model_tp_plan": {"layers.*.q_proj": "colwise"}})()
+    model = nn.Module()
+    model.config = config
+    model._tp_plan = {"layers.*.q_proj": "colwise", "model.layers.*.q_proj": "colwise", "extra": "rowwise"}
+    assert hf_tp_plan(model) == {"layers.*.q_proj": "colwise", "extra": "rowwise"}
