@@ -171,3 +171,15 @@ def test_hf_tp_plan_skips_the_instance_copy_of_the_base_plan():
     model.config = config
     model._tp_plan = {"layers.*.q_proj": "colwise", "model.layers.*.q_proj": "colwise", "extra": "rowwise"}
     assert hf_tp_plan(model) == {"layers.*.q_proj": "colwise", "extra": "rowwise"}
+
+
+def test_weights_partitioned_by_zero_init_are_refused():
+    """A model built under zero.Init holds ZeRO-3 shards (empty placeholders), not matrices to slice."""
+    from deepspeed.module_inject.auto_tp import shard_model
+    from deepspeed.runtime.errors import NotSupportedYet
+
+    model = _Net()
+    model.attn.q_proj.weight.data = torch.empty(0)
+    model.attn.q_proj.weight.ds_status = "NOT_AVAILABLE"
+    with pytest.raises(NotSupportedYet, match="zero.Init"):
+        shard_model(model, 2, None, None)
