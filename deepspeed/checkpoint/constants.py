@@ -26,11 +26,16 @@ DS_VERSION = "ds_version"
 # A client-state key: Megatron-style trainers store their parameter-handling patterns under it for
 # upstream's universal converter. Ours saves it like any client state and does not need it.
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
-# Keys inside that info (upstream's names; AutoTP does not attach the info here, see docs/compatibility.md).
+# Keys inside that info (upstream's names). AutoTP attaches it to the model (module_inject/autotp_uc.py)
+# for upstream's converter; this package's ds_to_universal does not read it (docs/compatibility.md).
+UNIVERSAL_CHECKPOINT_VERSION_KEY = "universal_checkpoint_version"
+UNIVERSAL_CHECKPOINT_VERSION_VALUE = 0.4
 ORIGINAL_VOCAB_SIZE = "original_vocab_size"
 VOCABULARY_PARAMETER_PATTERNS = "vocabulary_parameter_patterns"
 PARAMETER_WITH_ROW_PARALLELISM_PATTERNS = "parameter_with_row_parallelism_patterns"
 TP_REPLICATED_PARAMETER_PATTERNS = "tp_replicated_parameter_patterns"
+PARAMETER_WITH_SUB_PARAMS = "parameter_with_sub_params"
+AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS = "autotp_unsupported_parameter_patterns"
 
 # --- file names ---------------------------------------------------------------------------------
 ZERO_FILE_PREFIX = "zero_pp_rank_"

@@ -38,7 +38,7 @@ class CheckpointReader:
         self.path, self.tag, self.mp_rank = path, tag, mp_rank   # mp_rank: a pipeline stage's files
         self.universal = os.path.isdir(os.path.join(path, "zero")) and not self._optim_files()
         model_path = os.path.join(path, model_file(mp_rank))
-        zero3_model = os.path.join(path, model_file(zero3_dp_rank=0))
+        zero3_model = os.path.join(path, model_file(mp_rank, zero3_dp_rank=0))
         if os.path.isfile(model_path):
             self.model_states = load_file(model_path)
         elif os.path.isfile(zero3_model):
@@ -349,7 +349,7 @@ class CheckpointReader:
         pieces = []
         for rank in range(len(self.rank_files)):
             states = self.model_states if rank == 0 else load_file(os.path.join(self.path,
-                                                                                model_file(zero3_dp_rank=rank)))
+                                                                                model_file(self.mp_rank, zero3_dp_rank=rank)))
             pieces.append(states["frozen_param_fragments"][name].reshape(-1))
         numel = torch.Size(shape).numel()
         return torch.cat(pieces)[:numel].view(shape)  # slices of ceil(numel/N), the last zero-padded

@@ -22,7 +22,7 @@ from .counting import comms_counter
 from .gloo_collectives import (all_gather_applies, broadcast_all_gather, exchange_reduce_scatter,
                                reduce_scatter_applies)
 
-__all__ = ["ReduceOp", "default_pg_timeout", "TORCH_DISTRIBUTED_DEFAULT_PORT", "configure", "is_available", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_global_rank", "get_world_group", "get_backend", "new_group", "destroy_process_group", "all_reduce", "inference_all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "allgather_fn", "all_gather", "broadcast", "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv", "barrier", "monitored_barrier", "all_gather_object", "broadcast_object_list", "log_summary", "reset_log", "has_comm_data", "get_comm_operation_count", "get_logged_comm_ops", "comms_logger", "init_distributed", "mpi_discovery", "comms_counter"]
+__all__ = ["ReduceOp", "default_pg_timeout", "TORCH_DISTRIBUTED_DEFAULT_PORT", "configure", "is_available", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_global_rank", "get_world_group", "get_backend", "new_group", "initialize_mesh_device", "destroy_process_group", "all_reduce", "inference_all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "allgather_fn", "all_gather", "broadcast", "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv", "barrier", "monitored_barrier", "all_gather_object", "broadcast_object_list", "log_summary", "reset_log", "has_comm_data", "get_comm_operation_count", "get_logged_comm_ops", "comms_logger", "init_distributed", "mpi_discovery", "comms_counter"]
 
 default_pg_timeout = datetime.timedelta(minutes=30)
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
@@ -121,6 +121,18 @@ def new_group(ranks: list[int] | None = None, **kwargs: Any) -> Any:
     group = _tdist.new_group(ranks, **kwargs)
     _exit.subgroup_created(group)  # ours: destroyed at exit if still alive (exit.py)
     return group
+
+
+def initialize_mesh_device(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) -> Any:
+    """Upstream's: a torch DeviceMesh of this shape over the accelerator's device type (collective; it
+    makes its own groups). The engine's groups come from runtime/mesh.py, not from this."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..accelerator import get_accelerator
+
+    if not is_initialized():
+        raise RuntimeError("initialize_mesh_device: call deepspeed.init_distributed() first")
+    return init_device_mesh(get_accelerator().device_name(), tuple(mesh_shape), mesh_dim_names=tuple(mesh_dim_names))
 
 
 def destroy_process_group(group: Any = None) -> None:

@@ -10,6 +10,7 @@ from torch import nn
 from .layers import (LinearAllreduce, LinearLayer, SubParamLinearAllreduce, SubParamLinearLayer,
                      tensor_parallel_size)
 from .. import comm as ds_comm
+from . import autotp_uc
 from .autotp_config import AutoTPConfig, PartitionType, TPLayerSpec  # noqa: F401  (upstream imports them from here)
 from .tp_plan import COLUMN, SKIP, LayerPlan, build_plan, check_plan, grad_allreduce_modules, summary
 
@@ -28,6 +29,13 @@ def shard_model(model: nn.Module, tp_size: int, tp_config: dict | None, group: A
         return {}
     if have != 1:
         raise ValueError(f"AutoTP: the model is already sharded for tensor-parallel size {have}, not {tp_size}")
+    partitioned = [n for n, p in model.named_parameters() if hasattr(p, "ds_status") and p.numel() == 0]
+    if partitioned:   # built under zero.Init: its weights are ZeRO-3 shards, not whole matrices to slice
+        from ..runtime.errors import NotSupportedYet
+
+        raise NotSupportedYet(f"AutoTP (autotp_size={tp_size}): parameters {partitioned[:3]} are already partitioned "
+                              "by zero.Init; build the model without zero.Init (ZeRO-3 partitions the TP slices at "
+                              "deepspeed.initialize)")
     plan = build_plan(model, tp_size, tp_config)
     modules = dict(model.named_modules())
     for name, layer in plan.items():
@@ -35,6 +43,7 @@ def shard_model(model: nn.Module, tp_size: int, tp_config: dict | None, group: A
             _set_child(model, name, make_layer(modules[name], layer, group, name))
     for name in grad_allreduce_modules(model, tp_config):
         sum_grads_over_tensor_group(modules[name], group)
+    autotp_uc.attach(model)
     return summary(plan)
 
 
@@ -49,9 +58,9 @@ def sum_grads_over_tensor_group(module: nn.Module, group: Any) -> None:
         return total
 
     for param in module.parameters():
-        if param.requires_grad and not getattr(param, "ds_tp_grad_allreduce", False):
+        if param.requires_grad and not getattr(param, "_ds_grad_allreduce_registered", False):
             param.register_hook(hook)
-            param.ds_tp_grad_allreduce = True
+            param._ds_grad_allreduce_registered = True   # upstream's flag
 
 
 def make_layer(linear: nn.Linear, layer: LayerPlan, group: Any, name: str) -> nn.Module:

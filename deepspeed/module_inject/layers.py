@@ -139,6 +139,32 @@ class TensorParallel_Layer(nn.Module):
     def _mark(self, param: torch.Tensor) -> None:
         setattr(param, DS_TENSOR_MODEL_PARALLEL, True)
         setattr(param, DS_IS_REPLACED_MODULE, True)
+        # upstream hangs its layer's gather/re-cut on each sharded parameter (`param.gather_params([param])`)
+        param.gather_params, param._tp_partition = self.gather_params, self._tp_partition
+
+    @torch.no_grad()
+    def gather_params(self, params_list: Iterable[torch.Tensor | None]) -> None:
+        """Upstream's: each given sharded parameter of this layer becomes whole in place (collective over
+        the TP group); `_tp_partition` cuts its slice again. Other parameters (None, replicated, another
+        layer's, already whole) are left alone."""
+        dims = dict((id(p), d) for p, d in self.sharded_params())
+        shards = self.__dict__.setdefault("_tp_shards", {})
+        for p in params_list:
+            if p is not None and id(p) in dims and id(p) not in shards:
+                shards[id(p)] = p.data
+                p.data = self.full_param(p, dims[id(p)])
+
+    @torch.no_grad()
+    def _tp_partition(self, params_list: Iterable[torch.Tensor | None]) -> None:
+        """This rank's slice again, cut from the (possibly updated) whole value and written back into the
+        parameter's original storage (ZeRO-1/2 hold parameters as views of their flat buffers)."""
+        dims = dict((id(p), d) for p, d in self.sharded_params())
+        shards = self.__dict__.get("_tp_shards", {})
+        for p in params_list:
+            if p is not None and id(p) in shards:
+                shard = shards.pop(id(p))
+                shard.copy_(self._slice(p.data, dims[id(p)]))
+                p.data = shard
 
     def sharded_params(self) -> list[tuple[nn.Parameter, int]]:
         """(parameter, the dim it is split on) for each sharded parameter."""
@@ -257,28 +283,20 @@ class GatherReplacedLayerParams:
         owners = {}
         if enabled:
             for layer in tp_layers(module):
-                for p, dim in layer.sharded_params():
-                    owners[id(p)] = (layer, dim)
-        self._targets = [(p, *owners[id(p)]) for p in self.params if id(p) in owners]
+                for p, _ in layer.sharded_params():
+                    owners[id(p)] = layer
+        self._targets = [(p, owners[id(p)]) for p in self.params if id(p) in owners]
         self.enabled = enabled and bool(self._targets)
-        self._shards: list[torch.Tensor] = []
 
     def __enter__(self) -> None:
-        if not self.enabled:
-            return
-        self._shards = []
-        for p, layer, dim in self._targets:
-            self._shards.append(p.data)
-            p.data = layer.full_param(p, dim)
+        if self.enabled:
+            for p, layer in self._targets:
+                layer.gather_params([p])
 
     def __exit__(self, *exc: Any) -> None:
-        if not self.enabled:
-            return
-        with torch.no_grad():
-            for (p, layer, dim), shard in zip(self._targets, self._shards):
-                shard.copy_(layer._slice(p.data, dim))
-                p.data = shard
-        self._shards = []
+        if self.enabled:
+            for p, layer in self._targets:
+                layer._tp_partition([p])
 
 
 def gather_full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -291,3 +309,6 @@ def gather_full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     state = module.state_dict()
     by_name = {names[i]: t for i, t in full.items() if i in names}
     return {k: by_name.get(k, v) for k, v in state.items()}
+
+
+from .autotp_uc import collect_autotp_universal_checkpoint_info  # noqa: E402,F401  (upstream's path)

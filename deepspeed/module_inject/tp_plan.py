@@ -77,10 +77,17 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     base = getattr(model, prefix, None) if has_base else None
     for key, style in (getattr(base, "_tp_plan", None) or {}).items():
         plan[lead + key] = style
+    base_keys = {k[len(lead):] for k in plan}
+    # transformers expands the base plan into the instance's `_tp_plan` under the base prefix ("model."
+    # by default): such an entry repeats a base-plan key already placed above, so it is skipped (as upstream)
+    head = f"{prefix or 'model'}."
+    repeated = lambda key: key.startswith(head) and key[len(head):] in base_keys  # noqa: E731
     for key, style in (getattr(type(model), "_tp_plan", None) or {}).items():
-        plan.setdefault(key, style)
+        if not repeated(key):
+            plan.setdefault(key, style)
     for key, style in (getattr(model, "_tp_plan", None) or {}).items():
-        plan[key] = style
+        if not repeated(key):
+            plan[key] = style
     return plan
 
 

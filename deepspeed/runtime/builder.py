@@ -226,12 +226,15 @@ def _is_pipeline_module(model: Any) -> bool:
 
 
 def tp_model_init(model: torch.nn.Module, tp_size: int, dtype: torch.dtype | None = None, config: Any = None,
-                  **kwargs: Any) -> torch.nn.Module:
+                  tp_group: Any = None) -> torch.nn.Module:
     """AutoTP: shard `model`'s Linear layers over `tp_size` ranks in place and return it (cast to
     `dtype`). transformers' `deepspeed_init` and OpenRLHF call it before `deepspeed.initialize`; the
     sharding plan comes from `config["tensor_parallel"]` (layer specs, preset), else the model's
     Hugging Face tp_plan, else the automatic rule ([Note: the AutoTP plan] in module_inject/tp_plan.py).
-    Collective: every rank calls it; TP rank 0's weights are the ones sliced."""
+    Collective: every rank calls it; TP rank 0's weights are the ones sliced. As upstream, it records
+    tp_size, dtype and `tp_group` on the model for `initialize`, which fills a missing
+    `tensor_parallel.autotp_size` from them and refuses conflicts (a different size or dtype, or an `mpu`
+    next to `tp_group`). The groups come from the mesh: a `tp_group` must hold this rank's mesh TP ranks."""
     from .. import comm as ds_comm
     from .config import load_config_dict
     from ..module_inject.auto_tp import (broadcast_for_tensor_parallel, cast, shard_model, tensor_parallel_section,
@@ -248,12 +251,19 @@ def tp_model_init(model: torch.nn.Module, tp_size: int, dtype: torch.dtype | Non
 
     set_autotp_mode(training=True)
     model = cast(model, dtype)
+    model._ds_tp_model_init = {"tp_size": tp_size, "dtype": dtype, "tp_group": tp_group}
     if tp_size == 1:
         return model
     ds_comm.init_distributed(dist_init_required=None, verbose=False)
     sp = (load_config_dict(config).get("sequence_parallel_size", 1) if config is not None else 1) or 1
     parallel = mesh.initialize(sequence=int(sp), tensor=tp_size)
     group = parallel.group("tensor")
+    if tp_group is not None:
+        given = sorted(ds_comm.get_global_rank(tp_group, r) for r in range(ds_comm.get_world_size(tp_group)))
+        if given != parallel.ranks("tensor"):
+            raise ValueError(f"deepspeed.tp_model_init: tp_group holds ranks {given} but the tensor-parallel ranks "
+                             f"of rank {ds_comm.get_rank()} are {parallel.ranks('tensor')} (tensor is the fastest "
+                             "mesh dim: neighbouring ranks); pass that group or none")
     broadcast_for_tensor_parallel(model, group)
     shard_model(model, tp_size, tensor_parallel_section(config), group)
     return model

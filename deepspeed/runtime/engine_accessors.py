@@ -91,10 +91,11 @@ class EngineAccessors:
         return self.seq_parallel_group
 
     def autotp_size(self) -> int:
-        """The AutoTP tensor-parallel size the module is sharded for (1 without AutoTP): upstream's accessor."""
+        """The AutoTP tensor-parallel size the engine runs (1 without AutoTP), even where the plan left every
+        layer whole: upstream's accessor."""
         from ..module_inject.layers import tensor_parallel_size
 
-        return tensor_parallel_size(self.module)
+        return getattr(self, "_autotp_size", None) or tensor_parallel_size(self.module)
 
     @property
     def is_compiled(self) -> bool:

@@ -116,10 +116,35 @@ def engine_tensor_parallel_size(module: Any, raw: dict) -> int:
     from ..module_inject.layers import tensor_parallel_size
 
     configured, sharded = tp_size_from_config(raw), tensor_parallel_size(module)
-    if configured > 1 and sharded > 1 and configured != sharded:
+    args = tp_model_init_args(module)
+    by_init = max(sharded, args.get("tp_size", 1)) if args or sharded > 1 else None
+    if configured > 1 and by_init is not None and configured != by_init:
         raise ValueError(f"tensor_parallel.autotp_size={configured} but the model was sharded by tp_model_init for "
-                         f"tp_size={sharded}; make them agree")
-    return max(configured, sharded)
+                         f"tp_size={by_init}; make them agree")
+    return max(configured, by_init or 1)
+
+
+def tp_model_init_args(module: Any) -> dict:
+    """What `deepspeed.tp_model_init` recorded on this model (tp_size, dtype, tp_group); {} if not called."""
+    return getattr(module, "_ds_tp_model_init", None) or {}
+
+
+def _check_tp_model_init_args(module: Any, raw: dict, mpu: Any) -> None:
+    """Upstream's merge rules for `tp_model_init`'s arguments at `initialize`: its tp_group and a client
+    `mpu` are two sources of the TP group (refused together); its dtype must be the config's."""
+    import torch
+
+    args = tp_model_init_args(module)
+    if not args:
+        return
+    if args.get("tp_group") is not None and mpu is not None:
+        raise ValueError("tp_model_init provided tp_group; deepspeed.initialize must not receive mpu as well "
+                         "(two sources of the tensor-parallel group): pass one of them")
+    enabled = lambda key: isinstance(raw.get(key), dict) and bool(raw[key].get("enabled"))  # noqa: E731
+    config_dtype = torch.bfloat16 if enabled("bf16") else torch.float16 if enabled("fp16") else None
+    if config_dtype is not None and args.get("dtype") is not None and config_dtype != args["dtype"]:
+        raise ValueError(f"Conflicting dtype: the config enables {config_dtype} but tp_model_init was given "
+                         f"dtype={args['dtype']}; make them agree")
 
 
 def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) -> bool:
@@ -130,27 +155,25 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
     config asks for it and `tp_model_init` has not done so. Gradient-norm clipping and the overflow
     check combine over the tensor group too, counting each sharded parameter's slices once and each
     replicated parameter on TP rank 0 only (`SplitModel.tensor_rank`). False without TP."""
+    _check_tp_model_init_args(engine.module, config_class.raw, mpu)
     tp = engine_tensor_parallel_size(engine.module, config_class.raw)
     if tp <= 1:
         return False
-    from .engine_setup import NotSupportedYet
     from .mesh import initialize as mesh_initialize
     from .optimizer_wrapper import SplitModel
+    from .tensor_parallel import input_check
     from ..module_inject.auto_tp import broadcast_for_tensor_parallel, shard_model
     from ..module_inject.layers import tensor_parallel_size
 
     if mpu is not None:
         raise ValueError(f"tensor_parallel.autotp_size={tp} with a client `mpu`: the mesh makes the tensor-parallel "
                          "groups; pass no mpu (or leave autotp_size out and shard with your mpu's layers)")
-    if int(config_class.model.zero_optimization.stage) == 3:
-        raise NotSupportedYet(f"tensor_parallel.autotp_size={tp} with zero_optimization.stage 3: AutoTP composes with "
-                              "ZeRO stages 0, 1 and 2 here (stage 3 with TP is not implemented); use stage 1 or 2")
     parallel = mesh_initialize(sequence=sp, tensor=tp)
     tensor_group = parallel.group("tensor")
     if tensor_parallel_size(engine.module) == 1:   # not yet sharded by tp_model_init: the config asks for it
         broadcast_for_tensor_parallel(engine.module, tensor_group)
         shard_model(engine.module, tp, dict(config_class.raw.get("tensor_parallel") or {}), tensor_group)
-    engine.mp_world_size = tp
+    engine.mp_world_size = engine._autotp_size = tp
     engine.sequence_parallel_size = sp
     engine.data_parallel_group = parallel.group("data")
     engine.dp_world_size = parallel.size("data")
@@ -158,4 +181,5 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
     engine.seq_dp_world_size = parallel.size("sequence_data")
     engine.seq_parallel_group = parallel.group("sequence") if sp > 1 else None
     engine._split = SplitModel(tensor_group, tensor_rank=parallel.rank("tensor"))
+    input_check.install(engine.module, tensor_group)   # TP peers must be fed the same batch
     return True

@@ -12,6 +12,7 @@ from typing import Any
 
 from .. import comm as dist
 from ..runtime import mesh as _mesh
+from .logging import log_dist
 
 mpu: Any = None   # upstream's module global: set by the engine when a client passes `mpu=`
 
@@ -170,6 +171,37 @@ def get_tensor_model_parallel_src_rank() -> int:
     from .. import comm as dist
 
     return dist.get_rank() - get_tensor_model_parallel_rank()
+
+
+def _init_tp_mesh_device(tensor_model_parallel_size: int = 1, data_parallel_size: int | None = None) -> tuple[Any, Any]:
+    """Upstream's builder of AutoTP's groups (its callers: AutoTP set-ups outside `initialize`): the
+    standard mesh with this tensor degree, keeping the current mesh's sequence and pipe degrees
+    (collective). Returns this rank's (data-parallel group, tensor-parallel group), as upstream. The
+    mesh builds the groups itself, never through a DeviceMesh (runtime/mesh.py says why)."""
+    world = dist.get_world_size()
+    current = _mesh_or_none()
+    sequence = current.size("sequence") if current is not None else 1
+    pipe = current.size("pipe") if current is not None else 1
+    tp = tensor_model_parallel_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world % (tp * sequence * pipe):
+        raise ValueError(f"_init_tp_mesh_device: tensor_model_parallel_size={tp!r} must be an integer >= 1 that "
+                         f"divides the world size {world} (with sequence {sequence} x pipe {pipe})")
+    if data_parallel_size is not None and data_parallel_size * tp * sequence * pipe != world:
+        raise ValueError(f"_init_tp_mesh_device: data_parallel_size={data_parallel_size} x "
+                         f"tensor_model_parallel_size={tp} (x sequence {sequence} x pipe {pipe}) must equal the "
+                         f"world size {world}")
+    mesh = _mesh.initialize(sequence=sequence, tensor=tp, pipe=pipe)
+    log_dist(f"tensor-parallel groups: {mesh!r}", ranks=[0])
+    globals().update(_DATA_PARALLEL_GROUP=mesh.group("data"), _TENSOR_MODEL_PARALLEL_GROUP=mesh.group("tensor"),
+                     _MODEL_PARALLEL_GROUP=mesh.group("model"))
+    return _DATA_PARALLEL_GROUP, _TENSOR_MODEL_PARALLEL_GROUP
+
+
+# upstream's module globals for the groups `_init_tp_mesh_device` returned (clients and upstream's
+# tests reset or read them); the accessors above read the mesh, which stays the one authority
+_DATA_PARALLEL_GROUP: Any = None
+_MODEL_PARALLEL_GROUP: Any = None
+_TENSOR_MODEL_PARALLEL_GROUP: Any = None
 
 
 get_model_parallel_group = _get_model_parallel_group

@@ -538,7 +538,7 @@ class _Checkpoint:
         if self.stage <= 2:
             self.model_files = [os.path.join(ds_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")]
         else:
-            self.model_files = [os.path.join(ds_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+            self.model_files = [os.path.join(ds_dir, f"zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_model_states.pt")
                                 for r in range(self.world_size)]
         self.model_states = [None] * len(self.model_files)
         self.model0 = self.model_state(0)
@@ -726,7 +726,7 @@ def _lazy_state_dict(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
           + (f" (written by deepspeed=={ckpt.ds_version})" if ckpt.ds_version else ""))
     parts = [ckpt]
     tp_dims = ckpt.model0.get("tp_partition_dims")
-    if ckpt.mp_world_size > 1 and tp_dims and ckpt.stage in (1, 2):
+    if ckpt.mp_world_size > 1 and tp_dims and ckpt.stage in (1, 2, 3):
         return _tp_state_dict(ckpt, tp_dims, exclude_frozen_parameters)
     if ckpt.mp_world_size > 1:
         if ckpt.model0.get("module") is not None or ckpt.stage > 2:
@@ -788,7 +788,7 @@ def _moe_state_dict(ds_dir, exclude_frozen_parameters):
 
 
 def _tp_state_dict(ckpt, tp_dims, exclude_frozen_parameters):
-    """AutoTP at ZeRO 1-2: each tensor rank's files hold its slices (`tp_partition_dims` names the dim of
+    """AutoTP at ZeRO 1-3: each tensor rank's files hold its slices (`tp_partition_dims` names the dim of
     each sliced parameter); the whole parameter is its slices joined in tensor-rank order, the others
     are equal on every tensor rank (rank 0's are taken)."""
     parts = [ckpt] + [_Checkpoint(ckpt.ds_dir, mp_rank=m) for m in range(1, ckpt.mp_world_size)]
@@ -798,7 +798,7 @@ def _tp_state_dict(ckpt, tp_dims, exclude_frozen_parameters):
         state = OrderedDict(_buffers(part))
         if not exclude_frozen_parameters:
             state.update(_frozen(part))
-        state.update(_trainable_stage12(part))
+        state.update(_trainable_stage12(part) if part.stage <= 2 else _trainable_stage3(part))
         states.append(state)
     blocks = ckpt.model0.get("tp_sub_param_sizes") or {}
     out = OrderedDict()

@@ -10,7 +10,7 @@ import torch
 
 from harness import run_distributed
 from models import assert_params_close
-from tp_engine_jobs import HIDDEN, SEQ, reference, train_tp
+from tp_engine_jobs import HIDDEN, SEQ, reference, tp_input_check, tp_model_init_rules, train_tp
 
 STEPS = 3
 
@@ -86,21 +86,33 @@ def test_tp_all_reduce_bytes_match_theory(kind, hidden, per_step):
         assert result["bytes"] == [("torch.float32", micro * SEQ * hidden * 4)] * per_step * 2
 
 
-def test_tp_zero3_refused():
-    with pytest.raises(Exception, match="stage 3"):
-        run_distributed(2, train_tp, "mlp", 1, 2, 3)
+def test_tp2_dp2_zero3_matches_one_process(tmp_path):
+    """ZeRO-3 partitions each rank's TP slices over its data group: losses, clipped norms and whole
+    weights (GatherReplacedLayerParams, save_16bit_model) equal one process."""
+    ref = reference("mlp", STEPS, dp=2, micro=2, lr=0.5, clip=0.5)
+    zero3 = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
+    results = run_distributed(4, train_tp, "mlp", STEPS, 2, 3, clip=0.5, save_16bit=str(tmp_path), extra=zero3)
+    _check(results, ref)
+    _check_losses(results, ref, tp=2, dp=2)
+    for result in results:
+        assert result["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+    saved = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(saved[name], value, rtol=2e-5, atol=2e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_checkpoint_resume_at_the_same_tp_size(tmp_path, stage):
-    """TP=2 x DP=2: each tensor rank writes its mp_rank_XX files (its slices and their optimizer state);
-    2 steps, save, resume in fresh processes, 1 more step equals 3 uninterrupted steps (SGD momentum)."""
+    """TP=2 x DP=2: each tensor rank writes its mp_rank_XX files (its slices and their optimizer state;
+    at ZeRO-3 one model-states file per data and tensor rank); 2 steps, save, resume in fresh processes,
+    1 more step equals 3 uninterrupted steps (SGD momentum)."""
     import os
 
     ref = reference("mlp", 3, dp=2, micro=2, lr=0.5, clip=0.0, momentum=0.9)
     saved = run_distributed(4, train_tp, "mlp", 2, 2, stage, momentum=0.9, save_dir=str(tmp_path))[0]["params"]
     names = sorted(os.listdir(tmp_path / "tp"))
-    assert "mp_rank_00_model_states.pt" in names and "mp_rank_01_model_states.pt" in names, names
+    model = "zero_pp_rank_{}_mp_rank_{:02d}_model_states.pt" if stage == 3 else "mp_rank_{1:02d}_model_states.pt"
+    assert all(model.format(d, m) in names for d in (0, 1) for m in (0, 1)), names
     _check(run_distributed(4, train_tp, "mlp", 1, 2, stage, momentum=0.9, load_dir=str(tmp_path), start=2), ref)
     if stage > 0:   # zero_to_fp32 joins the tensor ranks' slices: the whole fp32 weights
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -183,3 +195,22 @@ def test_resume_at_another_tp_size_refused(tmp_path, saved, loaded):
     with pytest.raises(Exception, match=f"saved at tensor-parallel size \\(autotp_size\\) {saved}, and this run "
                                         f"has autotp_size {loaded}"):
         run_distributed(2, train_tp, "mlp", 1, loaded, 1, load_dir=str(tmp_path))
+
+
+def test_tp_model_init_records_its_arguments_for_initialize():
+    """As upstream: `initialize` takes a missing autotp_size from tp_model_init, refuses its tp_group next to an
+    mpu and a dtype other than the config's; `groups._init_tp_mesh_device` returns the mesh's DP and TP groups."""
+    results = run_distributed(4, tp_model_init_rules)
+    for rank, result in enumerate(results):
+        tensor = [rank - rank % 2, rank - rank % 2 + 1]
+        assert result["mesh"] == ([rank % 2, rank % 2 + 2], tensor, tensor)
+        assert result["recorded"] == (2, 2)
+        assert result["gather"] == (True, True, True)
+        assert result["tp_group_and_mpu"].startswith("ValueError: tp_model_init provided tp_group"), result
+        assert result["dtype"].startswith("ValueError: Conflicting dtype"), result
+
+
+def test_first_forward_refuses_different_inputs_on_tp_peers():
+    from deepspeed.runtime.tensor_parallel.input_check import MESSAGE
+
+    assert run_distributed(2, tp_input_check) == [[MESSAGE, "ok"]] * 2

@@ -139,3 +139,47 @@ def test_fused_shape_plan_and_block_split():
     slices = [layer._slice(weight, 0) for layer in layers]
     assert slices[0][:, 0].tolist() == [0, 4, 8, 12, 32, 36, 48, 52]   # q rows 0-3, k rows 8-9, v rows 12-13
     assert torch.equal(layers[0].join(slices, 0), weight)
+
+
+def test_universal_checkpoint_info_names_each_parameter_layout():
+    """upstream's model.universal_checkpoint_info: row weights, replicated (whole) parameters incl. a row
+    layer's bias, the vocabulary-parallel LM head and fused blocks, each under its canonical name."""
+    from deepspeed.checkpoint.constants import (ORIGINAL_VOCAB_SIZE, PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+                                                PARAMETER_WITH_SUB_PARAMS, TP_REPLICATED_PARAMETER_PATTERNS,
+                                                VOCABULARY_PARAMETER_PATTERNS)
+    from deepspeed.module_inject.layers import (LinearAllreduce, LinearLayer, SubParamLinearLayer,
+                                                collect_autotp_universal_checkpoint_info)
+
+    net = nn.Module()
+    net.norm = nn.LayerNorm(8)
+    net.qkv = SubParamLinearLayer(nn.Linear(8, 12), None, name="qkv", sub_sizes=(4, 4, 4))
+    net.o_proj = LinearAllreduce(nn.Linear(8, 8), None, name="o_proj")
+    net.lm_head = LinearLayer(nn.Linear(8, 10, bias=False), None, gather_output=True, name="lm_head")
+    info = collect_autotp_universal_checkpoint_info(net)
+    assert info[PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] == [r"^o_proj\.weight$"]
+    assert info[TP_REPLICATED_PARAMETER_PATTERNS] == [r"^norm\.bias$", r"^norm\.weight$", r"^o_proj\.bias$"]
+    assert info[VOCABULARY_PARAMETER_PATTERNS] == [r"^lm_head\.weight$"] and info[ORIGINAL_VOCAB_SIZE] == 10
+    assert [e["patterns"] for e in info[PARAMETER_WITH_SUB_PARAMS]] == [[r"^qkv\.weight$"], [r"^qkv\.bias$"]]
+    assert info[PARAMETER_WITH_SUB_PARAMS][0]["shape"] == [(4, 4, 4), -1]
+
+
+def test_hf_tp_plan_skips_the_instance_copy_of_the_base_plan():
+    """transformers copies the base plan into the instance `_tp_plan` under "model."; without a base module
+    that copy must not become a second pattern, and the class's lm_head entry survives the instance plan."""
+    config = type("Config", (), {"base_model_tp_plan": {"layers.*.q_proj": "colwise"}})()
+    model = nn.Module()
+    model.config = config
+    model._tp_plan = {"layers.*.q_proj": "colwise", "model.layers.*.q_proj": "colwise", "extra": "rowwise"}
+    assert hf_tp_plan(model) == {"layers.*.q_proj": "colwise", "extra": "rowwise"}
+
+
+def test_weights_partitioned_by_zero_init_are_refused():
+    """A model built under zero.Init holds ZeRO-3 shards (empty placeholders), not matrices to slice."""
+    from deepspeed.module_inject.auto_tp import shard_model
+    from deepspeed.runtime.errors import NotSupportedYet
+
+    model = _Net()
+    model.attn.q_proj.weight.data = torch.empty(0)
+    model.attn.q_proj.weight.ds_status = "NOT_AVAILABLE"
+    with pytest.raises(NotSupportedYet, match="zero.Init"):
+        shard_model(model, 2, None, None)

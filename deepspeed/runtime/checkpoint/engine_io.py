@@ -104,7 +104,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
             client = copy.deepcopy(client_state or {}) if background else dict(client_state or {})
             state = model_states(engine, hp, client, exclude_frozen_parameters, partitioned,
                                  zero3_frozen=frozen if zero3 else None, snapshot=background)
-            entries.append((files.model_file(zero3_dp_rank=dp_rank(engine)) if zero3 else files.model_file(mp), state))
+            entries.append((files.model_file(mp, zero3_dp_rank=dp_rank(engine) if zero3 else None), state))
             entries += engine._extra_checkpoint_files(exclude_frozen_parameters) \
                 if hasattr(engine, "_extra_checkpoint_files") else []
         if optimizer_state is not None:
@@ -223,8 +223,7 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     state = reader.model_states
     client_state = {k: v for k, v in state.items() if k not in DEEPSPEED_KEYS}
     # DeepSpeed returns the model-states file this engine's layout reads (one per rank at ZeRO-3)
-    name = files.model_file(zero3_dp_rank=dp_rank(engine)) if engine._stage3 is not None else \
-        files.model_file(mp_rank(engine))
+    name = files.model_file(mp_rank(engine), zero3_dp_rank=dp_rank(engine) if engine._stage3 is not None else None)
     path = os.path.join(load_dir, reader.tag, name)
     log_dist(f"Loaded checkpoint {reader.path} (saved by {reader.world_size} rank(s), stage {reader.stage})",
              ranks=[0])
