@@ -81,3 +81,21 @@ def test_moe_layer_imports_and_builds():
 
     layer = Experts(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2)
     assert layer.expert_group_name == "ep_size_1" and layer.num_local_experts == 2
+
+
+def test_sharded_moe_dist_is_deepspeed_comm_and_patches_reach_the_gating(monkeypatch):
+    # upstream's test_moe.py patches sharded_moe.dist.all_reduce / get_world_size to count the no-drop capacity
+    # all-reduce of top1/top2/topkgating; the patch must reach the call the gating makes
+    import torch
+
+    import deepspeed.comm
+    import deepspeed.moe.sharded_moe as sharded_moe
+
+    assert sharded_moe.dist is deepspeed.comm
+    calls = []
+    monkeypatch.setattr(sharded_moe.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(sharded_moe.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(sharded_moe.dist, "all_reduce", lambda t, op=None, group=None: calls.append((op, group)))
+    group = object()
+    sharded_moe.top2gating(torch.randn(8, 4), 1, 0, drop_tokens=False, ep_group=group, top2_2nd_expert_sampling=False)
+    assert calls == [(deepspeed.comm.ReduceOp.MAX, group)]
