@@ -12,7 +12,8 @@ from .layers import (LinearAllreduce, LinearLayer, SubParamLinearAllreduce, SubP
 from .. import comm as ds_comm
 from . import autotp_uc
 from .autotp_config import AutoTPConfig, PartitionType, TPLayerSpec  # noqa: F401  (upstream imports them from here)
-from .tp_plan import COLUMN, SKIP, LayerPlan, build_plan, check_plan, grad_allreduce_modules, summary
+from .tp_plan import (COLUMN, SKIP, LayerPlan, build_plan, check_plan, grad_allreduce_modules, linear_like_to_adopt,
+                      summary)
 
 
 def _set_child(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -36,6 +37,8 @@ def shard_model(model: nn.Module, tp_size: int, tp_config: dict | None, group: A
         raise NotSupportedYet(f"AutoTP (autotp_size={tp_size}): parameters {partitioned[:3]} are already partitioned "
                               "by zero.Init; build the model without zero.Init (ZeRO-3 partitions the TP slices at "
                               "deepspeed.initialize)")
+    for name in linear_like_to_adopt(model, tp_config):   # a custom linear-like module a spec names: as a Linear
+        _set_child(model, name, _as_linear(model.get_submodule(name)))
     plan = build_plan(model, tp_size, tp_config)
     modules = dict(model.named_modules())
     for name, layer in plan.items():
@@ -45,6 +48,15 @@ def shard_model(model: nn.Module, tp_size: int, tp_config: dict | None, group: A
         sum_grads_over_tensor_group(modules[name], group)
     autotp_uc.attach(model)
     return summary(plan)
+
+
+def _as_linear(module: nn.Module) -> nn.Linear:
+    """An nn.Linear holding `module`'s own weight and bias Parameters (no copy)."""
+    out_features, in_features = module.weight.shape
+    linear = nn.Linear(in_features, out_features, bias=module.bias is not None, device="meta")
+    linear.weight = module.weight
+    linear.bias = module.bias
+    return linear
 
 
 def sum_grads_over_tensor_group(module: nn.Module, group: Any) -> None:

@@ -72,8 +72,8 @@ class TPLayerSpec:
         for i, d in enumerate(shape):
             if isinstance(d, tuple):
                 if i != dim or not d or not all(isinstance(v, int) and not isinstance(v, tuple) and v > 0 for v in d):
-                    raise ValueError(f"shape={shape!r}: a list of sub-parameter sizes (positive ints) is only "
-                                     f"allowed at partition_dim={dim}, one level deep")
+                    raise ValueError(f"shape={shape!r}: a nested tuple only allowed at partition_dim={dim} (a list of "
+                                     "sub-parameter sizes, positive ints, one level deep)")
             elif not isinstance(d, int) or isinstance(d, bool) or d == 0 or d < -1:
                 raise ValueError(f"shape={shape!r}: dimensions must be positive ints or -1")
         if self.partition_type != PartitionType.SKIP:

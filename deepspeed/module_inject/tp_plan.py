@@ -95,6 +95,31 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and name]
 
 
+def linear_like(module: nn.Module) -> bool:
+    """A leaf module whose parameters are a 2-D `weight` [out, in] and an optional 1-D `bias` [out]: what an
+    explicit layer spec may shard as a Linear (upstream's "custom linear-like modules"); its forward is
+    then taken to be x @ weight.T + bias."""
+    if isinstance(module, nn.Linear) or next(module.children(), None) is not None:
+        return False
+    params = dict(module.named_parameters(recurse=False))
+    weight, bias = params.get("weight"), params.get("bias")
+    return (weight is not None and weight.dim() == 2 and set(params) <= {"weight", "bias"}
+            and (bias is None or tuple(bias.shape) == (weight.shape[0],)))
+
+
+def linear_like_to_adopt(model: nn.Module, tp_config: dict | None) -> list[str]:
+    """Names of the linear-like modules ([linear_like]) whose first matching explicit layer spec shards them."""
+    specs = specs_from_config(dict(tp_config or {})) or []
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    names = []
+    for name, module in model.named_modules():
+        if name and linear_like(module):
+            spec = next((s for s in specs if s.matches(name + ".weight", model_type)), None)
+            if spec is not None and spec.partition_type.value != SKIP:
+                names.append(name)
+    return names
+
+
 def _tied_to_embedding(model: nn.Module) -> set[str]:
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     return {name for name, m in _linears(model) if id(m.weight) in embeddings}

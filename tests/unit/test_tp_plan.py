@@ -183,3 +183,40 @@ def test_weights_partitioned_by_zero_init_are_refused():
     model.attn.q_proj.weight.ds_status = "NOT_AVAILABLE"
     with pytest.raises(NotSupportedYet, match="zero.Init"):
         shard_model(model, 2, None, None)
+
+
+class _CustomLinear(nn.Module):   # a linear-like leaf that is not nn.Linear
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 4))
+        self.bias = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
+def test_custom_linear_like_module_named_by_a_spec_is_adopted_as_a_linear():
+    """Upstream shards a custom module with a 2-D weight when an explicit spec names it; one that no spec
+    shards (matched first by a skip spec, or a non-leaf) stays as written."""
+    from deepspeed.module_inject.auto_tp import _as_linear
+    from deepspeed.module_inject.tp_plan import linear_like, linear_like_to_adopt
+
+    model = nn.Sequential(_CustomLinear(), _CustomLinear(), _CustomLinear(), nn.GELU())
+    specs = lambda *rules: {"partition_config": {"use_default_specs": False, "layer_specs": [  # noqa: E731
+        {"patterns": [p], "partition_type": t} for p, t in rules]}}
+    assert linear_like(model[0]) and not linear_like(model[3]) and not linear_like(model)
+    cfg = specs((r"^0\.weight$", "column"), (r"^1\.weight$", "skip"), (r"^[12]\.weight$", "row"))
+    assert linear_like_to_adopt(model, cfg) == ["0", "2"]   # "1": the skip spec matches first
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    linear = _as_linear(model[0])
+    assert isinstance(linear, nn.Linear) and linear.weight is model[0].weight and linear.bias is model[0].bias
+    assert torch.equal(linear(x), torch.nn.functional.linear(x, model[0].weight, model[0].bias))
+
+
+def test_nested_shape_outside_partition_dim_names_upstream_phrase():
+    from deepspeed.module_inject.autotp_config import AutoTPConfig
+
+    with pytest.raises(ValueError, match="nested tuple only allowed at partition_dim"):
+        AutoTPConfig.from_dict({"layer_specs": [{"patterns": [".*"], "partition_type": "column",
+                                                 "shape": [2, [1, 1]]}]})
