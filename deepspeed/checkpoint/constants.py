@@ -26,7 +26,7 @@ DS_VERSION = "ds_version"
 # A client-state key: Megatron-style trainers store their parameter-handling patterns under it for
 # upstream's universal converter. Ours saves it like any client state and does not need it.
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
-# Keys inside that info (upstream's names). AutoTP attaches it to the model (module_inject/autotp_uc.py)
+# Keys inside that info (upstream's names). AutoTP attaches it to the model (module_inject/layers.py, [Universal-checkpoint info])
 # for upstream's converter; this package's ds_to_universal does not read it (docs/compatibility.md).
 UNIVERSAL_CHECKPOINT_VERSION_KEY = "universal_checkpoint_version"
 UNIVERSAL_CHECKPOINT_VERSION_VALUE = 0.4

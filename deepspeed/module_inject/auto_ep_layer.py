@@ -32,9 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm as dist
+from .. import comm as ds_comm
 from ..moe.ep_count import count_tokens_per_expert
 from ..moe.ep_kernels import group_by_expert, inverse_permutation, local_ids_by_source
+
+# Upstream's name for deepspeed.comm in this module (its tests reach `auto_ep_layer.dist`): the same module object.
+dist = ds_comm
 
 _LOCAL = threading.local()
 
@@ -68,7 +71,7 @@ def _split_plan_from_counts(counts: torch.Tensor, rows: int, ep_size: int, num_l
         return SplitPlan([rows], [rows], counts, counts.view(1, num_local_experts))
     send = counts.to(torch.int32).contiguous()
     received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=ep_group)
+    ds_comm.all_to_all_single(received, send, group=ep_group)
     by_source = received.view(ep_size, num_local_experts)
     return SplitPlan(send.view(ep_size, num_local_experts).sum(dim=1).tolist(), by_source.sum(dim=1).tolist(),
                      by_source.sum(dim=0), by_source)
@@ -98,7 +101,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+        ds_comm.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
         return out
 
     @staticmethod
@@ -134,7 +137,7 @@ class _WholeExpertState:
         if self.ep_size == 1:
             return local.clone()
         parts = [torch.empty_like(local) for _ in range(self.ep_size)]
-        dist.all_gather(parts, local, group=self.ep_group)
+        ds_comm.all_gather(parts, local, group=self.ep_group)
         return torch.cat(parts)
 
     @staticmethod

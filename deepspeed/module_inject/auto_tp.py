@@ -8,9 +8,8 @@ import torch
 from torch import nn
 
 from .layers import (LinearAllreduce, LinearLayer, SubParamLinearAllreduce, SubParamLinearLayer,
-                     tensor_parallel_size)
+                     attach_universal_checkpoint_info, tensor_parallel_size)
 from .. import comm as ds_comm
-from . import autotp_uc
 from .autotp_config import AutoTPConfig, PartitionType, TPLayerSpec  # noqa: F401  (upstream imports them from here)
 from .tp_plan import (COLUMN, SKIP, LayerPlan, build_plan, check_plan, grad_allreduce_modules, linear_like_to_adopt,
                       summary)
@@ -46,7 +45,7 @@ def shard_model(model: nn.Module, tp_size: int, tp_config: dict | None, group: A
             _set_child(model, name, make_layer(modules[name], layer, group, name))
     for name in grad_allreduce_modules(model, tp_config):
         sum_grads_over_tensor_group(modules[name], group)
-    autotp_uc.attach(model)
+    attach_universal_checkpoint_info(model)
     return summary(plan)
 
 
