@@ -18,6 +18,7 @@ import torch
 from .. import comm as ds_comm
 from ..utils.logging import log_dist
 from .base_optimizer import DeepSpeedOptimizer
+from .utils import is_model_parallel_parameter
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,8 @@ def counted_in_norm(param: torch.Tensor, split: "SplitModel | None" = None) -> b
         return False
     if split is not None and split.expert_rank != 0:
         return hasattr(param, "allreduce") and not param.allreduce   # deepspeed.moe.utils.is_moe_param
-    if split is not None and split.tensor_rank != 0:
-        from ..module_inject.layers import is_tensor_parallel
-
-        return is_tensor_parallel(param)
+    if split is not None and split.tensor_rank != 0:   # AutoTP's or a Megatron-style layer's shard
+        return is_model_parallel_parameter(param)
     return True
 
 

@@ -89,8 +89,10 @@ class PipelineEngine(DeepSpeedEngine):
             if self.stage_id > 0 else None
         self._to_next = StageLink(self.grid.stage_to_global(self.next_stage), self.device, dynamic) \
             if self.stage_id < self.num_stages - 1 else None
-        split = SplitModel(self.grid.get_model_parallel_group()) if self.grid.get_model_parallel_world_size() > 1 \
-            else None
+        # the model group spans this replica's stages and tensor slices; a parameter replicated
+        # over the tensor slices (a LayerNorm, the row bias) enters the norm on slice 0 only
+        split = SplitModel(self.grid.get_model_parallel_group(), tensor_rank=self.grid.get_slice_parallel_rank()) \
+            if self.grid.get_model_parallel_world_size() > 1 else None
         if isinstance(self.optimizer, OptimizerWrapper):
             self.optimizer.split = split
         self._split = split

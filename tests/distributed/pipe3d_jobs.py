@@ -1,0 +1,206 @@
+"""The seed's 3-D parallelism as a Megatron-DeepSpeed user writes it: a PipelineModule over
+`PipeModelDataParallelTopology(num_pp, num_mp, num_dp)`, Megatron-style column/row parallel linear
+layers of the user's own on the `mpu`'s tensor group (weights tagged `tensor_model_parallel`,
+LayerNorm, embedding, head and the row bias replicated), `deepspeed.initialize` (the module's grid is the mpu, as upstream), ZeRO-1 and
+gradient clipping. The reference in the test process is the same model unsharded."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB, HIDDEN, FFN, SEQ = 16, 8, 16, 4
+NUM_BLOCKS = 4
+BASE_SEED = 77
+
+
+def _full(layer: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The unsharded initial value of one weight: the same on every rank and in the reference."""
+    g = torch.Generator().manual_seed(BASE_SEED * 1000 + layer * 10 + sum(map(ord, name)) % 7)
+    return torch.randn(shape, generator=g) * 0.3
+
+
+class _CopyToTensor(torch.autograd.Function):
+    """Megatron's f: identity forward, all-reduce of the input gradient over the tensor group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        from deepspeed import comm as ds_comm
+
+        grad = grad.contiguous().clone()
+        ds_comm.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensor(torch.autograd.Function):
+    """Megatron's g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        from deepspeed import comm as ds_comm
+
+        x = x.contiguous().clone()
+        ds_comm.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class TensorBlock(nn.Module):
+    """x + Row(gelu(Column(LayerNorm(x)))): FFN columns split over the tensor ranks."""
+
+    def __init__(self, layer: int, mpu) -> None:
+        super().__init__()
+        self.mpu = mpu
+        tp, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+        cols = slice(rank * FFN // tp, (rank + 1) * FFN // tp)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.col_weight = nn.Parameter(_full(layer, "col_w", (FFN, HIDDEN))[cols].clone())
+        self.col_bias = nn.Parameter(_full(layer, "col_b", (FFN,))[cols].clone())
+        self.row_weight = nn.Parameter(_full(layer, "row_w", (HIDDEN, FFN))[:, cols].clone())
+        self.row_bias = nn.Parameter(_full(layer, "row_b", (HIDDEN,)).clone())   # replicated
+        for p in (self.col_weight, self.col_bias, self.row_weight):
+            p.tensor_model_parallel = True   # Megatron's tag
+
+    def forward(self, x):
+        group = self.mpu.get_tensor_model_parallel_group()
+        h = _CopyToTensor.apply(self.norm(x), group)
+        h = nn.functional.gelu(nn.functional.linear(h, self.col_weight, self.col_bias))
+        out = _ReduceFromTensor.apply(nn.functional.linear(h, self.row_weight), group)
+        return x + out + self.row_bias
+
+
+class Embed(nn.Embedding):
+    def __init__(self) -> None:
+        super().__init__(VOCAB, HIDDEN)
+        with torch.no_grad():
+            self.weight.copy_(_full(100, "embed", (VOCAB, HIDDEN)))
+
+
+class Head(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(HIDDEN, VOCAB)
+        with torch.no_grad():
+            self.weight.copy_(_full(101, "head_w", (VOCAB, HIDDEN)))
+            self.bias.copy_(_full(101, "head_b", (VOCAB,)))
+
+
+def loss_fn(logits, labels):
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), labels.reshape(-1))
+
+
+class _FullMPU:
+    """A tensor size of 1: the reference builds the unsharded blocks with it."""
+
+    def get_tensor_model_parallel_world_size(self):
+        return 1
+
+    def get_tensor_model_parallel_rank(self):
+        return 0
+
+    def get_tensor_model_parallel_group(self):
+        return None
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def reference_model() -> nn.Sequential:
+    blocks = [TensorBlock(i, _FullMPU()) for i in range(NUM_BLOCKS)]
+    return nn.Sequential(Embed(), *blocks, Head())
+
+
+def reference(steps: int, micro: int, gas: int, dp: int, clip: float):
+    """Plain PyTorch on the unsharded model and the same global batch: (losses, norms, params)."""
+    saved = _CopyToTensor.apply, _ReduceFromTensor.apply
+    _CopyToTensor.apply = _ReduceFromTensor.apply = _Identity.apply   # one process: no tensor group
+    try:
+        model = reference_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        losses, norms = [], []
+        for step in range(steps):
+            ids, labels = global_batch(step, micro * gas * dp)
+            loss = loss_fn(model(ids), labels)
+            opt.zero_grad()
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+            opt.step()
+            losses.append(loss.item())
+    finally:
+        _CopyToTensor.apply, _ReduceFromTensor.apply = saved
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def global_batch(step: int, size: int):
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randint(0, VOCAB, (size, SEQ), generator=g), torch.randint(0, VOCAB, (size, SEQ), generator=g)
+
+
+def micro_batches(step: int, replica: int, micro: int, gas: int, dp: int):
+    ids, labels = global_batch(step, micro * gas * dp)
+    return [(ids[s:s + micro], labels[s:s + micro])
+            for s in ((replica * gas + k) * micro for k in range(gas))]
+
+
+def train(pp: int, mp: int, micro: int, gas: int, zero: int, steps: int, clip: float):
+    """Train 3-D; returns (losses, norms, this rank's params by reference name, meta)."""
+    import deepspeed
+    from deepspeed import comm as ds_comm
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    dp = ds_comm.get_world_size() // (pp * mp)
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=mp, num_dp=dp)
+    holder: dict = {}
+
+    class Block(TensorBlock):   # built inside the PipelineModule, on its grid (the mpu)
+        def __init__(self, layer):
+            super().__init__(layer, holder["mpu"])
+
+    class LazyMPU:   # Megatron's mpu answers from the topology; the group once the grid exists
+        def get_tensor_model_parallel_world_size(self):
+            return mp
+
+        def get_tensor_model_parallel_rank(self):
+            return topo.get_coord(ds_comm.get_rank()).model
+
+        def get_tensor_model_parallel_group(self):
+            return holder["module"].mpu().get_slice_parallel_group()
+
+    holder["mpu"] = LazyMPU()
+    specs = [LayerSpec(Embed)] + [LayerSpec(Block, i) for i in range(NUM_BLOCKS)] + [LayerSpec(Head)]
+    model = PipelineModule(specs, topology=topo, loss_fn=loss_fn, partition_method="uniform")
+    holder["module"] = model
+    cfg = {"train_batch_size": micro * gas * dp, "train_micro_batch_size_per_gpu": micro,
+           "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 6, "gradient_clipping": clip,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": zero}}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,   # upstream: no mpu= with a PipelineModule
+                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
+    grid = engine.grid
+    replica, tp_rank = grid.get_data_parallel_id(), grid.get_slice_parallel_rank()
+    losses, norms = [], []
+    for step in range(steps):
+        losses.append(float(engine.train_batch(iter(micro_batches(step, replica, micro, gas, dp)))))
+        norms.append(engine.get_global_grad_norm())
+    # this rank's slices under the reference's names ("<layer index>.<param>")
+    params = {}
+    for name, p in engine.module.named_parameters():
+        params[name] = p.detach().clone()
+    meta = {"stage": engine.stage_id, "tp_rank": tp_rank, "tp": mp, "replica": replica}
+    engine.destroy()
+    return losses, norms, params, meta
