@@ -156,8 +156,10 @@ def micro_batches(step: int, replica: int, micro: int, gas: int, dp: int):
             for s in ((replica * gas + k) * micro for k in range(gas))]
 
 
-def train(pp: int, mp: int, micro: int, gas: int, zero: int, steps: int, clip: float):
-    """Train 3-D; returns (losses, norms, this rank's params by reference name, meta)."""
+def train(pp: int, mp: int, micro: int, gas: int, zero: int, steps: int, clip: float, ckpt_dir: str | None = None,
+          save_at: int = 0):
+    """Train 3-D; returns (losses, norms, this rank's params by reference name, meta). With
+    `ckpt_dir`, save after `save_at` steps, then build a new engine, load and go on."""
     import deepspeed
     from deepspeed import comm as ds_comm
     from deepspeed.pipe import LayerSpec, PipelineModule
@@ -182,19 +184,28 @@ def train(pp: int, mp: int, micro: int, gas: int, zero: int, steps: int, clip: f
             return holder["module"].mpu().get_slice_parallel_group()
 
     holder["mpu"] = LazyMPU()
-    specs = [LayerSpec(Embed)] + [LayerSpec(Block, i) for i in range(NUM_BLOCKS)] + [LayerSpec(Head)]
-    model = PipelineModule(specs, topology=topo, loss_fn=loss_fn, partition_method="uniform")
-    holder["module"] = model
     cfg = {"train_batch_size": micro * gas * dp, "train_micro_batch_size_per_gpu": micro,
            "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 6, "gradient_clipping": clip,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
            "zero_optimization": {"stage": zero}}
-    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,   # upstream: no mpu= with a PipelineModule
-                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
+
+    def build():
+        specs = [LayerSpec(Embed)] + [LayerSpec(Block, i) for i in range(NUM_BLOCKS)] + [LayerSpec(Head)]
+        model = holder["module"] = PipelineModule(specs, topology=topo, loss_fn=loss_fn, partition_method="uniform")
+        engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,   # upstream: no mpu= with a PipelineModule
+                                               model_parameters=[p for p in model.parameters() if p.requires_grad])
+        return engine
+
+    engine = build()
     grid = engine.grid
     replica, tp_rank = grid.get_data_parallel_id(), grid.get_slice_parallel_rank()
     losses, norms = [], []
     for step in range(steps):
+        if ckpt_dir and step == save_at:
+            engine.save_checkpoint(ckpt_dir, tag="mid")
+            engine.destroy()
+            engine = build()
+            engine.load_checkpoint(ckpt_dir, tag="mid")
         losses.append(float(engine.train_batch(iter(micro_batches(step, replica, micro, gas, dp)))))
         norms.append(engine.get_global_grad_norm())
     # this rank's slices under the reference's names ("<layer index>.<param>")

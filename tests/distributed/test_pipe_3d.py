@@ -38,6 +38,16 @@ def test_pipe_tensor_zero1_matches_one_process(clip):
     _check(results, steps, micro, gas, 1, clip)
 
 
+def test_pipe_tensor_resume_equals_uninterrupted(tmp_path):
+    """Saved after 2 steps (a layer file per tensor slice: `layer_XX-model_YY-model_states.pt`),
+    loaded into new engines, 2 more steps: equal to the uninterrupted run."""
+    steps, micro, gas = 4, 2, 2
+    results = run_distributed(4, jobs.train, 2, 2, micro, gas, 1, steps, 0.5, str(tmp_path), 2)
+    _check(results, steps, micro, gas, 1, 0.5)
+    names = sorted(p.name for p in (tmp_path / "mid").iterdir())
+    assert "layer_01-model_01-model_states.pt" in names, names
+
+
 @pytest.mark.slow
 def test_pipe_tensor_data_2x2x2_matches_one_process():
     steps, micro, gas = 3, 2, 2
