@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 
@@ -29,26 +30,57 @@ _PER_ELEMENT = ("base_optimizer_state", "single_partition_of_fp32_groups", "para
                 "fp32_flat_groups", "optimizer_state_dict")
 
 
+def _open(input_folder: str) -> tuple[list[CheckpointReader], int]:
+    """The readers of every model-parallel file set of the tag (one per pipeline stage), and how many
+    there are. Each stage's files hold only its own layers' parameters, so all are read: reading
+    stage 0 alone wrote a universal checkpoint missing every later stage's parameters."""
+    load_dir, tag = os.path.dirname(input_folder) or ".", os.path.basename(input_folder)
+    first = CheckpointReader(load_dir, tag)
+    if first.universal:
+        raise CheckpointError(f"{input_folder} is already a universal checkpoint")
+    sets = sorted(int(m.group(1)) for m in (re.match(r"mp_rank_(\d+)_model_states\.pt$", f)
+                                            for f in os.listdir(first.path)) if m)
+    if len(sets) <= 1:
+        return [first], 1
+    layers = [f for f in os.listdir(first.path) if re.match(r"layer_\d+-model_states\.pt$", f)]
+    sliced = [f for f in os.listdir(first.path) if re.match(r"layer_\d+-model_\d+-model_states\.pt$", f)]
+    if not layers or sliced:
+        raise CheckpointError(
+            f"{input_folder} holds {len(sets)} tensor-parallel file sets (mp_rank_00..{sets[-1]:02d}); ds_to_universal "
+            "does not merge tensor-parallel slices yet. Resume it at the same tensor-parallel size (any data-parallel "
+            "size or stage count loads it directly), or consolidate the weights with zero_to_fp32")
+    readers = [first] + [CheckpointReader(load_dir, tag, mp_rank=m) for m in sets[1:]]
+    if not all(r.optimizer_state for r in readers):
+        raise CheckpointError(f"{input_folder}: a pipeline checkpoint without ZeRO / mixed-precision optimizer "
+                              "partitions has nothing to convert; its per-layer files load at any stage count as they are")
+    return readers, len(sets)
+
+
+def _shapes(reader: CheckpointReader) -> dict[str, torch.Size]:
+    return {name: shape for group in reader.groups() for name, shape in group}
+
+
 def convert(input_folder: str, output_folder: str) -> int:
     """Write the universal checkpoint of tag directory `input_folder`; returns the parameter count."""
     input_folder = os.path.normpath(input_folder)
-    reader = CheckpointReader(os.path.dirname(input_folder) or ".", os.path.basename(input_folder))
-    if reader.universal:
-        raise CheckpointError(f"{input_folder} is already a universal checkpoint")
+    readers, sets = _open(input_folder)
+    reader = readers[0]
     zero_dir = os.path.join(output_folder, "zero")
     os.makedirs(zero_dir, exist_ok=True)
-    fields = ["fp32"] + reader.fields()
-    names = reader.param_names()
-    for name in progress(names, desc="Converting to universal", unit="param"):
+    owners: dict[str, tuple[int, torch.Size]] = {}   # a tied weight is in several stages' files: once
+    for stage, r in enumerate(readers):
+        for name, shape in _shapes(r).items():
+            owners.setdefault(name, (stage, shape))
+    for name, (stage, shape) in progress(list(owners.items()), desc="Converting to universal", unit="param"):
+        source = readers[stage]
         folder = os.path.join(zero_dir, name)
         os.makedirs(folder, exist_ok=True)
-        shape = reader.groups()[reader._where[name][0]][reader._where[name][1]][1]
-        for field in fields:
-            value = reader.read(name, field)
+        for field in ["fp32"] + source.fields():
+            value = source.read(name, field)
             if value is not None:
                 save_file({"param": value.view(shape)}, os.path.join(folder, f"{field}.pt"))
-        if reader.step is not None:
-            save_file(torch.tensor(float(reader.step)), os.path.join(folder, "step.pt"))
+        if source.step is not None:
+            save_file(torch.tensor(float(source.step)), os.path.join(folder, "step.pt"))
     common = {}
     if reader.optimizer_state:
         common = {k: v for k, v in reader.optimizer_state[0].items() if k not in _PER_ELEMENT}
@@ -56,7 +88,8 @@ def convert(input_folder: str, output_folder: str) -> int:
     save_file(common, os.path.join(zero_dir, "optimizer_state.pt"))
     source = os.path.join(reader.path, model_file())
     if os.path.isfile(source):
-        shutil.copyfile(source, os.path.join(output_folder, model_file()))
+        for m in range(sets):   # every stage's counters and scheduler, as upstream copies mp_rank_*
+            shutil.copyfile(os.path.join(reader.path, model_file(m)), os.path.join(output_folder, model_file(m)))
     else:  # ZeRO-3: rank 0's model states, with each frozen parameter whole instead of rank 0's piece
         states = dict(reader.model_states)
         frozen = states.get("frozen_param_shapes") or {}
@@ -64,7 +97,7 @@ def convert(input_folder: str, output_folder: str) -> int:
         save_file(states, os.path.join(output_folder, model_file()))
     parent = os.path.dirname(os.path.normpath(output_folder)) or "."
     write_text(os.path.join(parent, "latest_universal"), os.path.basename(os.path.normpath(output_folder)))
-    return len(names)
+    return len(owners)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -202,9 +202,10 @@ def failing_stage(stages: int, fail_stage: int):
 
 
 def save_and_resume(save_stages: int, save_gas: int, load_stages: int, load_gas: int, zero: int, path: str,
-                    phase: str, dtype: str = "fp32"):
+                    phase: str, dtype: str = "fp32", tag: str = "ckpt"):
     """phase "save": train 3 steps, save, train 2 more (the uninterrupted losses); phase "load":
-    a fresh engine (maybe another stage count) loads and trains the same 2 steps."""
+    a fresh engine (maybe another stage count) loads `tag` and trains the same 2 steps (a tag
+    ending in "_universal" is loaded with `checkpoint.load_universal`)."""
     import deepspeed
     from deepspeed import comm as ds_comm
     from deepspeed.pipe import PipelineModule
@@ -215,6 +216,8 @@ def save_and_resume(save_stages: int, save_gas: int, load_stages: int, load_gas:
     model = PipelineModule(specs(), num_stages=stages, loss_fn=loss_fn, seed_layers=True,
                            base_seed=BASE_SEED + (0 if phase == "save" else 99))
     cfg = config(micro, gas, dp, zero, dtype)
+    if tag.endswith("_universal"):
+        cfg["checkpoint"] = {"load_universal": True}
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2,
                                                        "warmup_num_steps": 4}}
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, model_parameters=list(model.parameters()))
@@ -225,7 +228,7 @@ def save_and_resume(save_stages: int, save_gas: int, load_stages: int, load_gas:
             engine.train_batch(iter(batches(step, replica, micro, gas, dp)[0]))
         engine.save_checkpoint(path, tag="ckpt")
     else:
-        load_path, _ = engine.load_checkpoint(path, tag="ckpt")
+        load_path, _ = engine.load_checkpoint(path, tag=tag)
         assert load_path is not None
         assert engine.global_steps == 3, engine.global_steps
     for step in range(3, 5):

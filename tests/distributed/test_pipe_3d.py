@@ -46,6 +46,11 @@ def test_pipe_tensor_resume_equals_uninterrupted(tmp_path):
     _check(results, steps, micro, gas, 1, 0.5)
     names = sorted(p.name for p in (tmp_path / "mid").iterdir())
     assert "layer_01-model_01-model_states.pt" in names, names
+    from deepspeed.checkpoint.ds_to_universal import convert
+    from deepspeed.checkpoint.files import CheckpointError
+
+    with pytest.raises(CheckpointError, match="tensor-parallel slices"):   # not a silent half conversion
+        convert(str(tmp_path / "mid"), str(tmp_path / "mid_universal"))
 
 
 @pytest.mark.slow

@@ -166,6 +166,21 @@ def test_checkpoint_resumes_on_any_stage_count(tmp_path, save, load, zero):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.parametrize("load", [(1, 2), (4, 8)])
+def test_ds_to_universal_of_pipeline_checkpoint_resumes(tmp_path, load):
+    """ds_to_universal reads every stage's files (it read stage 0's alone and wrote a universal
+    checkpoint without the later stages' parameters); loaded with load_universal into another
+    stage count, training continues exactly."""
+    from deepspeed.checkpoint.ds_to_universal import convert
+
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(4, jobs.save_and_resume, 2, 4, *load, 1, path, "save")
+    assert convert(f"{path}/ckpt", f"{path}/ckpt_universal") == 2 * 6 + 1   # 6 blocks, the tied embedding
+    resumed = run_distributed(4, jobs.save_and_resume, 2, 4, *load, 1, path, "load", "fp32", "ckpt_universal")
+    for (want, _), (got, _) in zip(saved, resumed):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.parametrize("stages", [2, 4, 1])
 def test_loads_upstream_pipeline_checkpoint(tmp_path, stages):
     """A checkpoint written by DeepSpeed 0.19.8's PipelineEngine (tests/fixtures/ds_0_19_8_pipe,
