@@ -14,7 +14,7 @@ from ..utils.logging import log_dist, logger
 from .agreement import agree_config
 from .config.sections.base import TORCH_DTYPES
 from .config.sections.precision import param_dtype_conflict
-from .errors import NotSupportedYet, UsageError  # NotSupportedYet re-exported: engine.py imports it here
+from .errors import NotSupportedYet, UsageError
 from .grad_reducer import GradBucketReducer, ReducePolicy
 
 # DDP's default bucket (25 MiB of fp32) when the user leaves reduce_bucket_size at its default:
