@@ -203,6 +203,7 @@ def wrap_optimizer(engine: Any) -> Any:
         return register_optimizer(engine.basic_optimizer)
     wrapper = MixedPrecisionOptimizer(engine.basic_optimizer, engine._reducer, policy, engine.gradient_clipping(),
                                       names, group=engine.seq_data_parallel_group)
+    wrapper._engine_ref = weakref.ref(engine)   # the optimizer's backward API (base_optimizer.py)
     wrapper.split = getattr(engine, "_split", None)
     wrapper.optimizer_route = _optimizer_route(engine)
     return register_optimizer(wrapper)

@@ -1,7 +1,8 @@
 """The torch.optim.Optimizer-like surface shared by the engine's optimizer wrappers.
 
 LR schedulers, users and frameworks read `param_groups`, `state`, `loss_scale` and call
-`needs_scaler()` / `scale_if_loss()` on whatever `engine.optimizer` is; the wrappers
+`needs_scaler()` / `scale_if_loss()` (and seed 003's backward API, base_optimizer.py) on whatever
+`engine.optimizer` is; the wrappers
 (MixedPrecisionOptimizer at stage 0, ZeroOptimizer at stages 1-2) differ only in how they step.
 """
 
@@ -17,7 +18,7 @@ import torch
 
 from .. import comm as ds_comm
 from ..utils.logging import log_dist
-from .base_optimizer import DeepSpeedOptimizer
+from .base_optimizer import EngineOptimizer
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def clip_sharded_grads(grads: list[torch.Tensor], max_norm: float, comm_device: 
 
 
 
-class OptimizerWrapper(DeepSpeedOptimizer):
+class OptimizerWrapper(EngineOptimizer):
     """Delegates the optimizer surface to `self.optimizer` and the loss scale to `self.loss_scaler`."""
 
     optimizer: torch.optim.Optimizer

@@ -193,17 +193,8 @@ class PartitionedStateDict:
     `offload_states()` / `reload_states()`: upstream's optimizers have them too, and RLHF code calls
     them there (OpenRLHF: `engine.optimizer.offload_states(...)`, then `engine.reload_states()`)."""
 
-    _engine_ref: Any = None   # weakref to the engine, set by engine_setup.wrap_optimizer
     step_consumes_grads = True   # step() ends with zero_grad() (see step_on_shards); the engine skips its own
-
-    def _live_engine(self) -> Any:
-        return self._engine_ref() if self._engine_ref is not None else None
-
-    def _engine(self, what: str) -> Any:
-        engine = self._live_engine()
-        if engine is None:
-            raise RuntimeError(f"{type(self).__name__}.{what}(): the optimizer's engine is gone")
-        return engine
+    # (`_engine` / `_live_engine`: the weak link to the engine, from base_optimizer.EngineOptimizer)
 
     def state_dict(self) -> dict:
         return self._engine("state_dict")._optimizer_partition_state()
