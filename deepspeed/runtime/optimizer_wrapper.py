@@ -83,6 +83,16 @@ class OptimizerWrapper(EngineOptimizer):
     optimizer_route: str | None = None   # the class upstream would have built (optimizer_routes.py)
     split: SplitModel | None = None      # set by the PipelineEngine
 
+    def _init_wrapper(self, optimizer: torch.optim.Optimizer, policy: Any, clip: float, names: dict[int, str],
+                      group: Any) -> None:
+        """The fields every wrapper sets the same way (the base optimizer, the scaler and overflow
+        check of `policy`, clipping, the data-parallel group and its rank/size, parameter names)."""
+        self.optimizer, self.loss_scaler, self.check_overflow = optimizer, policy.make_scaler(), policy.check_overflow
+        self.clip, self.group, self._names = clip, group, names
+        self.overflow = False
+        self._global_grad_norm = None
+        self.dp_rank, self.dp_world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
+
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups

@@ -226,12 +226,8 @@ class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, reducer: Any, policy: PrecisionPolicy, clip: float,
                  names: dict[int, str], group: Any = None, master_device: torch.device | None = None):
         master_dtype = policy.master_dtype
-        self.optimizer, self.reducer, self.loss_scaler = optimizer, reducer, policy.make_scaler()
-        self.check_overflow = policy.check_overflow
-        self.clip, self.group, self._names = clip, group, names
-        self.overflow = False
-        self._global_grad_norm: float | None = None
-        self.dp_rank, self.dp_world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
+        self._init_wrapper(optimizer, policy, clip, names, group)
+        self.reducer = reducer
         device = master_device or (reducer.buckets[0].params[0].device if reducer.buckets else torch.device("cpu"))
         # each bucket is sharded over the ranks it is reduced over: expert buckets over their
         # expert-data-parallel group ([Note: expert gradients] in engine_moe.py), the rest over `group`
