@@ -101,7 +101,8 @@ class BackwardState:
 
     def __init__(self) -> None:
         self.active = False              # a prologue ran and its epilogue did not yet
-        self.engine_driven = False       # engine.backward is running: the loss is already scaled
+        self.engine_driven = False       # engine.backward (or the optimizer's API) drives: the loss is already scaled
+        self.depth = 0                   # optimizer.enter_backward() brackets open in this backward
         self.loss_prescaled = False      # engine.scale(loss) applied the loss scale in this backward
         self.callback_queued = False
         self.scaled_upstream: set[int] = set()  # ids of outputs whose gradient arrives already scaled
@@ -120,6 +121,8 @@ class BackwardState:
         if not self.active:
             return False
         self.active = False
+        self.engine_driven = False
+        self.depth = 0
         self.loss_prescaled = False
         self.callback_queued = False
         self.scaled_upstream.clear()

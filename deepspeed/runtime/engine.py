@@ -29,7 +29,7 @@ from .backward_hooks import (BackwardState, derived_outputs, in_autograd_backwar
 from .engine_setup import (assert_valid_mixed_precision_config, broadcast_module_states, build_lr_scheduler,
                            build_optimizer_for_engine, build_reducer, build_stage3_coordinator, check_supported,
                            check_zero_layout, cast_module_mixed_precision, mixed_precision_dtypes,
-                           NotSupportedYet, prepare_module, resolve_device, wrap_optimizer)
+                           prepare_module, resolve_device, wrap_optimizer)
 from .errors import UsageError
 from .grad_accum import is_boundary
 from .optimizer_wrapper import clip_sharded_grads, counted_in_norm
@@ -557,14 +557,6 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         """Upstream's stage-independent name (transformers uses it on its AutoTP path): without
         tensor parallelism it is the same full state dict on rank 0, None elsewhere (collective)."""
         return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
-
-    def _not_yet_at_stage3(self, what: str) -> None:
-        """Raised on every rank alike (it depends on the config only): at stage 3 the module holds
-        released placeholders, so these would silently read or write empty parameters."""
-        if self._stage3 is not None:
-            raise NotSupportedYet(f"engine.{what}() with zero_optimization.stage=3 is not implemented yet in this "
-                                  "build of deepspeed (parameters are partitioned; gathering them for "
-                                  "checkpoints is still to do)")
 
     def compile(self, backend: Any = "inductor", compile_kwargs: dict | None = None, **kwargs: Any) -> None:
         """torch.compile the wrapped module in place (upstream's `engine.compile`, which accelerate

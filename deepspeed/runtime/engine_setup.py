@@ -14,7 +14,7 @@ from ..utils.logging import log_dist, logger
 from .agreement import agree_config
 from .config.sections.base import TORCH_DTYPES
 from .config.sections.precision import param_dtype_conflict
-from .errors import NotSupportedYet, UsageError  # NotSupportedYet re-exported: engine.py imports it here
+from .errors import NotSupportedYet, UsageError
 from .grad_reducer import GradBucketReducer, ReducePolicy
 
 # DDP's default bucket (25 MiB of fp32) when the user leaves reduce_bucket_size at its default:
@@ -203,6 +203,7 @@ def wrap_optimizer(engine: Any) -> Any:
         return register_optimizer(engine.basic_optimizer)
     wrapper = MixedPrecisionOptimizer(engine.basic_optimizer, engine._reducer, policy, engine.gradient_clipping(),
                                       names, group=engine.seq_data_parallel_group)
+    wrapper._engine_ref = weakref.ref(engine)   # the optimizer's backward API (base_optimizer.py)
     wrapper.split = getattr(engine, "_split", None)
     wrapper.optimizer_route = _optimizer_route(engine)
     return register_optimizer(wrapper)

@@ -333,6 +333,15 @@ class GradBucketReducer:
                 self._complete(bucket)
         self._armed = False
 
+    def bucket_fill(self) -> dict[torch.dtype, int]:
+        """Elements already arrived in the bucket that reduces next, by communication dtype (0 while
+        no reduction is armed): upstream's "ipg bucket" (optimizer.report_ipg_memory_usage)."""
+        fill = {b.comm_dtype: 0 for b in self.buckets}
+        if self._armed and self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            fill[bucket.comm_dtype] = sum(p.numel() for i, p in enumerate(bucket.params) if i not in bucket.pending)
+        return fill
+
     def live_buffer_numel(self) -> int:
         """Elements of full-size gradient buffers currently allocated (memory accounting)."""
         return sum(b.flat.numel() for b in self.buckets if b.flat is not None)

@@ -1,7 +1,8 @@
 """The torch.optim.Optimizer-like surface shared by the engine's optimizer wrappers.
 
 LR schedulers, users and frameworks read `param_groups`, `state`, `loss_scale` and call
-`needs_scaler()` / `scale_if_loss()` on whatever `engine.optimizer` is; the wrappers
+`needs_scaler()` / `scale_if_loss()` (and seed 003's backward API, base_optimizer.py) on whatever
+`engine.optimizer` is; the wrappers
 (MixedPrecisionOptimizer at stage 0, ZeroOptimizer at stages 1-2) differ only in how they step.
 """
 
@@ -17,7 +18,7 @@ import torch
 
 from .. import comm as ds_comm
 from ..utils.logging import log_dist
-from .base_optimizer import DeepSpeedOptimizer
+from .base_optimizer import EngineOptimizer
 from .utils import is_model_parallel_parameter
 
 
@@ -69,7 +70,7 @@ def clip_sharded_grads(grads: list[torch.Tensor], max_norm: float, comm_device: 
 
 
 
-class OptimizerWrapper(DeepSpeedOptimizer):
+class OptimizerWrapper(EngineOptimizer):
     """Delegates the optimizer surface to `self.optimizer` and the loss scale to `self.loss_scaler`."""
 
     optimizer: torch.optim.Optimizer
@@ -80,6 +81,16 @@ class OptimizerWrapper(DeepSpeedOptimizer):
     _global_grad_norm: float | None
     optimizer_route: str | None = None   # the class upstream would have built (optimizer_routes.py)
     split: SplitModel | None = None      # set by the PipelineEngine
+
+    def _init_wrapper(self, optimizer: torch.optim.Optimizer, policy: Any, clip: float, names: dict[int, str],
+                      group: Any) -> None:
+        """The fields every wrapper sets the same way (the base optimizer, the scaler and overflow
+        check of `policy`, clipping, the data-parallel group and its rank/size, parameter names)."""
+        self.optimizer, self.loss_scaler, self.check_overflow = optimizer, policy.make_scaler(), policy.check_overflow
+        self.clip, self.group, self._names = clip, group, names
+        self.overflow = False
+        self._global_grad_norm = None
+        self.dp_rank, self.dp_world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
 
     @property
     def param_groups(self) -> list[dict]:

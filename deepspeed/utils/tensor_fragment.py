@@ -376,64 +376,64 @@ def _local(param: torch.Tensor, frozen_ok: bool = False) -> Optional[tuple[_Link
     return link, optimizer, sb, frag
 
 
-def safe_get_local_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    """This rank's part of the fp32 master weights: a flat copy (empty where this rank holds none
-    of the parameter; later steps do not change it; None for a frozen one). Concatenating every
-    rank's part in rank order gives the flattened full parameter."""
-    local = _local(param, frozen_ok=True)
-    if local is None:
-        return None
-    _, _, sb, frag = local
-    if frag is None:
-        return torch.empty(0, dtype=sb.master.dtype, device=param.device)
-    return sb.master[frag.shard_start:frag.shard_start + frag.numel].to(param.device, copy=True)
-
-
-def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """Overwrite this rank's part of the fp32 master weights; the model parameter follows at the
-    next step's all-gather (as upstream)."""
-    _, _, sb, frag = _local(param)
-    target = sb.master[frag.shard_start:frag.shard_start + frag.numel] if frag is not None else sb.master[:0]
-    _check_local(value, target)
-    with torch.no_grad():
-        target.copy_(value.reshape(-1))
-
-
-def safe_get_local_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    """This rank's part of the averaged gradient, flat, in fp32 (a copy)."""
-    local = _local(param, frozen_ok=True)
-    if local is None:
-        return None
-    _, _, sb, frag = local
-    if frag is None:
-        return torch.empty(0, dtype=torch.float32, device=param.device)
-    return sb.grad_source[frag.shard_start:frag.shard_start + frag.numel].to(device=param.device,
-                                                                             dtype=torch.float32, copy=True)
-
-
-def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """Overwrite this rank's part of the averaged gradient (before `engine.step()`)."""
-    _, _, sb, frag = _local(param)
-    target = sb.grad_source[frag.shard_start:frag.shard_start + frag.numel] if frag is not None \
-        else sb.grad_source[:0]
-    _check_local(value, target)
-    with torch.no_grad():
-        target.copy_(value.reshape(-1))
-
-
-def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
-    """This rank's part of the optimizer state `optim_state_key`, flat, a copy (KeyError if the
-    base optimizer keeps no such state, as upstream)."""
+def _get_local(param: torch.nn.Parameter, empty_dtype: Callable[[Any], torch.dtype],
+               read: Callable[[Any, Any, Any], torch.Tensor]) -> Optional[torch.Tensor]:
+    """The safe_get_local_* opening: None for a frozen parameter, an empty tensor of
+    `empty_dtype(shard)` where this rank holds none of it, else `read(optimizer, shard, fragment)`."""
     local = _local(param, frozen_ok=True)
     if local is None:
         return None
     _, optimizer, sb, frag = local
     if frag is None:
-        return torch.empty(0, dtype=sb.master.dtype, device=param.device)
-    state = _local_state(param, optimizer, optim_state_key)
-    if state is None:
-        raise KeyError(optim_state_key)
-    return state.reshape(-1).to(param.device, copy=True)
+        return torch.empty(0, dtype=empty_dtype(sb), device=param.device)
+    return read(optimizer, sb, frag)
+
+
+def _set_local_slice(param: torch.nn.Parameter, value: torch.Tensor, flat_of: Callable[[Any], torch.Tensor]) -> None:
+    """Overwrite this rank's slice of `flat_of(shard)` (nothing where it holds none; shapes checked)."""
+    _, _, sb, frag = _local(param)
+    flat = flat_of(sb)
+    target = flat[frag.shard_start:frag.shard_start + frag.numel] if frag is not None else flat[:0]
+    _check_local(value, target)
+    with torch.no_grad():
+        target.copy_(value.reshape(-1))
+
+
+def safe_get_local_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """This rank's part of the fp32 master weights: a flat copy (empty where this rank holds none
+    of the parameter; later steps do not change it; None for a frozen one). Concatenating every
+    rank's part in rank order gives the flattened full parameter."""
+    return _get_local(param, lambda sb: sb.master.dtype, lambda _, sb, frag: sb.master[
+        frag.shard_start:frag.shard_start + frag.numel].to(param.device, copy=True))
+
+
+def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Overwrite this rank's part of the fp32 master weights; the model parameter follows at the
+    next step's all-gather (as upstream)."""
+    _set_local_slice(param, value, lambda sb: sb.master)
+
+
+def safe_get_local_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """This rank's part of the averaged gradient, flat, in fp32 (a copy)."""
+    return _get_local(param, lambda sb: torch.float32, lambda _, sb, frag: sb.grad_source[
+        frag.shard_start:frag.shard_start + frag.numel].to(device=param.device, dtype=torch.float32, copy=True))
+
+
+def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Overwrite this rank's part of the averaged gradient (before `engine.step()`)."""
+    _set_local_slice(param, value, lambda sb: sb.grad_source)
+
+
+def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
+    """This rank's part of the optimizer state `optim_state_key`, flat, a copy (KeyError if the
+    base optimizer keeps no such state, as upstream)."""
+    def read(optimizer: Any, sb: Any, frag: Any) -> torch.Tensor:
+        state = _local_state(param, optimizer, optim_state_key)
+        if state is None:
+            raise KeyError(optim_state_key)
+        return state.reshape(-1).to(param.device, copy=True)
+
+    return _get_local(param, lambda sb: sb.master.dtype, read)
 
 
 def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:

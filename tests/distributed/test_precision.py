@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from harness import run_distributed
 from models import TinyMLP, global_batches, make_model, micro_slice, reference_training
+from models_zero import AutocastNet
 
 FP16 = {"enabled": True, "auto_cast": True, "initial_scale_power": 10, "hysteresis": 1, "loss_scale_window": 2}
 
@@ -130,18 +130,6 @@ def test_fp32_accumulation_is_closer_to_exact_than_bf16_accumulation() -> None:
         grads = run_distributed(1, train_low_precision, config, 1)[0]["first_grads"]
         errors[accum] = sum((grads[n].double() - g).norm().item() for n, g in exact.items())
     assert errors["fp32"] < 0.25 * errors["bf16"], errors
-
-
-class AutocastNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 32)
-        self.norm = nn.LayerNorm(32)
-        self.head = nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        out = self.head(self.norm(torch.relu(self.fc(x))))
-        return nn.functional.cross_entropy(out.float(), y)
 
 
 def autocast_bytes_by_dtype() -> dict:

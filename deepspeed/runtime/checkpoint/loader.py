@@ -94,6 +94,24 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
     return plan
 
 
+def load_hp_state(engine: Any, checkpoint_dir: str) -> None:
+    """This rank's fp32 masters, optimizer state and loss scaler from the universal checkpoint in
+    `checkpoint_dir` (`optimizer.load_hp_checkpoint_state_from_checkpoint_dir`, upstream's API); the
+    module's weights, counters and scheduler are left as they are. Local: no collective."""
+    path = os.path.normpath(checkpoint_dir)
+    reader = CheckpointReader(os.path.dirname(path) or ".", os.path.basename(path), mp_rank=mp_rank(engine))
+    if not reader.universal:
+        raise files.CheckpointError(f"{path} is not a universal checkpoint (no zero/<param>/fp32.pt files and "
+                                    "zero/optimizer_state.pt); write one with ds_to_universal")
+    hp = HpState(engine)
+    reader.bind_replicated_names(hp.optimizer_names, {n for g in hp.groups for n, _ in g}, strict=True)
+    plan = LoadPlan(reader, hp)
+    _plan_masters(plan, strict=True)
+    _plan_optimizer_state(plan)
+    plan.scaler_state = _scaler_state(hp, reader)
+    apply_plan(engine, plan)
+
+
 def check_tensor_parallel_size(engine: Any, load_dir: str, tag: str) -> None:
     """A checkpoint holds one file set per AutoTP rank, each with that rank's slices; loading it at another
     TP size is refused (both sizes named) before any rank reads slices of the wrong width. (Runs inside

@@ -28,15 +28,8 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def __init__(self, optimizer: torch.optim.Optimizer, grads: Any, policy: PrecisionPolicy, clip: float,
                  names: dict[int, str], group: Any = None) -> None:
         master_dtype = policy.master_dtype
-        self.optimizer = optimizer
+        self._init_wrapper(optimizer, policy, clip, names, group)
         self.grads = grads
-        self.loss_scaler = policy.make_scaler()
-        self.check_overflow = policy.check_overflow
-        self.clip = clip
-        self.group = group
-        self.overflow = False
-        self._global_grad_norm: float | None = None
-        self._names = names
         self._pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []  # (model param, master)
         self._grad_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (master grad, bucket view)
         self.model_param_groups = [list(g["params"]) for g in optimizer.param_groups]  # checkpoint order

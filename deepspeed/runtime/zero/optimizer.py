@@ -193,17 +193,8 @@ class PartitionedStateDict:
     `offload_states()` / `reload_states()`: upstream's optimizers have them too, and RLHF code calls
     them there (OpenRLHF: `engine.optimizer.offload_states(...)`, then `engine.reload_states()`)."""
 
-    _engine_ref: Any = None   # weakref to the engine, set by engine_setup.wrap_optimizer
     step_consumes_grads = True   # step() ends with zero_grad() (see step_on_shards); the engine skips its own
-
-    def _live_engine(self) -> Any:
-        return self._engine_ref() if self._engine_ref is not None else None
-
-    def _engine(self, what: str) -> Any:
-        engine = self._live_engine()
-        if engine is None:
-            raise RuntimeError(f"{type(self).__name__}.{what}(): the optimizer's engine is gone")
-        return engine
+    # (`_engine` / `_live_engine`: the weak link to the engine, from base_optimizer.EngineOptimizer)
 
     def state_dict(self) -> dict:
         return self._engine("state_dict")._optimizer_partition_state()
@@ -235,12 +226,8 @@ class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, reducer: Any, policy: PrecisionPolicy, clip: float,
                  names: dict[int, str], group: Any = None, master_device: torch.device | None = None):
         master_dtype = policy.master_dtype
-        self.optimizer, self.reducer, self.loss_scaler = optimizer, reducer, policy.make_scaler()
-        self.check_overflow = policy.check_overflow
-        self.clip, self.group, self._names = clip, group, names
-        self.overflow = False
-        self._global_grad_norm: float | None = None
-        self.dp_rank, self.dp_world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
+        self._init_wrapper(optimizer, policy, clip, names, group)
+        self.reducer = reducer
         device = master_device or (reducer.buckets[0].params[0].device if reducer.buckets else torch.device("cpu"))
         # each bucket is sharded over the ranks it is reduced over: expert buckets over their
         # expert-data-parallel group ([Note: expert gradients] in engine_moe.py), the rest over `group`

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from .... import comm as ds_comm
 from ....utils.timer import OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_STEP_TIMER, timed
 from ...base_optimizer import ZeROOptimizer
 from ...optimizer_wrapper import OptimizerWrapper
@@ -71,12 +70,8 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, coordinator: Stage3Coordinator, policy: PrecisionPolicy,
                  clip: float, names: dict[int, str], group: Any = None,
                  master_device: torch.device | None = None) -> None:
-        self.optimizer, self.coordinator, self.loss_scaler = optimizer, coordinator, policy.make_scaler()
-        self.check_overflow = policy.check_overflow
-        self.clip, self.group, self._names = clip, group, names
-        self.overflow = False
-        self._global_grad_norm: float | None = None
-        self.dp_rank, self.dp_world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
+        self._init_wrapper(optimizer, policy, clip, names, group)
+        self.coordinator = coordinator
         trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
         owned = {id(p) for u in coordinator.units for p in u.params}
         strangers = [names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]

@@ -137,6 +137,10 @@ class UnitGradReducer:
         if queue:
             self._reduce(queue)
 
+    def bucket_fill(self) -> dict[torch.dtype, int]:
+        """Elements queued for the next reduce-scatter, by dtype (optimizer.report_ipg_memory_usage)."""
+        return {self.comm_dtype or self._queue[0][1].dtype: self._queued} if self._queue else {}
+
     def _reduce(self, items: list[tuple[ShardedUnit, torch.Tensor]]) -> None:
         units = [u for u, _ in items]
         if len(items) == 1:
