@@ -45,6 +45,7 @@ def setup_parallel_groups(engine: Any, mpu: Any, config_class: Any) -> None:
     sp_config = int(config_class.model.sequence_parallel_size)
     engine.seq_parallel_group = None
     engine._split = None
+    engine._tp_replicated = None   # [Note: TP-replicated gradients] (runtime/tensor_parallel/replicated_grads.py)
     if _setup_tensor_parallel(engine, mpu, config_class, sp_config):
         return
     if mpu is not None:
@@ -154,7 +155,9 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
     average, the initial broadcast) leave the tensor dim out. The model is sharded here when the
     config asks for it and `tp_model_init` has not done so. Gradient-norm clipping and the overflow
     check combine over the tensor group too, counting each sharded parameter's slices once and each
-    replicated parameter on TP rank 0 only (`SplitModel.tensor_rank`). False without TP."""
+    replicated parameter on TP rank 0 only (`SplitModel.tensor_rank`). The replicated parameters'
+    gradients are averaged over the tensor group at each step ([Note: TP-replicated gradients]), so TP
+    peers never drift apart. False without TP."""
     _check_tp_model_init_args(engine.module, config_class.raw, mpu)
     tp = engine_tensor_parallel_size(engine.module, config_class.raw)
     if tp <= 1:
@@ -162,6 +165,7 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
     from .mesh import initialize as mesh_initialize
     from .optimizer_wrapper import SplitModel
     from .tensor_parallel import input_check
+    from .tensor_parallel.replicated_grads import ReplicatedGradSync
     from ..module_inject.auto_tp import broadcast_for_tensor_parallel, shard_model
     from ..module_inject.layers import tensor_parallel_size
 
@@ -181,5 +185,6 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
     engine.seq_dp_world_size = parallel.size("sequence_data")
     engine.seq_parallel_group = parallel.group("sequence") if sp > 1 else None
     engine._split = SplitModel(tensor_group, tensor_rank=parallel.rank("tensor"))
+    engine._tp_replicated = ReplicatedGradSync(tensor_group, tp, {id(p): n for n, p in engine.module.named_parameters()})
     input_check.install(engine.module, tensor_group)   # TP peers must be fed the same batch
     return True

@@ -81,6 +81,7 @@ class OptimizerWrapper(DeepSpeedOptimizer):
     _global_grad_norm: float | None
     optimizer_route: str | None = None   # the class upstream would have built (optimizer_routes.py)
     split: SplitModel | None = None      # set by the PipelineEngine
+    tp_replicated: Any = None            # AutoTP: ReplicatedGradSync (runtime/tensor_parallel/replicated_grads.py)
 
     @property
     def param_groups(self) -> list[dict]:
