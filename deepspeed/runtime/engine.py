@@ -173,7 +173,7 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         self._bstate.scaled_upstream.update(computed_from)  # outputs this one was computed from
         if tensor_id in self._bstate.scaled_upstream:
             return grad  # reached through another output whose hook already scaled
-        factor = 1.0 / self.gradient_accumulation_steps()
+        factor = sequence_loss_factor(self) / self.gradient_accumulation_steps()   # a known "share": x sp
         if not self._bstate.loss_prescaled:
             factor *= self.loss_scale_value()
         return grad * factor if factor != 1.0 else grad
