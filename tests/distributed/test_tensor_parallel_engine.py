@@ -251,3 +251,11 @@ def test_replicated_grad_average_costs_their_grad_bytes(world, stage):
         per_rank.append(steps[0][0][0])
     assert per_rank[0::2] == per_rank[1::2]   # TP peers average the same fragments
     assert sum(per_rank[0::2]) == want, (per_rank, want)
+
+
+def test_replicated_sync_averages_and_refuses_misaligned_peers():
+    from tp_engine_jobs import replicated_sync_direct
+
+    assert run_distributed(2, replicated_sync_direct, False) == [[[2.0] * 4, [0.0] * 3], [[2.0] * 4, [1.0] * 3]]
+    for result in run_distributed(2, replicated_sync_direct, True):
+        assert "laid out differently" in result[0] and "whole.weight" in result[0], result
