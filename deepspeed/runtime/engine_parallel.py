@@ -241,6 +241,7 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
     engine.seq_dp_world_size = parallel.size("sequence_data")
     engine.seq_parallel_group = parallel.group("sequence") if sp > 1 else None
     engine._split = SplitModel(tensor_group, tensor_rank=parallel.rank("tensor"))
-    engine._tp_replicated = ReplicatedGradSync(tensor_group, tp, {id(p): n for n, p in engine.module.named_parameters()})
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    engine._tp_replicated = ReplicatedGradSync(tensor_group, tp, names)   # [Note: TP-replicated gradients]
     input_check.install(engine.module, tensor_group)   # TP peers must be fed the same batch
     return True

@@ -126,8 +126,8 @@ def train_sp(steps: int, sp: int, stage: int, convention: str, micro: int = 2, g
     """Every rank: its replica's micro-batch, its sequence shard. `convention`: "whole" (every SP rank
     holds the replica's loss, joined as Hugging Face's deepspeed_sp_compute_loss does) or "share" (each
     SP rank its part of it: local sum / the replica's valid-token count). `declare`: set as
-    engine.sequence_parallel_loss; `bare`: `loss.backward()`, not engine.backward. `value_tests`: per backward, the float64 scalar all_gathers (the
-    engine's value test of the loss)."""
+    engine.sequence_parallel_loss; `bare`: `loss.backward()`, not engine.backward. `value_tests`: per
+    backward, the float64 scalar all_gathers (the engine's value test of the loss)."""
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.utils import groups
