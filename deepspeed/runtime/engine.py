@@ -173,7 +173,7 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         self._bstate.scaled_upstream.update(computed_from)  # outputs this one was computed from
         if tensor_id in self._bstate.scaled_upstream:
             return grad  # reached through another output whose hook already scaled
-        factor = 1.0 / self.gradient_accumulation_steps()
+        factor = sequence_loss_factor(self) / self.gradient_accumulation_steps()   # a known "share": x sp
         if not self._bstate.loss_prescaled:
             factor *= self.loss_scale_value()
         return grad * factor if factor != 1.0 else grad
@@ -386,6 +386,8 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         else:
             clip = self.gradient_clipping()
             split = getattr(self, "_split", None)
+            if getattr(self, "_tp_replicated", None) is not None:   # [Note: TP-replicated gradients]
+                self._tp_replicated.average([(p.grad, p, 0) for p in self.module.parameters()], self.device)
             if clip > 0.0 and split is not None:   # pipeline stages: the norm of the whole model
                 params = [p for p in self.module.parameters() if p.grad is not None]
                 self._global_grad_norm = clip_sharded_grads([p.grad for p in params], clip, self.device, None, 1,

@@ -197,6 +197,7 @@ def wrap_optimizer(engine: Any) -> Any:
                                     names, group=engine.seq_data_parallel_group, master_device=master_device)
         wrapper._engine_ref = weakref.ref(engine)   # state_dict() is built like the checkpoint's
         wrapper.split = getattr(engine, "_split", None)   # tensor parallelism (engine_parallel.py)
+        wrapper.tp_replicated = getattr(engine, "_tp_replicated", None)
         wrapper.optimizer_route = _optimizer_route(engine)
         return register_optimizer(wrapper)
     if engine.basic_optimizer is None or not policy.is_mixed:
@@ -205,6 +206,7 @@ def wrap_optimizer(engine: Any) -> Any:
                                       names, group=engine.seq_data_parallel_group)
     wrapper._engine_ref = weakref.ref(engine)   # the optimizer's backward API (base_optimizer.py)
     wrapper.split = getattr(engine, "_split", None)
+    wrapper.tp_replicated = getattr(engine, "_tp_replicated", None)
     wrapper.optimizer_route = _optimizer_route(engine)
     return register_optimizer(wrapper)
 

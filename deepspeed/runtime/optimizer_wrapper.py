@@ -81,6 +81,7 @@ class OptimizerWrapper(EngineOptimizer):
     _global_grad_norm: float | None
     optimizer_route: str | None = None   # the class upstream would have built (optimizer_routes.py)
     split: SplitModel | None = None      # set by the PipelineEngine
+    tp_replicated: Any = None            # AutoTP: ReplicatedGradSync (runtime/tensor_parallel/replicated_grads.py)
 
     def _init_wrapper(self, optimizer: torch.optim.Optimizer, policy: Any, clip: float, names: dict[int, str],
                       group: Any) -> None:

@@ -188,6 +188,7 @@ def run_trainer(name: str, root: str, data) -> dict:
     engine = trainer.model_wrapped
     assert engine.zero_optimization_stage() == v["stage"]
     assert engine.seq_dp_world_size == 2 and engine.dp_world_size == 1
+    assert engine._sp_alst_seen and engine._sp_whole_checked   # the loss taken whole, checked once: no value test
     final = S.engine_params(engine)
     return check_against_reference(name, data, seen, losses, norms, init, final, logged)
 
@@ -227,6 +228,7 @@ def run_accelerate(name: str, data) -> dict:
         opt.zero_grad()
         losses.append(float(loss.detach()))
         norms.append(float(model.get_global_grad_norm()))
+    assert model._sp_alst_seen and model._sp_whole_checked   # ALST's attention: a whole loss, checked once
     return check_against_reference(name, data, seen, losses, norms, init, S.engine_params(model))
 
 

@@ -55,10 +55,14 @@ class CausalMixLM(nn.Module):
         self.down = nn.Linear(2 * HIDDEN, HIDDEN)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.sp_group = None   # set under sequence parallelism: hidden states are all-gathered over it
+        self.mix_tokens = True   # False: every token on its own (a shard's loss depends on its tokens only)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(ids)                                   # [b, s_local, h]
         full, start = h, 0
+        if not self.mix_tokens:
+            h = h + torch.tanh(self.mix(h))
+            return self.head(h + self.down(torch.nn.functional.gelu(self.up(h))))
         if self.sp_group is not None:
             import deepspeed.comm as dist
 
@@ -72,8 +76,9 @@ class CausalMixLM(nn.Module):
         return self.head(h)
 
 
-def make_data(steps: int, batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Token ids and next-token labels with -100 spread unevenly (some shards nearly all ignored)."""
+def make_data(steps: int, batch: int, seed: int = 0, repeat: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token ids and next-token labels with -100 spread unevenly (some shards nearly all ignored).
+    `repeat`: each sequence is its first 1/repeat repeated (identical shards at sp = repeat)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
@@ -82,6 +87,8 @@ def make_data(steps: int, batch: int, seed: int = 0) -> list[tuple[torch.Tensor,
         ignore = torch.rand(batch, SEQ, generator=g) < torch.linspace(0.0, 0.8, SEQ)   # more towards the end
         labels[ignore] = -100
         labels[0, :SEQ // 2] = -100    # the first sample's first half: nothing to learn there
+        if repeat > 1:
+            ids, labels = (t[:, :SEQ // repeat].repeat(1, repeat) for t in (ids, labels))
         out.append((ids, labels))
     return out
 
@@ -91,14 +98,16 @@ def _ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                                        reduction="sum")
 
 
-def reference(steps: int, dp: int, micro: int, gas: int, lr: float, clip: float) -> dict:
+def reference(steps: int, dp: int, micro: int, gas: int, lr: float, clip: float, repeat: int = 1,
+              mix_tokens: bool = True) -> dict:
     """One process, full sequences: the loss of a replica's micro-batch is the mean over its valid tokens,
     gradients averaged over replicas and micro-steps, then SGD (scale-sensitive, unlike Adam)."""
     torch.manual_seed(1234)
     model = CausalMixLM()
+    model.mix_tokens = mix_tokens
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     norms = []
-    for ids, labels in make_data(steps, dp * micro * gas):
+    for ids, labels in make_data(steps, dp * micro * gas, repeat=repeat):
         opt.zero_grad()
         for k in range(gas):
             for d in range(dp):
@@ -112,16 +121,20 @@ def reference(steps: int, dp: int, micro: int, gas: int, lr: float, clip: float)
 
 def train_sp(steps: int, sp: int, stage: int, convention: str, micro: int = 2, gas: int = 1, lr: float = 0.5,
              clip: float = 0.0, dtype: str = "fp32", extra: dict | None = None, save_dir: str | None = None,
-             load_dir: str | None = None, via_mpu: bool = False) -> dict:
+             load_dir: str | None = None, via_mpu: bool = False, repeat: int = 1, mix_tokens: bool = True,
+             declare: str | None = None, bare: bool = False) -> dict:
     """Every rank: its replica's micro-batch, its sequence shard. `convention`: "whole" (every SP rank
     holds the replica's loss, joined as Hugging Face's deepspeed_sp_compute_loss does) or "share" (each
-    SP rank its part of it: local sum / the replica's valid-token count)."""
+    SP rank its part of it: local sum / the replica's valid-token count). `declare`: set as
+    engine.sequence_parallel_loss; `bare`: `loss.backward()`, not engine.backward. `value_tests`: per
+    backward, the float64 scalar all_gathers (the engine's value test of the loss)."""
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.utils import groups
 
     torch.manual_seed(1234)
     model = CausalMixLM()
+    model.mix_tokens = mix_tokens
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
               "sequence_parallel_size": sp, "optimizer": {"type": "SGD", "params": {"lr": lr}},
               "gradient_clipping": clip, "zero_optimization": {"stage": stage}, "steps_per_print": 10**6}
@@ -135,6 +148,7 @@ def train_sp(steps: int, sp: int, stage: int, convention: str, micro: int = 2, g
         mpu.initialize_sequence_parallel(sp)
         del config["sequence_parallel_size"]
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, mpu=mpu)
+    engine.sequence_parallel_loss = declare
     if load_dir is not None:
         engine.load_checkpoint(load_dir)
     sp_group = groups._get_sequence_parallel_group() if sp > 1 else None
@@ -144,8 +158,8 @@ def train_sp(steps: int, sp: int, stage: int, convention: str, micro: int = 2, g
     assert engine.train_batch_size() == micro * gas * dp
     shard = SEQ // sp
     cols = slice(sp_rank * shard, (sp_rank + 1) * shard)
-    losses, norms = [], []
-    for ids, labels in make_data(steps, dp * micro * gas):
+    losses, norms, value_tests = [], [], []
+    for ids, labels in make_data(steps, dp * micro * gas, repeat=repeat):
         for k in range(gas):
             rows = slice((k * dp + dp_rank) * micro, (k * dp + dp_rank + 1) * micro)
             x, y = ids[rows][:, cols], labels[rows][:, cols]
@@ -161,7 +175,14 @@ def train_sp(steps: int, sp: int, stage: int, convention: str, micro: int = 2, g
                 if sp > 1:
                     dist.all_reduce(total, group=sp_group)
                 loss = ce / total
-            engine.backward(loss)
+            dist.comms_counter.reset()
+            dist.comms_counter.keep_records = True
+            try:
+                loss.backward() if bare else engine.backward(loss)
+            finally:
+                dist.comms_counter.keep_records = False
+            value_tests.append(sum(r.op == "all_gather" and r.dtype == "torch.float64" and r.numel == 1
+                                   for r in dist.comms_counter.records))
             engine.step()
             losses.append(float(loss.detach()))
         norms.append(engine.get_global_grad_norm())
@@ -173,4 +194,4 @@ def train_sp(steps: int, sp: int, stage: int, convention: str, micro: int = 2, g
         params[name] = full.detach().clone().float()
         if engine._config.model.optimizer.type.lower() == "adamw":
             moments[name] = deepspeed.utils.safe_get_full_optimizer_state(p, "exp_avg").clone()
-    return {"params": params, "norms": norms, "losses": losses, "exp_avg": moments}
+    return {"params": params, "norms": norms, "losses": losses, "exp_avg": moments, "value_tests": value_tests}

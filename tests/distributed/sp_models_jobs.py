@@ -129,9 +129,12 @@ def _full_grads(engine) -> dict:
 
 
 def train_llama(steps: int, sp: int, stage: int, micro: int = 2, variable: int = 0, lr: float = 0.5,
-                clip: float = 1.0, dtype: str = "fp32") -> dict:
-    """Every rank: ALST attention, the adapter's shards of its replica's batches, HF's loss join."""
+                clip: float = 1.0, dtype: str = "fp32", join: bool = True) -> dict:
+    """Every rank: ALST attention, the adapter's shards of its replica's batches, HF's loss join (`join`
+    False: each rank's share of the loss instead, local sum / the replica's tokens, which the engine refuses
+    on this path). `value_tests`: per backward, the engine's all_gathers of the loss value."""
     import deepspeed
+    import deepspeed.comm as ds_comm
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
     from deepspeed.utils import groups
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -154,20 +157,27 @@ def train_llama(steps: int, sp: int, stage: int, micro: int = 2, variable: int =
         mine = [data[j * sp + sp_rank][dp_rank] for j in range(draws)]
         loader = UlyssesSPDataLoaderAdapter(torch.utils.data.DataLoader(mine, batch_size=None), sp_rank=sp_rank,
                                             sp_group=group, sp_world_size=sp, device=engine.device)
-        losses, norms, grads0 = [], [], None
+        losses, norms, grads0, value_tests = [], [], None, []
         for k, batch in zip(range(steps), loader):
             assert batch["input_ids"].shape[1] == data[k][dp_rank]["input_ids"].shape[1] // sp
             ce, count = _ce(_llama_forward(engine, batch), batch["shift_labels"])
             local = ce / count.clamp(min=1)
             per_rank, counts = torch.stack(all_gather(local, group)), torch.stack(all_gather(count, group))
-            loss = (per_rank * counts).sum() / counts.sum()
-            engine.backward(loss)
+            loss = (per_rank * counts).sum() / counts.sum() if join else ce / counts.sum()
+            ds_comm.comms_counter.reset()
+            ds_comm.comms_counter.keep_records = True
+            try:
+                engine.backward(loss)
+            finally:
+                ds_comm.comms_counter.keep_records = False
+            value_tests.append(sum(r.op == "all_gather" and r.dtype == "torch.float64" and r.numel == 1
+                                   for r in ds_comm.comms_counter.records))
             if grads0 is None and dtype == "fp32":
                 grads0 = _full_grads(engine)
             engine.step()
             losses.append(float(loss.detach()))
             norms.append(engine.get_global_grad_norm())
-        return _results(engine, losses, norms, grads0)
+        return {**_results(engine, losses, norms, grads0), "value_tests": value_tests}
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
         groups.mpu = None

@@ -136,3 +136,37 @@ def test_expert_groups_on_the_mesh():
     assert [r["rank"] for r in layout] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert [r["sums"] for r in layout] == [(1.0, 2.0), (1.0, 4.0), (5.0, 2.0), (5.0, 4.0)]
     assert all(r["max"] == "ep_size_2" for r in layout)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_declared_share_convention_with_coinciding_shares(stage):
+    """Every SP rank holds the same sequence shard (each sequence is its first half twice, tokens not mixed),
+    so the per-rank shares of the loss are bitwise equal: a value test takes them for a whole loss and
+    trains with 1/sp of the gradient. Declared (`engine.sequence_parallel_loss = "share"`), the gradient is
+    the full sequence's, and no backward runs the value test."""
+    ref = reference(STEPS, dp=1, micro=2, gas=1, lr=0.5, clip=0.0, repeat=2, mix_tokens=False)
+    results = run_distributed(2, train_sp, STEPS, 2, stage, "share", repeat=2, mix_tokens=False, declare="share")
+    _check(results, ref)
+    assert results[0]["losses"] == results[1]["losses"]   # the shares coincide
+    assert all(r["value_tests"] == [0] * STEPS for r in results)
+
+
+@pytest.mark.parametrize("convention,declare,tests", [("whole", "whole", [1, 0, 0]), ("share", None, [1, 1, 1])])
+def test_value_test_runs_only_while_the_convention_is_unknown(convention, declare, tests):
+    """A declared "whole" is cross-checked at the first backward only; an unknown convention is tested at
+    every backward (one all_gather of the scalar and a host sync each); gradients exact either way."""
+    ref = reference(STEPS, dp=1, micro=2, gas=1, lr=0.5, clip=0.0)
+    results = run_distributed(2, train_sp, STEPS, 2, 1, convention, declare=declare)
+    _check(results, ref)
+    assert all(r["value_tests"] == tests for r in results)
+
+
+def test_bare_backward_of_a_declared_share_is_scaled_by_sp():
+    ref = reference(STEPS, dp=1, micro=2, gas=1, lr=0.5, clip=0.0)
+    _check(run_distributed(2, train_sp, STEPS, 2, 2, "share", declare="share", bare=True), ref)
+
+
+def test_declared_whole_with_per_rank_shares_raises_on_every_rank():
+    with pytest.raises(Exception, match="differs across the 2 sequence-parallel ranks.*"
+                                        "engine.sequence_parallel_loss = 'whole'.*set engine.sequence_parallel_loss"):
+        run_distributed(2, train_sp, 1, 2, 0, "share", declare="whole")

@@ -51,6 +51,21 @@ def test_llama_alst_sp4_gqa_variable_lengths(stage):
     _check(run_distributed(4, train_llama, STEPS, 4, stage, micro=1, variable=4, lr=LR, clip=CLIP), ref, dp=1)
 
 
+def test_alst_loss_is_taken_whole_without_a_value_test_after_the_first():
+    """ALST's attention in the model tells the engine the loss is the replica's whole one on every SP rank:
+    the value test runs once, as a cross-check, not at every backward; gradients exact."""
+    ref = llama_reference(STEPS, dp=1, micro=2, variable=False, lr=LR, clip=CLIP)
+    results = run_distributed(2, train_llama, STEPS, 2, 1, lr=LR, clip=CLIP)
+    _check(results, ref, dp=1)
+    assert all(r["value_tests"] == [1] + [0] * (STEPS - 1) for r in results)
+
+
+def test_alst_with_per_rank_share_losses_raises_on_every_rank():
+    with pytest.raises(Exception, match="differs across the 2 sequence-parallel ranks.*UlyssesSPAttentionHF.*"
+                                        "deepspeed_sp_compute_loss.*sequence_parallel_loss = 'share'"):
+        run_distributed(2, train_llama, 1, 2, 0, join=False)
+
+
 def test_llama_alst_each_sequence_rank_draws_its_own_length():
     """The batches an SP group's ranks draw together differ in length (the adapter gathers them by size)."""
     ref = llama_reference(STEPS, dp=2, micro=2, variable=1, lr=LR, clip=CLIP)

@@ -10,7 +10,7 @@ import torch
 
 from harness import run_distributed
 from models import assert_params_close
-from tp_engine_jobs import HIDDEN, SEQ, reference, tp_input_check, tp_model_init_rules, train_tp
+from tp_engine_jobs import HIDDEN, SEQ, VOCAB, reference, tp_input_check, tp_model_init_rules, train_tp
 
 STEPS = 3
 
@@ -214,3 +214,48 @@ def test_first_forward_refuses_different_inputs_on_tp_peers():
     from deepspeed.runtime.tensor_parallel.input_check import MESSAGE
 
     assert run_distributed(2, tp_input_check) == [[MESSAGE, "ok"]] * 2
+
+
+def _replicated_bytes(result: dict) -> int:
+    return 4 * sum(n for name, n in result["full_numel"].items() if name not in result["sharded"])
+
+
+@pytest.mark.parametrize("stage,extra", [(0, None), (0, {"bf16": {"enabled": True}}), (1, None), (3, None)])
+def test_replicated_params_cannot_drift_across_tp_ranks(stage, extra):
+    """[Note: TP-replicated gradients]: TP rank 1 adds 1e-3 to every gradient of its replicated parameters
+    (embedding, norm, row bias, lm_head), standing for a nondeterministic kernel; after 3 steps (SGD with
+    momentum) the replicated parameters are still bitwise equal on both TP ranks, at every ZeRO stage."""
+    results = run_distributed(2, train_tp, "mlp", STEPS, 2, stage, clip=1.0, momentum=0.9, perturb=1e-3,
+                              extra=extra)
+    replicated = [n for n in results[0]["params"] if n not in results[0]["sharded"]]
+    assert "embed.weight" in replicated and "block.down.bias" in replicated
+    for name in replicated:
+        assert torch.equal(results[0]["params"][name], results[1]["params"][name]), name
+
+
+@pytest.mark.parametrize("world,stage", [(2, 0), (4, 2)])
+def test_replicated_grad_average_costs_their_grad_bytes(world, stage):
+    """The cost of the TP average, counted by deepspeed.comm: one fp32 all-reduce per step of the replicated
+    parameters' gradient bytes (besides it a step without clipping all-reduces only scalars: ZeRO's
+    agreement checks); at ZeRO-2 with DP=2 each data rank averages only the fragments it owns, so the data
+    ranks' bytes add up to them."""
+    results = run_distributed(world, train_tp, "mlp", 2, 2, stage)
+    want = _replicated_bytes(results[0])
+    assert want == 4 * (2 * VOCAB * HIDDEN + 3 * HIDDEN)   # embed, lm_head; norm weight and bias, down.bias
+    per_rank = []
+    for result in results:
+        steps = [[r for r in reduces if r[0] > 8] for reduces in result["step_reduces"]]
+        for reduces in steps:
+            assert len(reduces) == 1 and reduces[0][1] == "torch.float32", reduces
+        assert len({reduces[0][0] for reduces in steps}) == 1
+        per_rank.append(steps[0][0][0])
+    assert per_rank[0::2] == per_rank[1::2]   # TP peers average the same fragments
+    assert sum(per_rank[0::2]) == want, (per_rank, want)
+
+
+def test_replicated_sync_averages_and_refuses_misaligned_peers():
+    from tp_engine_jobs import replicated_sync_direct
+
+    assert run_distributed(2, replicated_sync_direct, False) == [[[2.0] * 4, [0.0] * 3], [[2.0] * 4, [1.0] * 3]]
+    for result in run_distributed(2, replicated_sync_direct, True):
+        assert "laid out differently" in result[0] and "whole.weight" in result[0], result

@@ -115,9 +115,12 @@ def reference(kind: str, steps: int, dp: int, micro: int, lr: float, clip: float
 def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: float = 0.5, clip: float = 0.0,
              via_init: bool = False, count_bytes: bool = False, save_dir: str | None = None,
              load_dir: str | None = None, extra: dict | None = None, start: int = 0, momentum: float = 0.0,
-             save_16bit: str | None = None, checkpoint_block: bool = False, accumulate: int = 1) -> dict:
+             save_16bit: str | None = None, checkpoint_block: bool = False, accumulate: int = 1,
+             perturb: float = 0.0) -> dict:
     """Every rank: its replica's micro-batches (`accumulate` of them, consecutive rows of the global batch).
-    `via_init`: shard with deepspeed.tp_model_init first (transformers' way), else by the config alone."""
+    `via_init`: shard with deepspeed.tp_model_init first (transformers' way), else by the config alone.
+    `perturb`: TP rank 1 adds this to every gradient of its replicated parameters (a nondeterministic kernel's
+    last-bit difference, magnified). Each engine.step()'s all-reduces are recorded (`step_reduces`)."""
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.module_inject.layers import GatherReplacedLayerParams, is_tensor_parallel
@@ -149,7 +152,11 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
             counted.append((str(tensor.dtype), tensor.numel() * tensor.element_size()))
             return real(tensor, *args, **kwargs)
 
-    losses, norms = [], []
+    if perturb and dist.get_rank() % tp == 1:
+        for p in engine.module.parameters():
+            if not is_tensor_parallel(p):
+                p.register_hook(lambda grad: grad + perturb)
+    losses, norms, step_reduces = [], [], []
     for ids in make_data(start + steps, dp * micro * accumulate)[start:]:
         for j in range(accumulate):
             first = (dp_rank * accumulate + j) * micro
@@ -161,7 +168,11 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
                 engine.backward(loss)
             finally:
                 dist.all_reduce = real if count_bytes else dist.all_reduce
+            dist.comms_counter.reset()
+            dist.comms_counter.keep_records = True
             engine.step()
+            dist.comms_counter.keep_records = False
+            step_reduces.append([(r.nbytes, r.dtype) for r in dist.comms_counter.records if r.op == "all_reduce"])
             losses.append(float(loss.detach()))
         norms.append(engine.get_global_grad_norm())
     if save_dir is not None:
@@ -176,7 +187,7 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
     after = {n: p.numel() for n, p in engine.module.named_parameters()}
     return {"params": full, "losses": losses, "norms": norms, "local_numel": local,
             "full_numel": full_numel, "after_numel": after, "sharded": sorted(sharded), "bytes": counted,
-            "tensor_rank": dist.get_rank() % tp, "first_batch": first_batch,
+            "tensor_rank": dist.get_rank() % tp, "first_batch": first_batch, "step_reduces": step_reduces,
             "tp_src": groups.get_tensor_model_parallel_src_rank()}
 
 
@@ -278,3 +289,23 @@ def tp_input_check() -> list[str]:
         except AssertionError as exc:
             out.append(str(exc))
     return out
+
+
+def replicated_sync_direct(mismatch: bool) -> list:
+    """ReplicatedGradSync over the world as a TP group of 2: a replicated gradient (1 on rank 0, 3 on rank 1)
+    becomes 2 on both, a sharded one is left alone; with `mismatch` rank 1's replicated parameter has
+    another shape, and the first-step check raises on both ranks. Returns the grads or the error."""
+    import deepspeed.comm as dist
+    from deepspeed.runtime.tensor_parallel.replicated_grads import ReplicatedGradSync
+
+    rank = dist.get_rank()
+    whole = nn.Parameter(torch.zeros(2, 2) if mismatch and rank == 1 else torch.zeros(4))
+    sharded = nn.Parameter(torch.zeros(3))
+    sharded.tensor_model_parallel = True   # what AutoTP marks its slices with (layers.is_tensor_parallel)
+    grads = [torch.full((4,), 1.0 + 2 * rank), torch.full((3,), float(rank))]
+    sync = ReplicatedGradSync(None, dist.get_world_size(), {id(whole): "whole.weight"})
+    try:
+        sync.average([(grads[0], whole, 0), (grads[1], sharded, 0)], torch.device("cpu"))
+    except RuntimeError as exc:
+        return [str(exc)]
+    return [g.tolist() for g in grads]

@@ -84,7 +84,11 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
 
     def step(self, closure: Any = None) -> bool:
         """Returns True when the update was applied, False when skipped for overflow."""
-        self.overflow = self._found_overflow(self._master_grads())
+        grads = self._master_grads()
+        if self.tp_replicated is not None:   # [Note: TP-replicated gradients]
+            self.tp_replicated.average([(m.grad, self._model_param_of.get(id(m), m), 0) for m in self.master_params()],
+                                       grads[0].device if grads else torch.device("cpu"))
+        self.overflow = self._found_overflow(grads)
         if self.overflow:
             return self._skip_step(self._first_bad_parameter())
         masters = [p for p in self.master_params() if p.grad is not None]

@@ -221,4 +221,6 @@ class UlyssesSPFwdLossBwdWithLogits:
         return self.loss
 
     def backward(self) -> None:
+        if getattr(self.model, "sequence_parallel_loss", "unset") is None:   # an engine: this loss is a whole one
+            self.model.sequence_parallel_loss = "whole"
         self.model.backward(self.loss)

@@ -98,6 +98,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         if not module.training and self.disable_in_eval:
             return self.attn(module, query, key, value, attention_mask, *args, **kwargs)
         self._check_shapes(query, key)
+        module._ds_ulysses_sp = True   # the engine takes this model's loss as a "whole" one (engine_parallel.py)
         if "position_ids" not in kwargs or kwargs["position_ids"] is None:
             raise ValueError("Ulysses SP requires position_ids in every forward() call (the global positions of "
                              "this rank's tokens; UlyssesSPDataLoaderAdapter provides them)")

@@ -86,6 +86,9 @@ def step_on_shards(wrapper: Any, shards: list[Any], culprit: str, comm_device: t
     next backward from zero. Returns whether the update was applied."""
     try:
         grads = collect_shard_grads(shards)
+        if wrapper.tp_replicated is not None:   # [Note: TP-replicated gradients]
+            wrapper.tp_replicated.average([(m.grad, shard.params[f.index], f.param_start)
+                                           for shard in shards for m, f in shard.fragment_masters], comm_device)
         wrapper.overflow = wrapper._found_overflow(grads)
         if wrapper.overflow:
             applied = wrapper._skip_step(culprit)
