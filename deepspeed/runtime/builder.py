@@ -97,7 +97,6 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     config_class = agree_config(config_or_build, "deepspeed.initialize")
     raw = config_class.raw
     set_optimizer_flags(config_class, model)
-    check_muon_tensor_parallel(config_class, model, optimizer)
     log_dist(f"DeepSpeed info: version={__version__} (pure-Python)", ranks=[0])
     engine = engine_class(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                           training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
@@ -125,30 +124,6 @@ def set_optimizer_flags(config_class: Any, model: torch.nn.Module) -> None:
             p.use_muon = len(layer_shape(p)) >= 2 and "embed" not in lowered and "lm_head" not in lowered
     params = getattr(config_class, "optimizer_params", None) or {}
     tag_per_head(model, bool(params.get("per_head_muon", False)))
-
-
-def check_muon_tensor_parallel(config_class: Any, model: torch.nn.Module, optimizer: Any) -> None:
-    """Muon with AutoTP is refused: Newton-Schulz orthogonalises a whole weight matrix, and under
-    tensor parallelism each rank holds a slice of it (orthogonalising the slices is not the update of
-    the whole). Covers the config's `"optimizer": {"type": "Muon"}` and a client optimizer with a
-    `use_muon` param group (`MuonWithAuxAdam`), with TP from the config or from `tp_model_init`. Every
-    rank sees the same agreed config and the same model, so every rank raises, before any collective."""
-    from .constants import MUON_OPTIMIZER
-    from .engine_parallel import engine_tensor_parallel_size
-    from .errors import NotSupportedYet
-
-    tp = engine_tensor_parallel_size(model, config_class.raw)
-    if tp <= 1:
-        return
-    section = config_class.model.optimizer
-    by_config = (optimizer is None and section is not None and isinstance(section.type, str)
-                 and section.type.lower() == MUON_OPTIMIZER)
-    by_client = any(g.get("use_muon") for g in getattr(optimizer, "param_groups", ()) if isinstance(g, dict))
-    if by_config or by_client:
-        where = "optimizer.type 'Muon'" if by_config else f"a client {type(optimizer).__name__} with use_muon groups"
-        raise NotSupportedYet(f"{where} with tensor_parallel.autotp_size={tp}: Muon's Newton-Schulz step "
-                              "orthogonalises whole weight matrices, and under AutoTP each rank holds a slice of "
-                              "them; use Muon without tensor parallelism, or AdamW/SGD with it")
 
 
 def _mesh_param_sequence(mesh_param: Any) -> int | None:

@@ -191,31 +191,52 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
             "tp_src": groups.get_tensor_model_parallel_src_rank()}
 
 
-def muon_with_tp(how: str) -> str:
-    """Muon with AutoTP, three ways in: the config's Muon + autotp_size ("config"), tp_model_init then the
-    config's Muon ("tp_model_init"), tp_model_init then a client MuonWithAuxAdam ("client"). Returns what
-    initialize raised on this rank (every rank must raise, none hang)."""
-    import deepspeed
-    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+MUON_CONFIG = {"type": "Muon", "params": {"lr": 3e-3, "muon_lr": 0.02, "momentum": 0.9, "weight_decay": 0.1,
+                                          "betas": [0.9, 0.95], "eps": 1e-8, "ns_method": "standard"}}
 
+
+def muon_with_tp(how: str, tp: int, stage: int, steps: int = 3) -> dict:
+    """Muon with AutoTP, three ways in: the config's Muon + autotp_size ("config"), tp_model_init then the
+    config's Muon ("tp_model_init"), tp_model_init then a client MuonWithAuxAdam ("client"); tp=1 is the
+    unsharded run. Returns the whole parameters after each step and the all-gathers' bytes of the last."""
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
     model = build("mlp")
-    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
-              "optimizer": {"type": "Muon", "params": {"lr": 0.01}}, "tensor_parallel": {"autotp_size": 2}}
+    world = dist.get_world_size()
+    config = {"train_micro_batch_size_per_gpu": 2 * tp // world * 2, "steps_per_print": 10**6,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+              "optimizer": copy.deepcopy(MUON_CONFIG), "tensor_parallel": {"autotp_size": tp}}
     optimizer = None
     if how != "config":
-        model = deepspeed.tp_model_init(model, tp_size=2, dtype=torch.float32)
-    if how == "tp_model_init":
+        model = deepspeed.tp_model_init(model, tp_size=tp, dtype=torch.float32)
         del config["tensor_parallel"]
     if how == "client":
         del config["optimizer"]
-        matrices = [p for p in model.parameters() if p.ndim == 2]
-        others = [p for p in model.parameters() if p.ndim != 2]
-        optimizer = MuonWithAuxAdam([dict(params=matrices, use_muon=True), dict(params=others, use_muon=False)])
-    try:
-        deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    except Exception as exc:   # noqa: BLE001 - the test checks the type and the message
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+        params = MUON_CONFIG["params"]
+        matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n and "lm_head" not in n]
+        others = [p for p in model.parameters() if all(p is not q for q in matrices)]
+        optimizer = MuonWithAuxAdam([dict(params=matrices, use_muon=True, lr=params["muon_lr"], momentum=0.9,
+                                          weight_decay=0.1, ns_method="standard"),
+                                     dict(params=others, use_muon=False, lr=params["lr"], betas=(0.9, 0.95), eps=1e-8,
+                                          weight_decay=0.1)])
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    dp, dp_rank = engine.dp_world_size, engine.get_data_parallel_rank()
+    micro = engine.train_micro_batch_size_per_gpu()
+    history = []
+    for ids in make_data(steps, 4):
+        x = ids[dp_rank * micro:(dp_rank + 1) * micro]
+        dist.comms_counter.reset()
+        engine.backward(engine(x, x.roll(-1, dims=1)))
+        engine.step()
+        gathered = dist.comms_counter.summary().get("all_gather", {}).get("bytes", 0)
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=stage == 3), \
+                GatherReplacedLayerParams(params, engine.module, enabled=True):
+            history.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
+    return {"history": history, "gathered": gathered, "sliced": sorted(
+        n for n, p in engine.module.named_parameters() if getattr(p, "use_muon", False) and p.ndim == 2)}
 
 
 def tp_model_init_rules() -> dict:

@@ -20,7 +20,8 @@ from typing import Any, Iterator
 
 import torch
 
-from .original_muon import adam_direction, check_ns_method, momentum_direction, orthogonalize
+from .original_muon import adam_direction, check_ns_method, momentum_direction
+from .tensor_parallel import orthogonalize_param
 
 MUON_DEFAULTS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0, "ns_method": "gram"}
 ADAM_DEFAULTS = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0}
@@ -91,8 +92,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             raise ValueError(f"MuonWithAuxAdam: a use_muon=True parameter must be a matrix (ndim >= 2), got shape "
                              f"{tuple(p.shape)}; tag it param.use_muon = False")
         direction = self.momentum_step(p, grad, group)
-        return orthogonalize(direction, p.shape, group["ns_method"],
-                             num_heads=getattr(p, "muon_num_heads", None)).to(p.dtype)
+        return orthogonalize_param(p, direction, p.shape, group["ns_method"]).to(p.dtype)
 
     def _adam_update(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> torch.Tensor:
         state = self.state[p]

@@ -26,7 +26,8 @@ import torch
 
 from .... import comm as ds_comm
 from .muon_optimizer import MuonWithAuxAdam
-from .original_muon import ns_compute_dtype, orthogonalize
+from .original_muon import ns_compute_dtype
+from .tensor_parallel import orthogonalize_param
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,9 @@ class ShardedMuon:
         for rs, chunk in zip(receives, received):
             for (k, f), piece in zip(rs, chunk):
                 whole[k][f.param_start:f.param_start + f.numel].copy_(piece)
-        result = {k: orthogonalize(whole[k], matrices[k].shape, group["ns_method"], num_heads=matrices[k].num_heads)
-                  for k in owned}
+        result = {k: orthogonalize_param(self.shards[matrices[k].shard].params[matrices[k].index], whole[k],
+                                         matrices[k].shape, group["ns_method"])
+                  for k in owned}   # a tensor-parallel slice is joined over its tensor group first
         # back: per rank, the slices of my matrices' results that its fragments cover
         back = self._exchange([[result[k][f.param_start:f.param_start + f.numel] for k, f in rs] for rs in receives],
                               sends, dtype, crossing)
