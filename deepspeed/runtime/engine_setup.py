@@ -48,7 +48,7 @@ def resolve_device(local_rank: int) -> torch.device:
     if accel.device_name() == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    return torch.device("cpu")  # host: the accelerator is the CPU
 
 
 def broadcast_module_states(module: nn.Module, group: Any) -> None:
@@ -186,7 +186,7 @@ def wrap_optimizer(engine: Any) -> Any:
     if engine.basic_optimizer is not None and engine.stage.shard_optimizer_state:
         offload = engine._config.model.zero_optimization.offload_optimizer
         device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
-        master_device = torch.device("cpu") if device == "cpu" else None
+        master_device = torch.device("cpu") if device == "cpu" else None  # host: offload_optimizer
         if engine.stage.shard_parameters:
             from .zero.stage3.optimizer import Stage3Optimizer
 
@@ -314,7 +314,7 @@ def build_stage3_coordinator(engine: Any) -> Any:
     return Stage3Coordinator(engine.module, persistence_threshold=zero.param_persistence_threshold,
                              model_persistence_threshold=zero.model_persistence_threshold,
                              group=engine.seq_data_parallel_group,
-                             shard_device=torch.device("cpu") if offloaded else None,
+                             shard_device=torch.device("cpu") if offloaded else None,  # host: offload_param
                              pin_memory=offloaded and offload.pin_memory and torch.cuda.is_available(),
                              prefetch_bucket_size=zero.prefetch_bucket_size,
                              max_live_parameters=zero.max_live_parameters,

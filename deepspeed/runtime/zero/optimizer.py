@@ -241,14 +241,15 @@ class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
         self.overflow = False
         self._global_grad_norm: float | None = None
         self.dp_rank, self.dp_world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
-        device = master_device or (reducer.buckets[0].params[0].device if reducer.buckets else torch.device("cpu"))
+        self._comm_device = reducer.buckets[0].params[0].device if reducer.buckets else \
+            ds_comm.collective_device(group)
+        device = master_device or self._comm_device
         # each bucket is sharded over the ranks it is reduced over: expert buckets over their
         # expert-data-parallel group ([Note: expert gradients] in engine_moe.py), the rest over `group`
         self.buckets = [_ShardedBucket(b, reducer, b.rank, b.world, master_dtype, device) for b in reducer.buckets]
         self._fragments_of, self.model_param_groups = attach_fragment_masters(optimizer, self.buckets, names)
         self.muon = ShardedMuon.maybe(optimizer, self.buckets, [[p.shape for p in sb.params] for sb in self.buckets],
-                                      self.model_param_groups, group,
-                                      self.buckets[0].param_flat.device if self.buckets else device, names)
+                                      self.model_param_groups, group, self._comm_device, names)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad()
@@ -266,9 +267,8 @@ class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
     # --- the step ---------------------------------------------------------------------------
     def step(self, closure: Any = None) -> bool:
         self._refuse_step_if_offloaded()
-        comm_device = self.buckets[0].param_flat.device if self.buckets else torch.device("cpu")
         with timed(self, OPTIMIZER_STEP_TIMER):   # wall_clock_breakdown (engine observer)
-            applied = step_on_shards(self, self.buckets, "a gradient shard", comm_device)
+            applied = step_on_shards(self, self.buckets, "a gradient shard", self._comm_device)
         if not applied:
             return False
         with timed(self, OPTIMIZER_ALLGATHER_TIMER):

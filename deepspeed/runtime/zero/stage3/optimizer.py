@@ -84,7 +84,8 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
             raise ValueError(f"ZeRO-3: the optimizer trains parameters that are not the engine module's: {strangers}")
         self.units = [_UnitMaster(u, policy.master_dtype, master_device or u.shard.device)
                       for u in coordinator.units if any(id(p) in trained for p in u.params)]
-        self._comm_device = coordinator.units[0].flat.device if coordinator.units else torch.device("cpu")
+        self._comm_device = coordinator.units[0].flat.device if coordinator.units else \
+            ds_comm.collective_device(group)
         self._fragments_of, self.model_param_groups = attach_fragment_masters(optimizer, self.units, names)
         self.muon = ShardedMuon.maybe(optimizer, self.units, [list(um.unit.shapes) for um in self.units],
                                       self.model_param_groups, group, self._comm_device, names)
