@@ -339,7 +339,23 @@ def _hpz_group(engine: Any, size: int) -> Any:
             engine.seq_data_parallel_group is not None:
         raise NotSupportedYet(f"zero_optimization.zero_hpz_partition_size={size} with ZeRO groups from a client "
                               "`mpu`: hpZ's node groups come from the parallel mesh; leave out the mpu or set it to 1")
-    return parallel.hpz_group(size)[1]
+    ranks, group = parallel.hpz_group(size)
+    _warn_if_hpz_leaves_node(size, ranks)
+    return group
+
+
+def _warn_if_hpz_leaves_node(size: int, ranks: list[int]) -> None:
+    """Upstream accepts a partition larger than a node (training stays correct, the saving is lost):
+    so do we, with a warning from each affected node's first rank saying what it costs."""
+    import os
+
+    from .parallel_dims import hpz_node_crossing
+
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    problem = hpz_node_crossing(size, ranks, ds_comm.get_rank(), ds_comm.get_local_rank(),
+                                int(local_world) if local_world else None)
+    if problem is not None and ds_comm.get_local_rank() == 0:
+        logger.warning(problem)
 
 
 def _reduce_policy(engine: Any) -> ReducePolicy:
