@@ -187,14 +187,17 @@ def wrap_optimizer(engine: Any) -> Any:
         offload = engine._config.model.zero_optimization.offload_optimizer
         device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
         master_device = torch.device("cpu") if device == "cpu" else None  # host: offload_optimizer
+        pin = master_device is not None and bool(offload.pin_memory)   # honoured on CUDA (zero/host_buffers.py)
         if engine.stage.shard_parameters:
             from .zero.stage3.optimizer import Stage3Optimizer
 
             wrapper = Stage3Optimizer(engine.basic_optimizer, engine._stage3, policy, engine.gradient_clipping(),
-                                      names, group=engine.seq_data_parallel_group, master_device=master_device)
+                                      names, group=engine.seq_data_parallel_group, master_device=master_device,
+                                      pin_memory=pin)
         else:
             wrapper = ZeroOptimizer(engine.basic_optimizer, engine._reducer, policy, engine.gradient_clipping(),
-                                    names, group=engine.seq_data_parallel_group, master_device=master_device)
+                                    names, group=engine.seq_data_parallel_group, master_device=master_device,
+                                    pin_memory=pin)
         wrapper._engine_ref = weakref.ref(engine)   # state_dict() is built like the checkpoint's
         wrapper.split = getattr(engine, "_split", None)   # tensor parallelism (engine_parallel.py)
         wrapper.optimizer_route = _optimizer_route(engine)
