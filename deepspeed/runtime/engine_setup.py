@@ -354,7 +354,7 @@ def _warn_if_hpz_leaves_node(size: int, ranks: list[int]) -> None:
 
     from .parallel_dims import hpz_node_crossing
 
-    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    local_world = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")   # torchrun's / upstream's name
     problem = hpz_node_crossing(size, ranks, ds_comm.get_rank(), ds_comm.get_local_rank(),
                                 int(local_world) if local_world else None)
     if problem is not None and ds_comm.get_local_rank() == 0:
