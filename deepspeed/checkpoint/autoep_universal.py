@@ -62,7 +62,7 @@ def consolidate_autoep_zero12_expert_states(temp_dir: str, output_dir: str, expe
                 paths = [_zero12_fragment_path(temp_dir, name, state, d)
                          for d in autoep_zero12_dp_ranks(ep_rank, dp_degree, ep, use_data_before_expert_parallel)]
                 flat = [_load(p).flatten() for p in paths if os.path.isfile(p)]
-                local = torch.cat(flat) if flat else torch.empty(0)
+                local = torch.cat(flat) if flat else torch.empty(0)  # host: offline checkpoint conversion
                 if local.numel() != torch.Size(shape).numel() or (flat and local.dtype != torch.float32):
                     raise RuntimeError(f"AutoEP {name} {state}: EP rank {ep_rank}'s fragments hold {local.numel()} "
                                        f"{local.dtype} values, expected {torch.Size(shape).numel()} fp32")
@@ -71,6 +71,7 @@ def consolidate_autoep_zero12_expert_states(temp_dir: str, output_dir: str, expe
                        os.path.join(out, f"{state}.pt"))
         steps = [_load(p) for p in (_zero12_fragment_path(temp_dir, name, "step", d) for d in range(dp_degree))
                  if os.path.isfile(p)]
-        if not steps or any(not torch.equal(torch.as_tensor(s), torch.as_tensor(steps[0])) for s in steps):
+        first = torch.as_tensor(steps[0]) if steps else None   # host: offline conversion
+        if first is None or any(not torch.equal(torch.as_tensor(s), first) for s in steps):  # host: offline
             raise RuntimeError(f"AutoEP {name}: the optimizer step is missing or differs across DP ranks ({steps})")
         torch.save(steps[0], os.path.join(out, "step.pt"))

@@ -80,7 +80,7 @@ def convert(input_folder: str, output_folder: str) -> int:
             if value is not None:
                 save_file({"param": value.view(shape)}, os.path.join(folder, f"{field}.pt"))
         if source.step is not None:
-            save_file(torch.tensor(float(source.step)), os.path.join(folder, "step.pt"))
+            save_file(torch.tensor(float(source.step)), os.path.join(folder, "step.pt"))  # host: a file
     common = {}
     if reader.optimizer_state:
         common = {k: v for k, v in reader.optimizer_state[0].items() if k not in _PER_ELEMENT}

@@ -304,7 +304,7 @@ class CheckpointReader:
         if self._full or field not in self._parts:
             value = self._full.get(field, {}).get(name)
             return None if value is None else value.reshape(-1)[start:start + numel].float().clone()
-        out = torch.empty(numel, dtype=torch.float32)
+        out = torch.empty(numel, dtype=torch.float32)  # host: read from files, copied by the caller
         parts = self._parts[field][g]
         filled = 0
         for rank, part in enumerate(parts):

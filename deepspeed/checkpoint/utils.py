@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 
-def clone_tensors_for_torch_save(item: Any, device: torch.device = torch.device("cpu")) -> Any:
+def clone_tensors_for_torch_save(item: Any, device: torch.device = torch.device("cpu")) -> Any:  # host: upstream's
     """A copy of `item` (a tensor, or dicts / lists / tuples of them) whose tensors are fresh
     clones on `device`: torch.save then writes only each tensor's own elements, not the whole
     storage a view shares with a flat buffer. Other values are returned as they are."""

@@ -29,6 +29,7 @@ def break_now(group: Any) -> None:
     pg = process_group(group)
     peer = (pg.rank() + 1) % pg.size()
     try:
-        pg.recv([torch.empty(1)], peer, UNMATCHED_TAG).wait(datetime.timedelta(milliseconds=1))
+        probe = torch.empty(1)   # host: break_now applies to gloo groups only
+        pg.recv([probe], peer, UNMATCHED_TAG).wait(datetime.timedelta(milliseconds=1))
     except RuntimeError:
         pass   # the expected timeout

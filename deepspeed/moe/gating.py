@@ -66,7 +66,8 @@ class Routes:
 def capacity_for(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int) -> int:
     """Rows per expert when tokens may be dropped: ceil(S / E * factor), at least `min_capacity`.
     float32 arithmetic, as upstream's tensor formula, so the rounding is the same."""
-    per_expert = torch.tensor(num_tokens / num_experts, dtype=torch.float32) * torch.tensor(capacity_factor)
+    factor = torch.tensor(capacity_factor)   # host: scalar arithmetic, read back as an int
+    per_expert = torch.tensor(num_tokens / num_experts, dtype=torch.float32) * factor   # host: as above
     return max(int(torch.ceil(per_expert)), int(min_capacity))
 
 
@@ -107,8 +108,9 @@ def _out(l_aux: Tensor, routes: Routes, exp_counts: Tensor, sparse_routes: bool,
     if want_routes:
         return l_aux, routes, exp_counts
     if sparse_routes:
-        return (l_aux, torch.tensor(routes.capacity), routes.num_experts, routes.indices.to(torch.int32),
-                routes.locations.to(torch.int32), routes.gates, exp_counts)
+        return (l_aux, torch.tensor(routes.capacity),  # host: upstream's capacity, a host scalar
+                routes.num_experts, routes.indices.to(torch.int32), routes.locations.to(torch.int32), routes.gates,
+                exp_counts)
     combine, dispatch = routes.dense()
     return l_aux, combine, dispatch, exp_counts
 

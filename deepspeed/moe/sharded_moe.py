@@ -125,7 +125,7 @@ class TopKGate(Module):
 def _route_slots(indices: Tensor, locations: Tensor, num_experts: int, capacity: int) -> Tensor:
     """Upstream's helper: each route's flat slot in an [E * capacity] buffer; dropped routes
     (index -1) the extra row E * capacity."""
-    return Routes(indices.long(), locations.long(), torch.empty(0), int(capacity), int(num_experts)).slots()
+    return Routes(indices.long(), locations.long(), indices.new_empty(0), int(capacity), int(num_experts)).slots()
 
 
 def _sparse_encode(reshaped_input: Tensor, slots: Tensor, num_experts: int, capacity: int) -> Tensor:
@@ -155,7 +155,7 @@ def _route(gate: Module, tokens: Tensor, used_token: Optional[Tensor]) -> tuple[
 
 def _agree(values: list[int], group: Any) -> list[int]:
     """Element-wise max of small integers over `group` (every member calls it on every forward)."""
-    t = torch.tensor(values, dtype=torch.int64)
+    t = torch.tensor(values, dtype=torch.int64, device=ds_comm.collective_device(group))
     ds_comm.all_reduce(t, op=ds_comm.ReduceOp.MAX, group=group)
     return [int(v) for v in t.tolist()]
 

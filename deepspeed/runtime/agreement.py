@@ -18,7 +18,6 @@ agreement below ([Note: cross-rank config agreement] in config/agreement.py).
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any, Callable, NamedTuple, NoReturn, TypeVar
 
@@ -47,22 +46,10 @@ def vote(failed: bool, none: bool = False, digest: int = 0, group: Any = None) -
     values = [int(failed), int(none), -int(none), digest, -digest]
     if not distributed(group):
         return Vote(failed, False, False)
-    flags = torch.tensor(values, dtype=torch.int64, device=_device(group))
+    flags = torch.tensor(values, dtype=torch.int64, device=ds_comm.collective_device(group))
     ds_comm.all_reduce(flags, op=ds_comm.ReduceOp.MAX, group=group)
     most = flags.tolist()
     return Vote(most[0] > 0, most[1] == 1 and most[2] == 0, most[3] != -most[4])
-
-
-def _device(group: Any) -> torch.device | None:
-    """NCCL needs this rank's own GPU. The agreement can be the first collective of a process
-    whose group the user created without torch.cuda.set_device (the engine sets the device only
-    later): take LOCAL_RANK's GPU then, as the engine will, not cuda:0 on every rank."""
-    if ds_comm.get_backend(group) != "nccl":
-        return None
-    local = os.environ.get("LOCAL_RANK")
-    if local is not None and torch.cuda.current_device() != int(local):
-        torch.cuda.set_device(int(local))
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def gather(obj: Any, group: Any = None) -> dict[int, Any]:

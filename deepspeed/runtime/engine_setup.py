@@ -48,7 +48,7 @@ def resolve_device(local_rank: int) -> torch.device:
     if accel.device_name() == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    return torch.device("cpu")  # host: the accelerator is the CPU
 
 
 def broadcast_module_states(module: nn.Module, group: Any) -> None:
@@ -186,15 +186,18 @@ def wrap_optimizer(engine: Any) -> Any:
     if engine.basic_optimizer is not None and engine.stage.shard_optimizer_state:
         offload = engine._config.model.zero_optimization.offload_optimizer
         device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
-        master_device = torch.device("cpu") if device == "cpu" else None
+        master_device = torch.device("cpu") if device == "cpu" else None  # host: offload_optimizer
+        pin = master_device is not None and bool(offload.pin_memory)   # honoured on CUDA (zero/host_buffers.py)
         if engine.stage.shard_parameters:
             from .zero.stage3.optimizer import Stage3Optimizer
 
             wrapper = Stage3Optimizer(engine.basic_optimizer, engine._stage3, policy, engine.gradient_clipping(),
-                                      names, group=engine.seq_data_parallel_group, master_device=master_device)
+                                      names, group=engine.seq_data_parallel_group, master_device=master_device,
+                                      pin_memory=pin)
         else:
             wrapper = ZeroOptimizer(engine.basic_optimizer, engine._reducer, policy, engine.gradient_clipping(),
-                                    names, group=engine.seq_data_parallel_group, master_device=master_device)
+                                    names, group=engine.seq_data_parallel_group, master_device=master_device,
+                                    pin_memory=pin)
         wrapper._engine_ref = weakref.ref(engine)   # state_dict() is built like the checkpoint's
         wrapper.split = getattr(engine, "_split", None)   # tensor parallelism (engine_parallel.py)
         wrapper.tp_replicated = getattr(engine, "_tp_replicated", None)
@@ -317,7 +320,7 @@ def build_stage3_coordinator(engine: Any) -> Any:
     return Stage3Coordinator(engine.module, persistence_threshold=zero.param_persistence_threshold,
                              model_persistence_threshold=zero.model_persistence_threshold,
                              group=engine.seq_data_parallel_group,
-                             shard_device=torch.device("cpu") if offloaded else None,
+                             shard_device=torch.device("cpu") if offloaded else None,  # host: offload_param
                              pin_memory=offloaded and offload.pin_memory and torch.cuda.is_available(),
                              prefetch_bucket_size=zero.prefetch_bucket_size,
                              max_live_parameters=zero.max_live_parameters,
@@ -342,7 +345,23 @@ def _hpz_group(engine: Any, size: int) -> Any:
             engine.seq_data_parallel_group is not None:
         raise NotSupportedYet(f"zero_optimization.zero_hpz_partition_size={size} with ZeRO groups from a client "
                               "`mpu`: hpZ's node groups come from the parallel mesh; leave out the mpu or set it to 1")
-    return parallel.hpz_group(size)[1]
+    ranks, group = parallel.hpz_group(size)
+    _warn_if_hpz_leaves_node(size, ranks)
+    return group
+
+
+def _warn_if_hpz_leaves_node(size: int, ranks: list[int]) -> None:
+    """Upstream accepts a partition larger than a node (training stays correct, the saving is lost):
+    so do we, with a warning from each affected node's first rank saying what it costs."""
+    import os
+
+    from .parallel_dims import hpz_node_crossing
+
+    local_world = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")   # torchrun's / upstream's name
+    problem = hpz_node_crossing(size, ranks, ds_comm.get_rank(), ds_comm.get_local_rank(),
+                                int(local_world) if local_world else None)
+    if problem is not None and ds_comm.get_local_rank() == 0:
+        logger.warning(problem)
 
 
 def _reduce_policy(engine: Any) -> ReducePolicy:

@@ -47,16 +47,20 @@ def counted_in_norm(param: torch.Tensor, split: "SplitModel | None" = None) -> b
     return True
 
 
-def clip_sharded_grads(grads: list[torch.Tensor], max_norm: float, comm_device: torch.device, group: Any,
+def clip_sharded_grads(grads: list[torch.Tensor], max_norm: float, comm_device: torch.device | None, group: Any,
                        world: int, split: Any = None, counted: list[bool] | None = None) -> float:
     """Clip gradient shards by the global norm over all ranks' shards, with one all-reduce;
     torch's clip_grad_norm_ formula. Returns the global norm. `comm_device` is where the
-    all-reduce runs (the parameters' device, also when the shards are offloaded to CPU).
+    all-reduce runs (the parameters' device, also when the shards are offloaded to CPU); None
+    where this rank has no parameters to name it: the group's ([Note: collective device]).
     With `split` (a SplitModel) the sum also runs over the other parts of the model, and only
     the grads whose `counted` entry is true enter the norm (all are clipped)."""
     summed = grads if counted is None else \
         [g for g, keep in zip(grads, counted) if keep]
-    local = torch.stack([g.float().pow(2).sum() for g in summed]).sum() if summed else torch.zeros(())
+    if comm_device is None:
+        comm_device = ds_comm.collective_device(group if world > 1 or split is None else split.model_group)
+    local = torch.stack([g.float().pow(2).sum() for g in summed]).sum() if summed else \
+        torch.zeros((), device=comm_device)
     total = local.reshape(1).to(comm_device)
     if world > 1:
         ds_comm.all_reduce(total, group=group)

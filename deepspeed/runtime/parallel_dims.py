@@ -222,3 +222,26 @@ def hpz_rank_groups(topology: ProcessTopology, partition_size: int) -> list[list
                              f"(world {topology.world_size()} over {dict(zip(topology.axes, topology.dims))})")
         runs += [pool[i:i + partition_size] for i in range(0, len(pool), partition_size)]
     return runs
+
+
+def hpz_node_crossing(partition_size: int, ranks: list[int], rank: int, local_rank: int,
+                      local_world_size: int | None) -> str | None:
+    """Why this rank's hpZ group (`ranks`, global) is not inside its node, or None when it is (or
+    when LOCAL_WORLD_SIZE is unknown). Its node: the launcher's block of consecutive ranks,
+    `rank - local_rank` to that plus `local_world_size` ([Note: hpZ node groups])."""
+    if local_world_size is None or local_world_size < 1:
+        return None
+    first = rank - local_rank
+    node = range(first, first + local_world_size)
+    if all(r in node for r in ranks):
+        return None
+    key = f"zero_optimization.zero_hpz_partition_size={partition_size}"
+    if partition_size > local_world_size:
+        why = f"is larger than the ranks of one node (LOCAL_WORLD_SIZE={local_world_size})"
+    else:
+        why = (f"makes hpZ groups (this rank's: {ranks}) that leave their node (ranks {first}-{node[-1]}, "
+               f"LOCAL_WORLD_SIZE={local_world_size}): ZeRO's group strides over the other parallel dims")
+    return (f"{key} {why}. hpZ's secondary partition then spans nodes: the re-gathers meant to stay inside "
+            f"a node cross nodes, so hpZ saves no inter-node traffic while each rank still holds 1/"
+            f"{partition_size} of every unit's parameters as its secondary copy. Training is correct; for "
+            f"hpZ's saving set it to the ranks per node ({local_world_size}) or a divisor of it")

@@ -330,7 +330,7 @@ class _LazyTensor:
         return len(self.shape)
 
     def element_size(self):
-        return torch.empty((), dtype=self.dtype).element_size()
+        return torch.empty((), dtype=self.dtype).element_size()  # host: a size
 
     @property
     def nbytes(self):
@@ -338,7 +338,7 @@ class _LazyTensor:
 
     def contiguous(self, dtype=None):
         """Materialize as a fresh CPU tensor (of ``dtype`` when given, else of ``self.dtype``)."""
-        out = torch.empty(self.numel(), dtype=dtype or self.dtype)
+        out = torch.empty(self.numel(), dtype=dtype or self.dtype)  # host: offline tool
         with torch.no_grad():
             for src, src_start, n, dst_start in self._pieces:
                 out.narrow(0, dst_start, n).copy_(src.narrow(0, src_start, n))
@@ -777,7 +777,7 @@ def _moe_state_dict(ds_dir, exclude_frozen_parameters):
         for name, start, numel, values in state["ds_moe_pieces"]:
             shape = torch.Size(state["shapes"][name])
             if name not in trained:
-                out[name] = torch.zeros(shape, dtype=torch.float32)
+                out[name] = torch.zeros(shape, dtype=torch.float32)  # host: offline tool
                 trained.add(name)
             out[name].view(-1)[start:start + numel].copy_(values["fp32"])
     if exclude_frozen_parameters:
@@ -910,7 +910,7 @@ def _plan_shards(state, out_dtype, max_bytes):
 
 
 def _nbytes(lazy, dtype):
-    return lazy.numel() * torch.empty((), dtype=dtype).element_size()
+    return lazy.numel() * torch.empty((), dtype=dtype).element_size()  # host: a size
 
 
 def convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, dtype=torch.float32, max_shard_size="5GB",
@@ -1031,7 +1031,7 @@ class _TensorRecord:
 def _storage_class(dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        name = torch.empty(0, dtype=dtype).storage()._pickle_storage_type()
+        name = torch.empty(0, dtype=dtype).storage()._pickle_storage_type()  # host: a type name
     return getattr(torch, name)
 
 

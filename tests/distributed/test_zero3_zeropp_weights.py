@@ -137,6 +137,37 @@ def test_hpz_rank_groups() -> None:
     assert hpz_rank_groups(topo, 2) == [[0, 2], [4, 6], [1, 3], [5, 7]]
 
 
+def _hpz_on_nodes_of(local_world_size: int, partition_size: int) -> list[str]:
+    """Build an hpZ engine as if each node held `local_world_size` ranks; the warnings it logged."""
+    import logging
+    import os
+
+    from deepspeed.utils.logging import logger
+
+    rank, saved = int(os.environ["RANK"]), {k: os.environ[k] for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    os.environ.update(LOCAL_RANK=str(rank % local_world_size), LOCAL_WORLD_SIZE=str(local_world_size))
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        _engine({"zero_hpz_partition_size": partition_size}).destroy()
+    finally:
+        logger.removeHandler(handler)
+        os.environ.update(saved)
+    return [r for r in records if "zero_hpz_partition_size" in r]
+
+
+def test_hpz_larger_than_a_node_warns_what_it_costs() -> None:
+    """Upstream accepts it and trains correctly; the saving is lost: one warning per node, naming the
+    key, the value and LOCAL_WORLD_SIZE (4 nodes of 1 rank, partition 2)."""
+    logged = run_distributed(4, _hpz_on_nodes_of, 1, 2)
+    assert all(len(w) == 1 for w in logged), logged
+    assert logged[0][0].startswith("zero_optimization.zero_hpz_partition_size=2 is larger than the ranks of one "
+                                   "node (LOCAL_WORLD_SIZE=1)"), logged[0]
+    assert run_distributed(4, _hpz_on_nodes_of, 2, 2) == [[]] * 4   # 2 nodes of 2: hpZ's own case
+
+
 def _train_hpz(zeropp: dict, steps: int, gas: int) -> dict:
     import deepspeed.comm as dist
 

@@ -74,3 +74,23 @@ def test_expert_groups_follow_upstreams_orders():
     assert expert_rank_groups(ParallelDims(4, sequence=2).topology(), 4)[0] == [[0, 1, 2, 3]]
     with pytest.raises(ValueError, match="expert parallel size 3 must divide the data-parallel size 4"):
         expert_rank_groups(ParallelDims(4).topology(), 3)
+
+
+def test_hpz_groups_that_leave_their_node_are_named_with_their_cost():
+    from deepspeed.runtime.parallel_dims import hpz_node_crossing
+
+    # 2 nodes of 4: a partition of 4 is a node, of 8 spans both
+    assert hpz_node_crossing(4, [4, 5, 6, 7], rank=5, local_rank=1, local_world_size=4) is None
+    too_big = hpz_node_crossing(8, list(range(8)), rank=5, local_rank=1, local_world_size=4)
+    assert too_big.startswith("zero_optimization.zero_hpz_partition_size=8 is larger than the ranks of one "
+                              "node (LOCAL_WORLD_SIZE=4)")
+    assert "saves no inter-node traffic" in too_big and "1/8" in too_big and "(4)" in too_big
+    # small enough, but ZeRO's group strides over tensor parallelism: [0, 2] leaves the node [0, 1]
+    topo = ProcessTopology(axes=["data", "tensor"], dims=[4, 2])
+    from deepspeed.runtime.parallel_dims import hpz_rank_groups
+
+    strided = hpz_rank_groups(topo, 2)[0]
+    assert strided == [0, 2]
+    message = hpz_node_crossing(2, strided, rank=0, local_rank=0, local_world_size=2)
+    assert "leave their node (ranks 0-1, LOCAL_WORLD_SIZE=2)" in message and "[0, 2]" in message
+    assert hpz_node_crossing(8, list(range(8)), rank=5, local_rank=1, local_world_size=None) is None

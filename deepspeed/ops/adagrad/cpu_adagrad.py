@@ -18,7 +18,7 @@ import torch
 
 from deepspeed.ops._multi_tensor import Bucket, ForeachOptimizer, scalar
 
-_CPU = torch.device("cpu")
+_CPU = torch.device("cpu")  # host: step counters, as torch.optim keeps them
 
 
 def adagrad_update(bucket: Bucket, group: dict) -> None:
@@ -78,7 +78,8 @@ class DeepSpeedCPUAdagrad(ForeachOptimizer):
 
     def _init_state(self, param: torch.Tensor) -> dict:
         dtype = torch.float32 if self.fp32_optimizer_states else param.dtype
-        return {"step": torch.zeros((), dtype=torch.float32), "exp_avg_sq": torch.zeros_like(param, dtype=dtype)}
+        return {"step": torch.zeros((), dtype=torch.float32),  # host: torch.optim's step counter
+                "exp_avg_sq": torch.zeros_like(param, dtype=dtype)}
 
     def _update(self, bucket: Bucket, group: dict) -> None:
         torch._foreach_add_(bucket.steps(lambda p: _CPU), 1)

@@ -18,7 +18,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from deepspeed.ops._multi_tensor import Bucket, ForeachOptimizer, FusedCompat, fused_adam_supported, scalar
 
-_CPU = torch.device("cpu")
+_CPU = torch.device("cpu")  # host: step counters, as torch.optim keeps them
 
 
 def _step_device(param: torch.Tensor) -> torch.device:

@@ -17,7 +17,7 @@ import torch
 
 from deepspeed.ops._multi_tensor import Bucket, ForeachOptimizer, FusedCompat, scalar
 
-_CPU = torch.device("cpu")
+_CPU = torch.device("cpu")  # host: step counters, as torch.optim keeps them
 
 
 def lion_update(bucket: Bucket, group: dict) -> None:
@@ -47,7 +47,7 @@ class _LionBase(ForeachOptimizer):
 
     def _init_state(self, param: torch.Tensor) -> dict:
         return {
-            "step": torch.zeros((), dtype=torch.float32),
+            "step": torch.zeros((), dtype=torch.float32),  # host: torch.optim's step counter
             "exp_avg": torch.zeros_like(param, dtype=self._state_dtype or param.dtype),
         }
 

@@ -23,7 +23,8 @@ _GENERATORS: dict[torch.device, torch.Generator] = {}
 
 def draw_seed(mix: int) -> int:
     """A 62-bit seed from torch's default CPU generator (no device sync), mixed with ``mix``."""
-    return int(torch.randint(0, 2**62, (1,)).item()) ^ (mix & (2**62 - 1))
+    seed = int(torch.randint(0, 2**62, (1,)).item())   # host: a seed, read back as a number
+    return seed ^ (mix & (2**62 - 1))
 
 
 def keep_mask(shape, keep_prob: float, seed: int, device: torch.device) -> torch.Tensor:

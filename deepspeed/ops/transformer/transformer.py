@@ -67,7 +67,7 @@ class DeepSpeedTransformerLayer(nn.Module):
                 get_accelerator().set_device(config.local_rank)
         sizes = {"H": config.hidden_size, "3H": 3 * config.hidden_size, "I": config.intermediate_size}
         for name, shape in _PARAM_SHAPES:
-            setattr(self, name, nn.Parameter(torch.empty(tuple(sizes[s] for s in shape))))
+            setattr(self, name, nn.Parameter(torch.empty(tuple(sizes[s] for s in shape))))  # host: torch.nn's default
         self.init_transformer_weights(config.adjust_init_range)
         with torch.no_grad():
             if initial_weights is not None:

@@ -22,6 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from ...accelerator import get_accelerator
 from .rng import RngSnapshot
 from .stash import InputStash
 from .state import ActivationCheckpointing, current
@@ -181,7 +182,8 @@ def non_reentrant_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> A
         return function(*call)
 
     args_without_tensors = [None if torch.is_tensor(a) else a for a in args]
-    args_device = args[tensor_at[0]].device if tensor_at else torch.device("cpu")
+    # no tensor argument: the accelerator's device, as torch's checkpoint assumes ("cuda" there)
+    args_device = args[tensor_at[0]].device if tensor_at else get_accelerator().device()
     del args
     # torch infers the device type (for its autocast handling) from the arguments: an empty tensor
     # on the inputs' device says it without handing torch the kept pieces, whose version counters

@@ -107,7 +107,7 @@ class InputStash:
         kept = [self._keep(t) for t in tensors]
         pieces = [k for k in kept if k.partitioned]
         if plan.buffer is not None and pieces:
-            device = torch.device("cpu") if plan.to_cpu else pieces[0].device
+            device = torch.device("cpu") if plan.to_cpu else pieces[0].device  # host: checkpoint_in_cpu
             for k, view in zip(pieces, plan.buffer.take([k.data for k in pieces], device)):
                 k.data = view
             self._in_buffer = True

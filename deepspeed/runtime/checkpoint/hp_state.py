@@ -165,7 +165,7 @@ class HpState:
                             sends[dst].append((mine[(name, f.param_start)], src, n))
                         elif dst == rank:
                             receives[src_rank].append((g, at, n))
-        device = self.wrapper._comm_device if self.stage3 else self.sources[0].param_flat.device
+        device = self.wrapper._comm_device   # also on a rank without buckets ([Note: collective device])
         in_splits = [len(fields) * sum(n for _, _, n in ss) for ss in sends]
         send, offset = torch.empty(sum(in_splits), dtype=torch.float32, device=device), 0
         for ss in sends:  # per destination: field by field, in plan order

@@ -258,7 +258,7 @@ def _plan_optimizer_state(plan: LoadPlan) -> None:
             if value is not None:
                 entry[name] = value.view_as(key)
         if entry and step is not None and (own is None or "step" in own):
-            entry["step"] = torch.tensor(float(step))
+            entry["step"] = torch.tensor(float(step))  # host: torch.optim's step counter
         if entry:
             state[index[id(key)]] = entry
     groups = hp.base.state_dict()["param_groups"]

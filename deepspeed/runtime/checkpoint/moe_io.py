@@ -194,7 +194,7 @@ class MoECheckpointReader(CheckpointReader):
                     continue
                 shapes[local] = tuple(state["shapes"][name])
                 for field, value in values.items():
-                    flat = full.setdefault(field, {}).setdefault(local, torch.zeros(
+                    flat = full.setdefault(field, {}).setdefault(local, torch.zeros(  # host: read from files
                         torch.Size(shapes[local]).numel(), dtype=torch.float32))
                     if field == "fp32":
                         filled[local] = filled.get(local, 0) + numel

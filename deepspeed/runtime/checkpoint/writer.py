@@ -155,7 +155,7 @@ def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int,
     for g in range(len(layouts)):
         entry: dict[str, Any] = {}
         if step is not None:
-            entry["step"] = torch.tensor(float(step))
+            entry["step"] = torch.tensor(float(step))  # host: checkpoint file
         for field in fields:
             entry[field] = parts[field][g]
         base_state[g] = entry

@@ -45,7 +45,7 @@ def frozen_fragments(engine: Any, rank: int, world: int) -> OrderedDict:
         full = unit.gather_full(unit.shard)
         for i in frozen:
             value, size = full[i].reshape(-1), -(-unit.spec.numels[i] // world)
-            piece = torch.zeros(size, dtype=value.dtype)
+            piece = torch.zeros(size, dtype=value.dtype)  # host: checkpoint file
             mine = value[rank * size:(rank + 1) * size]
             piece[:mine.numel()].copy_(mine)
             pieces[unit.spec.param_names[i]] = piece
@@ -66,7 +66,7 @@ def optimizer_state(engine: Any, hp: HpState, rank: int, world: int, later: list
     parts = hp.recut_fields(["fp32"] + fields, layouts, rank, later=later)
     base_state = {}
     for g in range(len(layouts)):
-        entry: dict[str, Any] = {} if step is None else {"step": torch.tensor(float(step))}
+        entry: dict[str, Any] = {} if step is None else {"step": torch.tensor(float(step))}  # host: checkpoint file
         entry.update({field: parts[field][g] for field in fields})
         base_state[g] = entry
     param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [g]}

@@ -438,7 +438,8 @@ class PipelineEngine(DeepSpeedEngine):
     def _aggregate_total_loss(self) -> torch.Tensor:
         """Mean loss over micro-batches and data-parallel replicas, on every stage."""
         if self.is_last_stage():
-            loss = (self.total_loss if self.total_loss is not None else torch.zeros(())) / self.micro_batches
+            total = self.total_loss if self.total_loss is not None else torch.zeros((), device=self.device)
+            loss = total / self.micro_batches
             loss = loss.reshape(1).to(self.device)
             if self.is_data_parallel:
                 ds_comm.all_reduce(loss, group=self.grid.get_data_parallel_group())

@@ -40,7 +40,7 @@ class TensorMeta:
         numel = 1
         for d in self.shape:
             numel *= d
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,11 @@ class Meta:
         return cls(tuple(TensorMeta(t.dtype, tuple(t.shape), bool(t.requires_grad and t.is_floating_point()))
                          for t in tensors), isinstance(value, (tuple, list)))
 
-    def encode(self) -> torch.Tensor:
+    def encode(self, device: torch.device) -> torch.Tensor:
         words = [int(self.is_tuple), len(self.tensors)]
         for t in self.tensors:
             words += [_DTYPES.index(t.dtype), int(t.requires_grad), len(t.shape), *t.shape]
-        return torch.tensor(words, dtype=torch.int64)
+        return torch.tensor(words, dtype=torch.int64, device=device)
 
     @classmethod
     def decode(cls, words: list[int]) -> "Meta":
@@ -96,13 +96,14 @@ def _offsets(metas: tuple[TensorMeta, ...]) -> tuple[list[int], int]:
     return offsets, pos
 
 
-def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The bytes of `tensors` as one uint8 tensor ([Note: one message per boundary])."""
+def pack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The bytes of `tensors` as one uint8 tensor ([Note: one message per boundary]), on their
+    device (`device`, the link's, when there are none)."""
     if len(tensors) == 1 and tensors[0].is_contiguous():
         return tensors[0].detach().reshape(-1).view(torch.uint8)
     metas = tuple(TensorMeta(t.dtype, tuple(t.shape), False) for t in tensors)
     offsets, total = _offsets(metas)
-    device = tensors[0].device if tensors else torch.device("cpu")
+    device = tensors[0].device if tensors else device
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
     for t, m, start in zip(tensors, metas, offsets):
         buffer[start:start + m.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
@@ -160,7 +161,7 @@ class StageLink:
                              f"{_describe(meta)}: shapes are exchanged once; build the PipelineModule with "
                              "dynamic_shape=True for inputs whose shape varies")
         tensors = list(value) if isinstance(value, (tuple, list)) else [value]
-        self._post(pack(tensors))
+        self._post(pack(tensors, self.device))
 
     def recv_activation(self, mode: str) -> Any:
         if mode not in self.received or self.dynamic_shape:
@@ -178,7 +179,7 @@ class StageLink:
         grads = [t.grad if t.grad is not None else torch.zeros_like(t)
                  for t in _as_list(inputs) if t.requires_grad]
         if grads:
-            self._post(pack(grads))
+            self._post(pack(grads, self.device))
 
     def recv_grads(self, mode: str) -> list[torch.Tensor]:
         """Receive the gradients for what this stage sent (its outputs that required grad)."""
@@ -191,7 +192,7 @@ class StageLink:
 
     # --- meta ----------------------------------------------------------------------------------
     def _send_meta(self, meta: Meta) -> None:
-        words = meta.encode().to(self.device)
+        words = meta.encode(self.device)
         self._post(torch.tensor([words.numel()], dtype=torch.int64, device=self.device))
         self._post(words)
 

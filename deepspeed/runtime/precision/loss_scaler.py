@@ -80,7 +80,7 @@ class BaseScaler:
             if grad is not None:
                 groups[(grad.device, grad.dtype)].append(grad)
         if found_inf is None:
-            device = next(iter(groups), (torch.device("cpu"), None))[0]
+            device = next(iter(groups), (torch.device("cpu"), None))[0]  # host: no grads, no found_inf given
             found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         for (device, _), tensors in groups.items():
             local = found_inf if device == found_inf.device else torch.zeros(1, device=device)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ... import comm as ds_comm
 from ..optimizer_wrapper import OptimizerWrapper, clip_sharded_grads, counted_in_norm
 from .policy import PrecisionPolicy
 
@@ -64,7 +65,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def fp32_groups_flat(self) -> list[torch.Tensor]:
         """The masters of each param group flattened into one tensor (upstream FP16_Optimizer's
         attribute; here a copy: our masters are one tensor per parameter)."""
-        return [torch.cat([m.detach().reshape(-1) for m in group]) if group else torch.zeros(0)
+        return [torch.cat([m.detach().reshape(-1) for m in group]) if group else torch.zeros(0)  # host: empty
                 for group in self.fp32_groups]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -87,7 +88,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         grads = self._master_grads()
         if self.tp_replicated is not None:   # [Note: TP-replicated gradients]
             self.tp_replicated.average([(m.grad, self._model_param_of.get(id(m), m), 0) for m in self.master_params()],
-                                       grads[0].device if grads else torch.device("cpu"))
+                                       ds_comm.collective_device(self.tp_replicated.group))
         self.overflow = self._found_overflow(grads)
         if self.overflow:
             return self._skip_step(self._first_bad_parameter())
@@ -95,7 +96,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         if self.clip > 0.0 and self.split is not None:   # pipeline: the norm of the whole model
             counted = [counted_in_norm(self._model_param_of.get(id(m), m), self.split) for m in masters]
             self._global_grad_norm = clip_sharded_grads([m.grad for m in masters], self.clip, masters[0].device
-                                                        if masters else torch.device("cpu"), None, 1, self.split,
+                                                        if masters else None, None, 1, self.split,
                                                         counted)
         elif self.clip > 0.0 and masters:
             norm = torch.nn.utils.clip_grad_norm_(masters, max_norm=self.clip, foreach=True)

@@ -123,7 +123,7 @@ class _GatherScalars(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, group: Any, value: torch.Tensor) -> tuple:
-        ctx.group = group
+        ctx.group, ctx.zero = group, (value.shape, value.dtype, value.device)   # for a missing gradient
         world = ds_comm.get_world_size(group)
         out = [torch.empty_like(value) for _ in range(world)]
         ds_comm.all_gather(out, value.contiguous(), group=group)
@@ -131,7 +131,9 @@ class _GatherScalars(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        stacked = torch.stack([g if g is not None else torch.zeros(()) for g in grads]).contiguous()
+        shape, dtype, device = ctx.zero   # a missing gradient is zero, on the device of the others
+        stacked = torch.stack([g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                               for g in grads]).contiguous()
         ds_comm.all_reduce(stacked, group=ctx.group)
         return None, stacked[ds_comm.get_rank(ctx.group)]
 

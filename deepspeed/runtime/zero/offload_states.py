@@ -165,7 +165,7 @@ class OffloadStates:
         kinds = _kinds(include)
         slots = {kind: state_slots(self, kind) for kind in kinds}   # raises first for an engine without ZeRO
         self._refuse_offload_mid_pass()
-        target = torch.device("cpu")
+        target = torch.device("cpu")  # host: offload_states' only device
         offloaded = self.__dict__.setdefault("_offloaded_states", {})
         for kind in kinds:
             if kind in offloaded:

@@ -20,6 +20,7 @@ from ..base_optimizer import ZeROOptimizer
 from ..optimizer_wrapper import OptimizerWrapper, clip_sharded_grads, counted_in_norm  # noqa: F401
 from ..precision.policy import PrecisionPolicy
 from .muon.sharded import ShardedMuon
+from .host_buffers import DeviceToHost, host_copy, host_zeros, pinning
 from .partition import BucketPartition
 
 
@@ -70,10 +71,14 @@ def release_fragment_grads(shards: list[Any]) -> None:
 
 def collect_shard_grads(shards: list[Any]) -> list[torch.Tensor]:
     """The master-side gradient slices, copied from where they were reduced when that differs
-    (offload or another dtype), with the fragment masters' `.grad` pointing into them."""
+    (offload or another dtype), with the fragment masters' `.grad` pointing into them. Copies into
+    pinned buffers run asynchronously, with one wait before anything reads them
+    ([Note: pinned optimizer offload] in host_buffers.py)."""
+    copies = DeviceToHost()
     for shard in shards:
         if shard.grad is not shard.grad_source:
-            shard.grad.copy_(shard.grad_source)
+            copies.copy(shard.grad, shard.grad_source, shard.pinned)
+    copies.wait()
     point_fragment_grads(shards)
     return [shard.grad for shard in shards]
 
@@ -123,6 +128,20 @@ class MasterShard:
     fragment_masters: list[tuple[torch.Tensor, Any]]
     pointed_grad: torch.Tensor | None
     _master_grad: torch.Tensor | None
+    pinned: bool = False   # master and gradient copy in pinned host memory ([Note: pinned optimizer offload])
+
+    def _make_master(self, source: torch.Tensor, dtype: torch.dtype, device: torch.device, same: bool,
+                     pin_memory: bool) -> None:
+        """`master` (a copy of `source`) on `device`, and with offload or another dtype a master-side
+        gradient copy; both pinned where `pinning` says so (the source is then on the device: the
+        host copy of the gradient is always needed)."""
+        self.pinned = pinning(pin_memory, source.device, device)
+        if self.pinned:
+            self.master = host_copy(source, dtype, True)
+            self._master_grad = host_zeros(self.master, True)
+        else:
+            self.master = source.detach().to(device=device, dtype=dtype).clone()
+            self._master_grad = None if same else torch.zeros_like(self.master)
 
     def rebind_master(self, master: torch.Tensor) -> None:
         self.master = master
@@ -148,7 +167,7 @@ class _ShardedBucket(MasterShard):
     after the step too); `grad_source` creates zeros when read in between."""
 
     def __init__(self, bucket: Any, reducer: Any, rank: int, world: int, master_dtype: torch.dtype,
-                 master_device: torch.device) -> None:
+                 master_device: torch.device, pin_memory: bool = False) -> None:
         self.partition = BucketPartition(tuple(p.numel() for p in bucket.params), world)
         self.group, self.world, self.rank = bucket.group, world, rank
         first = bucket.params[0]
@@ -159,11 +178,10 @@ class _ShardedBucket(MasterShard):
             p.data = view  # the all-gather after each step writes straight into the parameters
         lo = rank * self.partition.shard_numel
         mine = self.param_flat[lo:lo + self.partition.shard_numel]
-        self.master = mine.detach().to(device=master_device, dtype=master_dtype).clone()
         self._bucket, self._reducer = bucket, reducer
         same = first.device == master_device and (reducer.accum_dtype or first.dtype) == master_dtype
-        # Offload or another dtype: a master-side copy, filled at each step (collect_shard_grads).
-        self._master_grad = None if same else torch.zeros_like(self.master)
+        # Offload or another dtype: a master-side gradient copy, filled at each step (collect_shard_grads).
+        self._make_master(mine, master_dtype, master_device, same, pin_memory)
         self.params = bucket.params
         self.fragments = self.partition.fragments(rank)
         self.fragment_masters: list[tuple[torch.Tensor, Any]] = []
@@ -227,18 +245,21 @@ class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
     fragment_layout = "buckets"  # read by deepspeed.utils.tensor_fragment
 
     def __init__(self, optimizer: torch.optim.Optimizer, reducer: Any, policy: PrecisionPolicy, clip: float,
-                 names: dict[int, str], group: Any = None, master_device: torch.device | None = None):
+                 names: dict[int, str], group: Any = None, master_device: torch.device | None = None,
+                 pin_memory: bool = False):
         master_dtype = policy.master_dtype
         self._init_wrapper(optimizer, policy, clip, names, group)
         self.reducer = reducer
-        device = master_device or (reducer.buckets[0].params[0].device if reducer.buckets else torch.device("cpu"))
+        self._comm_device = reducer.buckets[0].params[0].device if reducer.buckets else \
+            ds_comm.collective_device(group)
+        device = master_device or self._comm_device
         # each bucket is sharded over the ranks it is reduced over: expert buckets over their
         # expert-data-parallel group ([Note: expert gradients] in engine_moe.py), the rest over `group`
-        self.buckets = [_ShardedBucket(b, reducer, b.rank, b.world, master_dtype, device) for b in reducer.buckets]
+        self.buckets = [_ShardedBucket(b, reducer, b.rank, b.world, master_dtype, device, pin_memory)
+                        for b in reducer.buckets]
         self._fragments_of, self.model_param_groups = attach_fragment_masters(optimizer, self.buckets, names)
         self.muon = ShardedMuon.maybe(optimizer, self.buckets, [[p.shape for p in sb.params] for sb in self.buckets],
-                                      self.model_param_groups, group,
-                                      self.buckets[0].param_flat.device if self.buckets else device, names)
+                                      self.model_param_groups, group, self._comm_device, names)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad()
@@ -256,9 +277,8 @@ class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
     # --- the step ---------------------------------------------------------------------------
     def step(self, closure: Any = None) -> bool:
         self._refuse_step_if_offloaded()
-        comm_device = self.buckets[0].param_flat.device if self.buckets else torch.device("cpu")
         with timed(self, OPTIMIZER_STEP_TIMER):   # wall_clock_breakdown (engine observer)
-            applied = step_on_shards(self, self.buckets, "a gradient shard", comm_device)
+            applied = step_on_shards(self, self.buckets, "a gradient shard", self._comm_device)
         if not applied:
             return False
         with timed(self, OPTIMIZER_ALLGATHER_TIMER):

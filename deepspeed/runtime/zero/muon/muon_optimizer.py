@@ -99,7 +99,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if not state:
             state["exp_avg"] = torch.zeros_like(p)
             state["exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] = torch.tensor(0.0)
+            state["step"] = torch.tensor(0.0)  # host: torch.optim's step counter
         state["step"] += 1
         return adam_direction(grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()),
                               group["betas"], group["eps"])

@@ -154,7 +154,7 @@ class ShardedMuon:
         if not crossing:
             return [[] for _ in incoming]
         flat = [t.reshape(-1) for ts in outgoing for t in ts]
-        send = (torch.cat(flat) if flat else torch.empty(0, dtype=dtype)).to(self.comm_device)
+        send = (torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=self.comm_device)).to(self.comm_device)
         recv = torch.empty(sum(out_splits), dtype=dtype, device=self.comm_device)
         ds_comm.all_to_all_single(recv, send, out_splits, in_splits, group=self.group)
         pieces, offset = [], 0

@@ -406,7 +406,7 @@ class Init:
         from ....accelerator import get_accelerator
 
         self.device = torch.device(get_accelerator().current_device_name())
-        self.shard_device = torch.device("cpu") if device == "cpu" else self.device
+        self.shard_device = torch.device("cpu") if device == "cpu" else self.device  # host: remote_device
         pin = pin_memory or (config_pin is True and remote_device is None)
         self.pin_memory = bool(pin) and self.shard_device.type == "cpu" and torch.cuda.is_available()
         self.dtype = dtype if dtype is not None else config_dtype

@@ -32,12 +32,12 @@ from .sharded_param import ShardedUnit
 class _UnitMaster(MasterShard):
     """One unit's fp32 master slice and the gradient slice the base optimizer reads."""
 
-    def __init__(self, unit: ShardedUnit, master_dtype: torch.dtype, master_device: torch.device) -> None:
+    def __init__(self, unit: ShardedUnit, master_dtype: torch.dtype, master_device: torch.device,
+                 pin_memory: bool = False) -> None:
         self.unit = unit
-        self.master = unit.shard.detach().to(device=master_device, dtype=master_dtype).clone()
         same = unit.shard_device == master_device and master_dtype == torch.float32
-        # Offload elsewhere or another dtype: a master-side copy, filled at each step.
-        self._master_grad = None if same else torch.zeros_like(self.master)
+        # Offload elsewhere or another dtype: a master-side gradient copy, filled at each step.
+        self._make_master(unit.shard, master_dtype, master_device, same, pin_memory)
         # Frozen parameters get no fragment (as at stages 1-2): the base optimizer never sees them.
         trainable = set(unit.trainable)
         self.fragments = [f for f in unit.partition.fragments(unit.rank) if f.index in trainable]
@@ -69,7 +69,7 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, coordinator: Stage3Coordinator, policy: PrecisionPolicy,
                  clip: float, names: dict[int, str], group: Any = None,
-                 master_device: torch.device | None = None) -> None:
+                 master_device: torch.device | None = None, pin_memory: bool = False) -> None:
         self._init_wrapper(optimizer, policy, clip, names, group)
         self.coordinator = coordinator
         trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -77,9 +77,10 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
         strangers = [names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
         if strangers:
             raise ValueError(f"ZeRO-3: the optimizer trains parameters that are not the engine module's: {strangers}")
-        self.units = [_UnitMaster(u, policy.master_dtype, master_device or u.shard.device)
+        self.units = [_UnitMaster(u, policy.master_dtype, master_device or u.shard.device, pin_memory)
                       for u in coordinator.units if any(id(p) in trained for p in u.params)]
-        self._comm_device = coordinator.units[0].flat.device if coordinator.units else torch.device("cpu")
+        self._comm_device = coordinator.units[0].flat.device if coordinator.units else \
+            ds_comm.collective_device(group)
         self._fragments_of, self.model_param_groups = attach_fragment_masters(optimizer, self.units, names)
         self.muon = ShardedMuon.maybe(optimizer, self.units, [list(um.unit.shapes) for um in self.units],
                                       self.model_param_groups, group, self._comm_device, names)
