@@ -58,3 +58,21 @@ def test_pipe_tensor_data_2x2x2_matches_one_process():
     steps, micro, gas = 3, 2, 2
     results = run_distributed(8, jobs.train, 2, 2, micro, gas, 1, steps, 0.5)
     _check(results, steps, micro, gas, 2, 0.5)
+
+
+@pytest.mark.slow
+def test_megatron_3d_example_matches_one_process(tmp_path):
+    """examples/megatron_3d/train.py through the `deepspeed` launcher (4 ranks: 2 stages x 2 slices), its
+    own --check against one process, as a user runs it."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.abspath(root)}
+    run = subprocess.run([launcher, "--num_gpus", "4", os.path.join(root, "examples", "megatron_3d", "train.py"),
+                          "--pp", "2", "--tp", "2", "--steps", "4", "--check"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "check against one process" in run.stdout, run.stdout[-3000:]
