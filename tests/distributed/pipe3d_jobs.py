@@ -20,37 +20,20 @@ def _full(layer: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randn(shape, generator=g) * 0.3
 
 
-class _CopyToTensor(torch.autograd.Function):
-    """Megatron's f: identity forward, all-reduce of the input gradient over the tensor group."""
+def _example_module():
+    """examples/megatron_3d/train.py: its Megatron f / g functions are the ones the blocks use."""
+    import importlib.util
+    import os
 
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        from deepspeed import comm as ds_comm
-
-        grad = grad.contiguous().clone()
-        ds_comm.all_reduce(grad, group=ctx.group)
-        return grad, None
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "megatron_3d", "train.py")
+    spec = importlib.util.spec_from_file_location("megatron_3d_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class _ReduceFromTensor(torch.autograd.Function):
-    """Megatron's g: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        from deepspeed import comm as ds_comm
-
-        x = x.contiguous().clone()
-        ds_comm.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+_example = _example_module()
+_CopyToTensor, _ReduceFromTensor = _example.CopyToTensorParallel, _example.ReduceFromTensorParallel
 
 
 class TensorBlock(nn.Module):
@@ -109,16 +92,6 @@ class _FullMPU:
         return None
 
 
-class _Identity(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def reference_model() -> nn.Sequential:
     blocks = [TensorBlock(i, _FullMPU()) for i in range(NUM_BLOCKS)]
     return nn.Sequential(Embed(), *blocks, Head())
@@ -126,22 +99,17 @@ def reference_model() -> nn.Sequential:
 
 def reference(steps: int, micro: int, gas: int, dp: int, clip: float):
     """Plain PyTorch on the unsharded model and the same global batch: (losses, norms, params)."""
-    saved = _CopyToTensor.apply, _ReduceFromTensor.apply
-    _CopyToTensor.apply = _ReduceFromTensor.apply = _Identity.apply   # one process: no tensor group
-    try:
-        model = reference_model()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-        losses, norms = [], []
-        for step in range(steps):
-            ids, labels = global_batch(step, micro * gas * dp)
-            loss = loss_fn(model(ids), labels)
-            opt.zero_grad()
-            loss.backward()
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-            opt.step()
-            losses.append(loss.item())
-    finally:
-        _CopyToTensor.apply, _ReduceFromTensor.apply = saved
+    model = reference_model()   # tensor size 1: the group is None and f / g do nothing
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    losses, norms = [], []
+    for step in range(steps):
+        ids, labels = global_batch(step, micro * gas * dp)
+        loss = loss_fn(model(ids), labels)
+        opt.zero_grad()
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        losses.append(loss.item())
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
