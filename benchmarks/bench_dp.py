@@ -13,8 +13,11 @@ the same batches with the same global batch:
 * ``fsdp2``     ``--ranks`` processes, torch FSDP2: ``fully_shard`` per transformer block, then
                 the root (parameters sharded; all-gather per block, reduce-scatter of gradients)
 * ``zero3``     ``--ranks`` processes, our engine at ZeRO stage 3 (defaults for every stage3 key)
+* ``zero3-noprefetch``  the same with ``stage3_prefetch_bucket_size`` 0 (no prefetch)
 
-(not in the default set: ``--variants fsdp2,zero3``; they compare sharded training).
+(not in the default set: ``--variants fsdp2,zero3``; they compare sharded training;
+``--variants zero3,zero3-noprefetch`` measures prefetching, ``--max-reuse-distance 0`` releasing
+every unit after its forward so that the backward gathers (and prefetches) too).
 
 Every run is a fresh set of processes (so peak RSS belongs to one variant) and the
 variants are interleaved ``--repeats`` times (ddp, ours, ddp, ours, ...) so slow drifts
@@ -44,13 +47,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples", "gpt"))
 
-VARIANTS = ("plain", "ddp", "deepspeed", "fsdp2", "zero3")
+VARIANTS = ("plain", "ddp", "deepspeed", "fsdp2", "zero3", "zero3-noprefetch")
 DEFAULT_VARIANTS = ("plain", "ddp", "deepspeed")
 # ~19.3M parameters: 6 x 12 x 512^2 in the blocks plus byte and position embeddings.
 FULL_MODEL = dict(n_layer=6, n_head=8, n_embd=512)
 QUICK_MODEL = dict(n_layer=2, n_head=2, n_embd=64)
 MODELS = {"tiny": QUICK_MODEL, "small": dict(n_layer=4, n_head=4, n_embd=256), "full": FULL_MODEL}
-BF16_VARIANTS = ("deepspeed", "fsdp2", "zero3")   # bf16 parameters, fp32 optimizer state
+BF16_VARIANTS = ("deepspeed", "fsdp2", "zero3", "zero3-noprefetch")   # bf16 parameters, fp32 optimizer state
 
 
 def model_config(args) -> dict:
@@ -77,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="bf16: bf16 parameters and gradients, fp32 optimizer state (" + ", ".join(BF16_VARIANTS) +
                         " only): DeepSpeed's bf16 section, FSDP2's MixedPrecisionPolicy(bf16, reduce bf16)")
+    p.add_argument("--max-reuse-distance", type=int, default=None,
+                   help="zero3 variants: stage3_max_reuse_distance (default: the config default)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", default=None, help="also write the aggregated results here")
     # Internal: a worker process runs one variant on one rank and writes its results.
@@ -148,8 +153,13 @@ def our_comm_bytes(reset: bool = False) -> dict:
     return {op: dict(s) for op, s in dist.comms_counter.summary().items()}
 
 
-def deepspeed_config(args, stage: int = 0) -> dict:
+def deepspeed_config(args, stage: int = 0, prefetch: bool = True) -> dict:
     """fp32 data parallelism (ZeRO `stage`) with the optimizer the other variants use (torch AdamW)."""
+    zero = {"stage": stage}
+    if stage == 3 and not prefetch:
+        zero["stage3_prefetch_bucket_size"] = 0
+    if stage == 3 and args.max_reuse_distance is not None:
+        zero["stage3_max_reuse_distance"] = args.max_reuse_distance
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -158,7 +168,7 @@ def deepspeed_config(args, stage: int = 0) -> dict:
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
                                                    "weight_decay": WD, "torch_adam": True}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         "bf16": {"enabled": args.dtype == "bf16"},
     }
 
@@ -167,11 +177,12 @@ def build_variant(args, variant: str, model):
     """Return (step_fn(x, y) -> loss tensor, bytes_fn(reset) -> comm dict)."""
     import torch
 
-    if variant in ("deepspeed", "zero3"):
+    if variant in ("deepspeed", "zero3", "zero3-noprefetch"):
         import deepspeed
 
+        stage = 3 if variant.startswith("zero3") else 0
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=deepspeed_config(args, 3 if variant == "zero3" else 0))
+                                          config=deepspeed_config(args, stage, variant != "zero3-noprefetch"))
 
         def ds_step(x, y):
             loss = engine(x.to(engine.device), y.to(engine.device))
@@ -215,7 +226,7 @@ def build_variant(args, variant: str, model):
 def init_process_group(variant: str) -> None:
     import torch.distributed as tdist
 
-    if variant in ("deepspeed", "zero3"):
+    if variant in ("deepspeed", "zero3", "zero3-noprefetch"):
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
@@ -336,15 +347,17 @@ def paired_ratio(row: dict, ref: dict | None) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    ddp = next((r for r in rows if r["variant"] == "ddp"), None)
-    print("| variant | ranks x threads | median step (s) | repeat medians (s) | vs ddp (paired) | tokens/s "
+    # paired against DDP where it ran, else against the first variant
+    ref = next((r for r in rows if r["variant"] == "ddp"), rows[0] if rows else None)
+    print(f"| variant | ranks x threads | median step (s) | repeat medians (s) | vs {ref and ref['variant']} (paired) "
+          "| tokens/s "
           "| CPU s / step / rank | peak RSS per rank (MB) | bytes sent / step / rank | last loss |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['variant']} | FAILED | | | | | | | | |")
             continue
-        vs = paired_ratio(r, ddp)
+        vs = paired_ratio(r, ref)
         rss = " / ".join(f"{m:.0f}" for m in r["peak_rss_mb"])
         sent = " / ".join(f"{b:,.0f}" for b in r["bytes_per_step"]) if r["variant"] != "plain" else "0"
         print(f"| {r['variant']} | {r['ranks']} x {r['threads']} | {r['median_step_s']:.4f} "

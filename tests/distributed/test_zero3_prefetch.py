@@ -143,9 +143,11 @@ def test_small_bucket_prefetches_one_unit_ahead() -> None:
     assert small["stats"]["peak_live"] < large["stats"]["peak_live"]
 
 
-def prefetch_alone() -> None:
+def prefetch_alone(variant: str = "primary") -> None:
     """Both ranks follow the trace to the first unit; then rank 1 does host work for longer than
-    the deadline, so rank 0's prefetched all-gather of the next unit has no partner in time."""
+    the deadline, so rank 0's prefetched all-gather of the next unit has no partner in time.
+    `variant`: the gather path, "primary", "qwz" (int8) or "hpz" (the secondary copy's, after the
+    trace-recording forward made it)."""
     from test_zero3_hang import Stack, _configure, _outcome
 
     import deepspeed.comm as dist
@@ -154,7 +156,9 @@ def prefetch_alone() -> None:
     _configure()
     torch.manual_seed(0)
     model = Stack(layers=3)
-    coord = Stage3Coordinator(model, prefetch_bucket_size=10**6)
+    hpz_group = dist.new_group([0, 1]) if variant == "hpz" else None
+    coord = Stage3Coordinator(model, prefetch_bucket_size=10**6, quantized_weights=variant == "qwz",
+                              hpz_group=hpz_group)
     with torch.no_grad():
         model(torch.randn(2, 8))            # records the trace on both ranks
     start = time.monotonic()
@@ -171,11 +175,15 @@ def prefetch_alone() -> None:
     _outcome(start, diverge)
 
 
-def test_unpartnered_prefetch_is_bounded_and_named() -> None:
+@pytest.mark.parametrize("variant", ["primary", "qwz", "hpz"])
+def test_unpartnered_prefetch_is_bounded_and_named(variant: str) -> None:
+    """The prefetch is asynchronous; the wait for it (the next module's gather) fails at the deadline
+    the operation carries, naming the unit and that it was a prefetch, on every gather path."""
     from test_zero3_hang import _assert_names, _outcomes
 
-    outcomes = _outcomes(2, prefetch_alone)
+    outcomes = _outcomes(2, prefetch_alone, variant)
     assert TIMEOUT_S - 0.5 < outcomes[0]["elapsed"] < BOUND_S, outcomes[0]
     assert "collective failed" in outcomes[0]["message"], outcomes[0]["message"]
-    _assert_names(outcomes[0]["message"], "forward prefetch all-gather of module 'layers.1'", "layers.1.weight")
+    phase = "forward prefetch (hpZ)" if variant == "hpz" else "forward prefetch"
+    _assert_names(outcomes[0]["message"], f"{phase} all-gather of module 'layers.1'", "layers.1.weight")
     assert outcomes[1]["elapsed"] < BOUND_S, outcomes[1]

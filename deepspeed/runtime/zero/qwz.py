@@ -27,24 +27,34 @@ from typing import Any
 
 import torch
 
-from ...comm.bounded import all_gather_into_tensor_within
+from ...comm.bounded import all_gather_into_tensor_within, start_all_gather_into_tensor_within
+from ...comm.gloo_collectives import Composite
 from .qgz import QGZ_BLOCK, dequantize_blockwise, quantize_blockwise
 
 
 def quantized_all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, timeout_s: float,
-                         label: Any = None, block: int = QGZ_BLOCK) -> None:
+                         label: Any = None, block: int = QGZ_BLOCK, start: bool = False) -> Any:
     """`out` (N x S, rank-major, any float dtype) = every rank's `shard` (S elements), sent as
-    int8 + per-block scales; see [Note: qwZ quantized weight all-gather]."""
+    int8 + per-block scales; see [Note: qwZ quantized weight all-gather]. `start`: return once the
+    all-gather is issued, with a Work whose `wait()` completes it and dequantises into `out` (a
+    prefetch); else None, done."""
     width = shard.numel()
     world = out.numel() // max(width, 1)
     q, scales = quantize_blockwise(shard.detach().reshape(1, width), block)
     sent = torch.cat([q, scales.view(torch.int8)], dim=1).view(-1)
     received = torch.empty(world * sent.numel(), dtype=torch.int8, device=shard.device)
-    all_gather_into_tensor_within(received, sent, timeout_s, group, label=label)
-    rows = received.view(world, -1)
-    values = dequantize_blockwise(rows[:, :width], rows[:, width:].contiguous().view(torch.float32), block)
-    out.view(world, width).copy_(values)
 
+    def dequantize() -> None:
+        rows = received.view(world, -1)
+        values = dequantize_blockwise(rows[:, :width], rows[:, width:].contiguous().view(torch.float32), block)
+        out.view(world, width).copy_(values)
+
+    if start:
+        return Composite([start_all_gather_into_tensor_within(received, sent, timeout_s, group, label=label)],
+                         dequantize)
+    all_gather_into_tensor_within(received, sent, timeout_s, group, label=label)
+    dequantize()
+    return None
 
 
 class TorchQuantizerKernels:

@@ -55,8 +55,13 @@ class SecondaryShard:
         """Cut this rank's secondary piece from a freshly gathered primary buffer (no communication)."""
         self.shard, self.exact = self.layout.row(flat, self.rank), exact
 
-    def gather_into(self, flat: torch.Tensor, spec: UnitSpec, phase: str) -> None:
-        """All-gather the secondary pieces over the node group and write them into `flat`."""
+    def gather_into(self, flat: torch.Tensor, spec: UnitSpec, phase: str,
+                    start: bool = False) -> "watchdog.PendingGather | None":
+        """All-gather the secondary pieces over the node group and write them into `flat`; `start`:
+        return once issued, the write into `flat` done by the PendingGather's `finish()`."""
         received = torch.empty(self.layout.padded_numel, dtype=flat.dtype, device=flat.device)
-        watchdog.gather_or_copy(received, self.shard, self.group, spec, f"{phase} (hpZ)")
+        pending = watchdog.gather_or_copy(received, self.shard, self.group, spec, f"{phase} (hpZ)", start=start)
+        if pending is not None:
+            return pending.then(lambda: self.layout.unpack(received, flat))
         self.layout.unpack(received, flat)
+        return None

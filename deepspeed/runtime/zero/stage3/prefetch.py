@@ -20,7 +20,7 @@ that ends before its trace does counts as a mismatch too. Every decision depends
 trace, the config and the units' states, which are the same on every rank when the ranks run
 the same modules -- so the collectives stay matched; when they do not, the watchdog reports it
 (watchdog.py). Prefetched collectives are journaled and schedule-checked at issue and bounded by
-the same deadline (watchdog.start_all_gather).
+the same deadline (watchdog.all_gather with start=True).
 """
 
 from __future__ import annotations

@@ -253,22 +253,20 @@ class ShardedUnit:
         self.stats.sync += 1
         self._show_gathered()
 
-    def _fill(self, out: torch.Tensor, phase: str, exact: bool) -> None:
+    def _fill(self, out: torch.Tensor, phase: str, exact: bool, start: bool = False) -> "watchdog.PendingGather | None":
         """Issue the gather into `out` (`_gather_buffer`'s): hpZ's secondary copy within the node
-        where it is valid, else the primary all-gather (int8 under qwZ unless `exact`)."""
+        where it is valid, else the primary all-gather (int8 under qwZ unless `exact`). Waited for
+        here, or (`start`, a prefetch) returned in flight: its `finish()` completes the buffer."""
         secondary = self.secondary
         if secondary is not None and secondary.valid and (secondary.exact or not exact):
             self._received = None
-            secondary.gather_into(self.flat, self.spec, phase)
             self._exact, self._primary = secondary.exact, False
-            return
+            return secondary.gather_into(self.flat, self.spec, phase, start)
         shard = self.shard.to(self.flat.device)
         quantize = self.quantize_weights and not exact and ds_comm.is_initialized() and shard.numel() > 0
-        if quantize:
-            watchdog.quantized_all_gather(out, shard, self.group, self.spec, phase)
-        else:
-            watchdog.gather_or_copy(out, shard, self.group, self.spec, phase)
         self._exact, self._primary = not quantize, True
+        gather = watchdog.quantized_all_gather if quantize else watchdog.gather_or_copy
+        return gather(out, shard, self.group, self.spec, phase, start=start)
 
     def _gather_buffer(self) -> torch.Tensor:
         """Re-allocate `flat` and return what the all-gather writes: `flat` itself where the
@@ -296,7 +294,7 @@ class ShardedUnit:
         `gather()` waits for it instead of issuing one. `.data` stays the placeholder meanwhile."""
         if self.status is not ZeroParamStatus.NOT_AVAILABLE:
             raise RuntimeError(f"ZeRO-3: prefetch of {self}, which is not released")
-        self._fill(self._gather_buffer(), phase, exact=False)
+        self._pending = self._fill(self._gather_buffer(), phase, exact=False, start=True)
         self.stats.prefetched += 1
         self._set_status(ZeroParamStatus.INFLIGHT)
 

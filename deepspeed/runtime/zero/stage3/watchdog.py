@@ -33,8 +33,9 @@ remedy. The others fail the same way -- their collective failed (at once when it
 failed rank, else at its deadline) or their check saw the flag -- so every rank that keeps
 running ZeRO-3 collectives raises within timeout + 10 s. The process group is unusable
 afterwards. Settings come from the environment at import (`configure()` changes them).
-A prefetch (`start_all_gather`) is journaled, checked and counted when issued -- issue order is
-what pairs collectives -- and its `finish()` fails like a synchronous collective would.
+A prefetch (`all_gather(..., start=True)`, and qwZ's likewise) is journaled, checked and counted when
+issued -- issue order is what pairs collectives -- and its `finish()` fails like a synchronous
+collective would, naming the unit and the phase ("forward prefetch").
 
 Every collective, these included, is also journaled by deepspeed.comm's guard ([Note: collective
 guard] in comm/guard.py), which names ranks stuck in different collectives of any kind (a unit
@@ -303,39 +304,52 @@ def _unit_collective(op: str, phase: str, spec: UnitSpec, group: Any, device: to
     return watch.run(site(op, phase, spec), device, call)
 
 
-def all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec, phase: str) -> None:
-    """The unit's one all-gather, bounded and checked; see [Note: ZeRO-3 divergence]."""
-    _unit_collective("all-gather", phase, spec, group, out.device,
-                     lambda t, s: all_gather_into_tensor_within(out, shard, t, group, label=s))
+def _gather(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec, phase: str, start: bool,
+            call: Callable[[float, Any], Any]) -> "PendingGather | None":
+    """Issue a unit all-gather `call(timeout, site)`: waited for here, or (`start`) left running and
+    returned as a PendingGather. Either way journaled, checked and counted now: issue order is
+    what pairs collectives across ranks."""
+    work = _unit_collective("all-gather", phase, spec, group, out.device, call)
+    if not start:
+        return None
+    watch = _watch(group)
+    return PendingGather(work, watch if watch.world > 1 else None, watch.seq, site("all-gather", phase, spec),
+                         (out, shard))
+
+
+def all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec, phase: str,
+               start: bool = False) -> "PendingGather | None":
+    """The unit's one all-gather, bounded and checked; see [Note: ZeRO-3 divergence]. `start`: issue
+    it asynchronously (a prefetch) and return its PendingGather; bounded by the same deadline,
+    which the operation carries."""
+    gather = start_all_gather_into_tensor_within if start else all_gather_into_tensor_within
+    return _gather(out, shard, group, spec, phase, start, lambda t, s: gather(out, shard, t, group, label=s))
 
 
 class PendingGather:
     """An issued asynchronous unit all-gather; `finish()` waits for it (bounded by the deadline the
-    operation carries) and reports a failure like a synchronous collective would."""
+    operation carries), reports a failure like a synchronous collective would, then runs the steps
+    added with `then` (unpacking, dequantising) in order."""
 
     def __init__(self, work: Any, watch: "_GroupWatch | None", seq: int, s: Site | None, inputs: Any) -> None:
         self.work, self.watch, self.seq, self.site = work, watch, seq, s
         self.inputs = inputs   # the output and shard stay alive until the backend is done with them
+        self._then: list[Callable[[], None]] = []
+
+    def then(self, step: Callable[[], None]) -> "PendingGather":
+        self._then.append(step)
+        return self
 
     def finish(self) -> None:
         work, self.work, self.inputs = self.work, None, None
-        if work is None:
-            return
-        if self.watch is None:
-            work.wait()
-        else:
-            self.watch.guard(self.seq, self.site, work.wait)
-
-
-def start_all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec,
-                     phase: str) -> PendingGather:
-    """`all_gather` issued asynchronously (prefetch): journaled and schedule-checked at issue, in
-    issue order like any unit collective; bounded by the per-operation deadline."""
-    work = _unit_collective("all-gather", phase, spec, group, out.device,
-                            lambda t, s: start_all_gather_into_tensor_within(out, shard, t, group, label=s))
-    watch = _watch(group)
-    return PendingGather(work, watch if watch.world > 1 else None, watch.seq, site("all-gather", phase, spec),
-                         (out, shard))
+        if work is not None:
+            if self.watch is None:
+                work.wait()
+            else:
+                self.watch.guard(self.seq, self.site, work.wait)
+        steps, self._then = self._then, []
+        for step in steps:
+            step()
 
 
 def reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any, spec: UnitSpec, phase: str) -> None:
@@ -352,22 +366,27 @@ def quantized_reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any, 
                      lambda t, s: exchange(out, flat, group, t, label=s))
 
 
-def quantized_all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec, phase: str) -> None:
-    """The unit's all-gather as qwZ's int8 one (zero/qwz.py), bounded and checked like it."""
+def quantized_all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec, phase: str,
+                         start: bool = False) -> "PendingGather | None":
+    """The unit's all-gather as qwZ's int8 one (zero/qwz.py), bounded and checked like it; `start`
+    as `all_gather` (the dequantisation runs at `finish()`)."""
     from ..qwz import quantized_all_gather as exchange
 
-    _unit_collective("all-gather", phase, spec, group, out.device,
-                     lambda t, s: exchange(out, shard, group, t, label=s))
+    return _gather(out, shard, group, spec, phase, start,
+                   lambda t, s: exchange(out, shard, group, t, label=s, start=start))
 
 
 def gather_or_copy(out: torch.Tensor, shard: torch.Tensor, group: Any, spec: UnitSpec | None = None,
-                   phase: str = "") -> None:
+                   phase: str = "", start: bool = False) -> "PendingGather | None":
     """All-gather through deepspeed.comm (counted); a plain copy in a process without a group.
     A unit's collective (`spec` given) is bounded in time and checked across ranks: see
-    [Note: ZeRO-3 divergence]."""
+    [Note: ZeRO-3 divergence]. `start` (a unit's only): asynchronous, see `all_gather`."""
     if not ds_comm.is_initialized():
         out.copy_(shard)
-    elif spec is not None:
-        all_gather(out, shard, group, spec, phase)
-    else:
-        ds_comm.all_gather_into_tensor(out, shard, group=group)
+        return PendingGather(None, None, 0, None, None) if start else None
+    if spec is not None:
+        return all_gather(out, shard, group, spec, phase, start)
+    if start:
+        raise ValueError("gather_or_copy: only a unit's all-gather (spec given) is started asynchronously")
+    ds_comm.all_gather_into_tensor(out, shard, group=group)
+    return None
