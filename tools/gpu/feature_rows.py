@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 256, 64, 4, 2, 32, 4
+LR = 1e-2
 OFFLOAD = {"device": "cpu", "pin_memory": True}
 
 # name -> (ZeRO stage, dtype, model options, extra zero_optimization keys, optimizer type, what runs at world 1)
@@ -172,9 +173,9 @@ def _apply_autotp_plan(model: nn.Module) -> str:
 
 
 def config(row: dict) -> dict:
-    optimizer = ({"type": "Muon", "params": {"lr": 1e-3, "muon_lr": 0.02, "adam_lr": 1e-3}}
+    optimizer = ({"type": "Muon", "params": {"lr": LR, "muon_lr": 0.02, "adam_lr": LR}}
                  if row.get("optimizer") == "Muon" else
-                 {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}})
+                 {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}})
     cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
            "optimizer": optimizer, "gradient_clipping": 1.0,
            "zero_optimization": {"stage": row["stage"], "stage3_param_persistence_threshold": 0,
@@ -194,6 +195,16 @@ def _qgz_probe(device: torch.device) -> list[float]:
     return [float(out.sum()), float((out - flat).abs().max()), float(out[:4].sum())]
 
 
+def tokens(steps: int) -> torch.Tensor:
+    """[steps, BATCH, SEQ + 1]: one batch of arithmetic sequences (random start, stride 1-3, mod VOCAB)
+    every step, so the loss falls far beyond the tolerance in a few steps and a device run whose update
+    is lost or wrong shows."""
+    gen = torch.Generator().manual_seed(1)
+    start = torch.randint(0, VOCAB, (BATCH, 1), generator=gen)
+    stride = torch.randint(1, 4, (BATCH, 1), generator=gen)
+    return ((start + stride * torch.arange(SEQ + 1)) % VOCAB).expand(steps, BATCH, SEQ + 1)
+
+
 def run_row(name: str, device: torch.device, steps: int) -> dict:
     import deepspeed
     import torch.distributed as dist
@@ -204,8 +215,7 @@ def run_row(name: str, device: torch.device, steps: int) -> dict:
     notes = [row["why"]]
     if row.get("tp"):
         notes.append(_apply_autotp_plan(model))
-    gen = torch.Generator().manual_seed(1)
-    data = torch.randint(0, VOCAB, (steps, BATCH, SEQ + 1), generator=gen)
+    data = tokens(steps)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(row))
     losses = []
     try:
