@@ -124,6 +124,11 @@ def summary(out: str, dry_run: bool) -> int:
         if t:
             note = (f"{t['passed']} passed, {t['failures']} failed, {t['errors']} errors, {t['skipped']} skipped"
                     + (f"; {note}" if note else ""))
+        for name, rep, key in (("features", features, "row"), ("bench", bench, "variant")):
+            if s["step"] == name and rep and rep.get("rows"):
+                bad_rows = [r.get(key, "?") for r in rep["rows"] if not r.get("ok")]
+                note = (f"{len(rep['rows']) - len(bad_rows)} of {len(rep['rows'])} rows ok"
+                        + (f" (not: {', '.join(bad_rows)})" if bad_rows else "") + (f"; {note}" if note else ""))
         lines.append(f"| {s['step']} | {s['status']} | {s['seconds']:.0f} | {note} |")
     if install and install.get("error"):
         lines += ["", f"install: {install['error']}"]
