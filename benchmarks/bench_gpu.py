@@ -320,6 +320,8 @@ def ds_adam_plan(args) -> tuple[str, str, str | None]:
             return "yes", f"FusedAdam (built ahead by ds-build in {fused.get('seconds')} s)", skip_offload
         if status == "no nvcc":
             return "no", "torch_adam: no nvcc in the image, so no FusedAdam (unfused)", skip_offload
+        if status == "unfinished":
+            return "no", "torch_adam: FusedAdam build did not finish within ds-build's limit (unfused)", skip_offload
         return "no", f"torch_adam: FusedAdam build {status} (unfused)", skip_offload
     if shutil.which("nvcc"):
         return "yes", "FusedAdam (JIT-built with nvcc in the first DeepSpeed row's warmup)", skip_offload

@@ -149,6 +149,7 @@ def test_bench_labels_deepspeed_rows_with_the_optimizer_the_build_report_allows(
     assert use == "no" and "no nvcc in the image" in label and "c++: not found" in skip
     assert plan({"status": "failed", "error": "x"}, built)[:2] == ("no", "torch_adam: FusedAdam build failed (unfused)")
     assert plan(built, {"status": "not tried"})[2].startswith("skipped: DeepSpeed's CPU Adam was not built")
+    assert "did not finish within ds-build's limit" in plan({"status": "unfinished"}, built)[1]
     assert plan(built, built, "no")[0] == "no"
     monkeypatch.setattr(bench.shutil, "which", lambda name: None)   # no report, no nvcc
     no_report = bench.ds_adam_plan(bench.parse_args(["--ds-build", str(tmp_path / "absent.json")]))

@@ -10,7 +10,7 @@ inside their time budget. FusedAdam is built only when `nvcc` is on PATH (else t
 so and bench_gpu.py labels DeepSpeed's rows torch_adam); CPU Adam needs the host compiler and the
 ninja binary from the wheels. `--dry-run` (the CPU rehearsal) imports DeepSpeed and reports what
 it would build, building nothing. The report: {"deepspeed": version/file, "nvcc": path,
-"fused_adam": {"status": built|failed|no nvcc|not tried, "seconds", "error"}, "cpu_adam": {...}}.
+"fused_adam": {"status": built|failed|unfinished|no nvcc|not tried, "seconds", "error"}, "cpu_adam": {...}}.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ def _build(builder_name: str, dry_run: bool) -> dict:
         from deepspeed.ops import op_builder
 
         getattr(op_builder, builder_name)().load(verbose=False)
-    except BaseException as e:   # a compiler error, SystemExit from a builder, an interrupt at the limit
+    except KeyboardInterrupt:   # check.sh's timeout sends SIGINT at the step's limit
+        return {"status": "unfinished", "seconds": round(time.monotonic() - t0, 1),
+                "error": "interrupted at the step's limit"}
+    except BaseException as e:   # a compiler error, SystemExit from a builder
         return {"status": "failed", "seconds": round(time.monotonic() - t0, 1),
                 "error": f"{type(e).__name__}: {e}"[-400:]}
     return {"status": "built", "seconds": round(time.monotonic() - t0, 1)}
@@ -63,13 +66,16 @@ def main(argv=None) -> int:
         write()
         return 1
     write()
-    if nvcc is None:
-        report["fused_adam"] = {"status": "no nvcc"}
-    else:
-        report["fused_adam"] = _build("FusedAdamBuilder", args.dry_run)
-    write()
-    report["cpu_adam"] = _build("CPUAdamBuilder", args.dry_run)
-    write()
+    for key, builder in (("fused_adam", "FusedAdamBuilder"), ("cpu_adam", "CPUAdamBuilder")):
+        if key == "fused_adam" and nvcc is None:
+            report[key] = {"status": "no nvcc"}
+            continue
+        report[key] = {"status": "unfinished"}   # what the report says if the step's limit kills the build
+        write()
+        report[key] = _build(builder, args.dry_run)
+        write()
+        if report[key]["status"] == "unfinished":
+            return 1
     print(json.dumps(report))
     return 0 if all(report[k]["status"] != "failed" for k in ("fused_adam", "cpu_adam")) else 1
 
