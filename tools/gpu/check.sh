@@ -95,6 +95,7 @@ export PATH="$PKGS/deps/bin:$PATH"   # the ninja wheel's binary: torch's JIT bui
 export PYTHONDONTWRITEBYTECODE=1
 export TORCH_EXTENSIONS_DIR="$PKGS/torch_extensions"   # ds-build's ops, loaded by the bench's DeepSpeed rows
 export DS_GPU_CHECK_DS_BUILD="$OUT_DIR/ds-build.json"
+ORIG_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-}"
 HAVE_CUDA=0
 FEATURE_ARGS=()
 DS_BUILD_ARGS=()
@@ -150,6 +151,12 @@ if [ "$REHEARSAL" = 1 ] && [ "$HAVE_CUDA" != 1 ]; then   # the CUDA steps' plumb
   DS_BUILD_ARGS=(--dry-run)
   log "cpu rehearsal: CUDA steps run on the CPU (tests/gpu with DS_GPU_TESTS_ON_CPU=1, features --cpu-rehearsal," \
       "bench --dry-run, ds-build --dry-run)"
+fi
+if [ "$HAVE_CUDA" = 1 ] && [ "$REHEARSAL" != 1 ] && [ -f "$OUT_DIR/env.json" ]; then
+  # DeepSpeed's JIT builds (ds-build) and loads (bench) for this device's architecture only, and with the
+  # same list, so the bench finds ds-build's ops instead of rebuilding (an image may set a long list)
+  cap="$("$PYTHON" -c "import json,sys; print(json.load(open(sys.argv[1])).get('capability') or '')" "$OUT_DIR/env.json")"
+  if [ -n "$cap" ]; then export TORCH_CUDA_ARCH_LIST="$cap"; log "TORCH_CUDA_ARCH_LIST=$cap (was '${ORIG_ARCH_LIST:-}')"; fi
 fi
 run_step install 0 "$PYTHON" "$REPO/tools/gpu/install_wheels.py" --wheels "$WHEELS" --target "$PKGS/deps" \
   --ds-target "$PKGS/ds" --report "$OUT_DIR/install.json"
