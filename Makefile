@@ -37,7 +37,8 @@ upstream-tests:
 
 # The one-call CUDA check for a session lent a GPU (docs/gpu.md). No $(STAMP): the device copy of
 # the tree has no .venv, so it runs with the image's python (PYTHON=... to choose one) and the
-# wheels carried in .whl/ (tools/gpu/fetch_wheels.sh). GPU_CHECK_ARGS=--dry-run checks the plumbing.
+# wheels carried in .whl/ (tools/gpu/fetch_wheels.sh). GPU_CHECK_ARGS=--dry-run checks the plumbing;
+# GPU_CHECK_ARGS="--bundle --cpu-rehearsal" runs every step on the CPU (minutes).
 GPU_CHECK_ARGS ?= --bundle
 gpu-check:
 	bash tools/gpu/check.sh $(GPU_CHECK_ARGS)

@@ -12,15 +12,20 @@ vocab 50304, 124M parameters) and `medium` (GPT-2 medium: 24 layers, width 1024,
 Each implementation family runs in its own subprocess, so our `deepspeed` and DeepSpeed's never
 meet in one process; DeepSpeed's runs with PYTHONPATH=$DS_GPU_CHECK_DS_PATH (--ds-path; the
 folders tools/gpu/install_wheels.py filled) from a working directory outside the repository.
-DeepSpeed's FusedAdam is a CUDA op JIT-built with nvcc at first use (a minute or more, and the
-device image may have no nvcc), so its ZeRO 0-3 rows use `torch_adam: true` (torch's AdamW) and
-say so; `ds-offload` needs its C++ CPU Adam (`cpu_adam`, JIT-built with the host compiler and
-ninja) and reports the build failure if there is one. A variant that crashes or runs out of
-time is reported as such and the next one starts in a fresh process; `--budget` bounds the total.
+DeepSpeed's FusedAdam is a CUDA op JIT-built with nvcc; tools/gpu/ds_build.py builds it (and the
+C++ CPU Adam `ds-offload` needs) ahead of the benchmark and reports in `--ds-build`
+($DS_GPU_CHECK_DS_BUILD). `--ds-fused-adam auto` (default): DeepSpeed's ZeRO 0-3 rows use
+FusedAdam where that report says it was built (or, with no report, where nvcc exists: then
+the first DeepSpeed row's warmup JIT-builds it), else `torch_adam: true` (torch's AdamW), and
+each row's label says which and why; `ds-offload` is reported skipped when the report says its
+CPU Adam was not built. A variant that crashes or runs out of time is reported as such and the
+next one starts in a fresh process; `--budget` bounds the total.
 
-Reported per variant: tokens/s, median step time, median optimizer step time (the part of the
-step after backward: for `offload`/`ds-offload` the CPU Adam), MFU against the device's dense
-bf16 peak (H100/H200 SXM: 989 TFLOPS; 6N + 12·L·d·T FLOPs per token), peak device memory
+Reported per variant, each measured `--repeats` times (default 2, back to back in one process
+after one warmup, each repeat's own median): tokens/s (min-max over the repeats), median step
+time of each repeat, median optimizer step time (the part of the step after backward: for
+`offload`/`ds-offload` the CPU Adam), MFU of the best repeat against the device's dense bf16
+peak (H100/H200 SXM: 989 TFLOPS; 6N + 12·L·d·T FLOPs per token), peak device memory
 (torch.cuda.max_memory_allocated, reset before each variant).
 """
 
@@ -100,7 +105,8 @@ def run_variant(args, variant: str, mod, device) -> dict:
 
     cfg = mod.GPTConfig(vocab_size=args.vocab, block_size=args.seq, dropout=0.0, **SIZES[args.size])
     gen = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, args.vocab, (args.warmup + args.steps, args.batch, args.seq + 1), generator=gen)
+    tokens = torch.randint(0, args.vocab, (args.warmup + args.steps * args.repeats, args.batch, args.seq + 1),
+                           generator=gen)
     torch.manual_seed(0)
     model = mod.GPT(cfg)
     n_params = model.num_parameters(exclude_embeddings=True)
@@ -132,9 +138,7 @@ def run_variant(args, variant: str, mod, device) -> dict:
         if ours == variant.startswith("ds-"):   # the two packages must not be mixed up
             raise RuntimeError(f"variant {variant} imported deepspeed {deepspeed.__version__} "
                                f"from {deepspeed.__file__}")
-        config = ds_config(variant, args.batch, args.ds_fused_adam)
-        if variant.startswith("ds-") and "torch_adam" in config["optimizer"]["params"]:
-            notes.append("torch_adam (FusedAdam needs an nvcc JIT build)")
+        config = ds_config(variant, args.batch, args.ds_fused_adam == "yes")
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         notes.append(f"optimizer {type(getattr(engine.optimizer, 'optimizer', engine.optimizer)).__name__}")
 
@@ -146,15 +150,19 @@ def run_variant(args, variant: str, mod, device) -> dict:
             t1 = time.perf_counter()
             engine.step()
             return t1
-    step_s, opt_s = _measure(run_step, device, args.warmup, args.steps)
-    step = statistics.median(step_s)
+    reps = [_measure(run_step, device, args.warmup if i == 0 else 0, args.steps) for i in range(args.repeats)]
+    step_reps = [statistics.median(step_s) for step_s, _ in reps]
+    step = min(step_reps)
     tok_s = args.batch * args.seq / step
     flops_per_token = 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * args.seq
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     peak = peak_flops(name)
     row = {"size": args.size, "variant": variant, "ok": True, "params_m": round(n_params / 1e6, 1),
            "tokens_per_s": round(tok_s), "step_ms": round(step * 1e3, 2),
-           "opt_ms": round(statistics.median(opt_s) * 1e3, 2),
+           "tokens_per_s_reps": [round(args.batch * args.seq / s) for s in step_reps],
+           "step_ms_reps": [round(s * 1e3, 2) for s in step_reps],
+           "opt_ms_reps": [round(statistics.median(opt_s) * 1e3, 2) for _, opt_s in reps],
+           "opt_ms": round(min(statistics.median(opt_s) for _, opt_s in reps) * 1e3, 2),
            "mfu": round(tok_s * flops_per_token / peak, 4) if peak else None, "device": name,
            "peak_mem_gib": round((torch.cuda.max_memory_allocated() - base) / 2**30, 2) if device.type == "cuda"
            else None, "notes": "; ".join(notes), "impl_file": sys.modules.get("deepspeed").__file__
@@ -211,9 +219,8 @@ def _spawn(args, size: str, variants: list[str], out: str, timeout: float, logf)
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "bench_gpu_torch_extensions"))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--size", size, "--variants",
            ",".join(variants), "--out", out, "--batch", str(args.batch), "--seq", str(args.seq), "--vocab",
-           str(args.vocab), "--warmup", str(args.warmup), "--steps", str(args.steps)]
-    if args.ds_fused_adam:
-        cmd.append("--ds-fused-adam")
+           str(args.vocab), "--warmup", str(args.warmup), "--steps", str(args.steps), "--repeats", str(args.repeats),
+           "--ds-fused-adam", args.ds_fused_adam]
     with tempfile.TemporaryDirectory() as cwd:   # outside the repo: '' on sys.path must not find our deepspeed
         try:
             subprocess.run(cmd, env=env, cwd=cwd, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout)
@@ -264,14 +271,18 @@ def run_family(args, size: str, variants: list[str], deadline: float, logf) -> l
 
 def markdown(rows: list[dict], device: str, notes: list[str]) -> str:
     lines = [f"bench_gpu on {device}", "",
-             "| size | variant | tokens/s | step ms | optimizer ms | MFU | peak GiB | notes |",
+             "| size | variant | tokens/s (min-max) | step ms (each repeat) | optimizer ms (each repeat) | MFU (best) "
+             "| peak GiB | notes |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("ok"):
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
             mem = r["peak_mem_gib"] if r.get("peak_mem_gib") is not None else "n/a"
-            lines.append(f"| {r['size']} ({r['params_m']}M) | {r['variant']} | {r['tokens_per_s']} | {r['step_ms']} | "
-                         f"{r['opt_ms']} | {mfu} | {mem} | {r.get('notes', '')} |")
+            toks = r.get("tokens_per_s_reps") or [r["tokens_per_s"]]
+            each = lambda k, one: " / ".join(str(v) for v in (r.get(k) or [r[one]]))  # noqa: E731
+            lines.append(f"| {r['size']} ({r['params_m']}M) | {r['variant']} | {min(toks)}-{max(toks)} | "
+                         f"{each('step_ms_reps', 'step_ms')} | {each('opt_ms_reps', 'opt_ms')} | {mfu} | {mem} | "
+                         f"{r.get('notes', '')} |")
         else:
             lines.append(f"| {r['size']} | {r['variant']} | - | - | - | - | - | FAILED: {r.get('error', '')} |")
     return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
@@ -283,6 +294,38 @@ def wanted_of(args, size: str, ds_ok: bool, cuda: bool) -> list[str]:
     if not ds_ok or not cuda:   # DeepSpeed on the CPU JIT-builds its shm comm op at init: minutes
         wanted = [v for v in wanted if not v.startswith("ds-")]
     return wanted
+
+
+def ds_adam_plan(args) -> tuple[str, str, str | None]:
+    """DeepSpeed's optimizer for its ZeRO 0-3 rows: ("yes"/"no" FusedAdam, the rows' label, and the
+    reason to skip `ds-offload` or None), from --ds-fused-adam and tools/gpu/ds_build.py's report."""
+    report = None
+    if args.ds_build and os.path.isfile(args.ds_build):
+        with open(args.ds_build) as f:
+            report = json.load(f)
+    skip_offload = None
+    if report is not None:
+        cpu = report.get("cpu_adam", {})
+        if cpu.get("status") != "built":
+            skip_offload = (f"skipped: DeepSpeed's CPU Adam was not built by ds-build ({cpu.get('status')}"
+                            f"{': ' + cpu['error'][-200:] if cpu.get('error') else ''})")
+    if args.ds_fused_adam == "no":
+        return "no", "torch_adam (--ds-fused-adam no)", skip_offload
+    if args.ds_fused_adam == "yes":
+        return "yes", "FusedAdam (--ds-fused-adam yes)", skip_offload
+    if report is not None:
+        fused = report.get("fused_adam", {})
+        status = fused.get("status")
+        if status == "built":
+            return "yes", f"FusedAdam (built ahead by ds-build in {fused.get('seconds')} s)", skip_offload
+        if status == "no nvcc":
+            return "no", "torch_adam: no nvcc in the image, so no FusedAdam (unfused)", skip_offload
+        if status == "unfinished":
+            return "no", "torch_adam: FusedAdam build did not finish within ds-build's limit (unfused)", skip_offload
+        return "no", f"torch_adam: FusedAdam build {status} (unfused)", skip_offload
+    if shutil.which("nvcc"):
+        return "yes", "FusedAdam (JIT-built with nvcc in the first DeepSpeed row's warmup)", skip_offload
+    return "no", "torch_adam: no nvcc on this machine, so no FusedAdam (unfused)", skip_offload
 
 
 def driver(args) -> int:
@@ -300,10 +343,10 @@ def driver(args) -> int:
         notes.append("DeepSpeed 0.19.8 rows skipped: no --ds-path / DS_GPU_CHECK_DS_PATH with its wheel installed")
     elif not cuda:
         notes.append("DeepSpeed 0.19.8 rows skipped on the CPU (its init JIT-builds a shared-memory comm op: minutes)")
-    if ds_ok and cuda and not args.ds_fused_adam:
-        notes.append("DeepSpeed ZeRO 0-3 use torch_adam: its FusedAdam is JIT-built with nvcc "
-                     f"({'nvcc found' if shutil.which('nvcc') else 'no nvcc on this machine'}); "
-                     "--ds-fused-adam tries it")
+    fused, ds_label, skip_offload = ds_adam_plan(args)
+    args.ds_fused_adam = fused   # what the workers get: yes or no
+    if ds_ok and cuda:
+        notes.append(f"DeepSpeed ZeRO 0-3 rows: {ds_label}")
     deadline = time.monotonic() + args.budget
     rows = []
     log_path = args.log or os.devnull
@@ -315,8 +358,13 @@ def driver(args) -> int:
                      (size, [v for v in wanted if v.startswith("ds-") and v != "ds-offload"])]
         plan += [(size, ["ds-offload"]) for size in sizes if "ds-offload" in wanted_of(args, size, ds_ok, cuda)]
         for size, family in plan:
-            if family:
+            if family == ["ds-offload"] and skip_offload:
+                rows.append({"size": size, "variant": "ds-offload", "ok": False, "error": skip_offload})
+            elif family:
                 rows += run_family(args, size, family, deadline, logf)
+    for r in rows:   # every DeepSpeed ZeRO 0-3 row says which optimizer it ran and why
+        if r.get("ok") and r["variant"].startswith("ds-zero"):
+            r["notes"] = f"{ds_label}; {r.get('notes', '')}"
     text = markdown(rows, device, notes)
     print(text)
     if args.json:
@@ -336,11 +384,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per repeat")
+    ap.add_argument("--repeats", type=int, default=2, help="timed repeats of each variant (>= 2 for the check)")
     ap.add_argument("--budget", type=float, default=600, help="seconds for everything; the rest is reported skipped")
     ap.add_argument("--ds-path", default=os.environ.get("DS_GPU_CHECK_DS_PATH", ""),
                     help="PYTHONPATH for DeepSpeed 0.19.8 (default $DS_GPU_CHECK_DS_PATH)")
-    ap.add_argument("--ds-fused-adam", action="store_true", help="let DeepSpeed JIT-build FusedAdam (needs nvcc)")
+    ap.add_argument("--ds-fused-adam", choices=("auto", "yes", "no"), default="auto",
+                    help="DeepSpeed's FusedAdam for its ZeRO 0-3 rows: auto = where ds-build built it, else where "
+                         "nvcc exists")
+    ap.add_argument("--ds-build", default=os.environ.get("DS_GPU_CHECK_DS_BUILD", ""),
+                    help="tools/gpu/ds_build.py's report (default $DS_GPU_CHECK_DS_BUILD)")
     ap.add_argument("--json", default="")
     ap.add_argument("--log", default="", help="the workers' output (default: discarded)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -354,7 +407,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         ap.error(f"--variants: unknown {unknown}; allowed: torch, {', '.join(OURS + DS)}")
     if args.dry_run and not args.worker:
-        args.batch, args.seq, args.vocab, args.warmup, args.steps = 2, 32, 256, 0, 1
+        args.batch, args.seq, args.vocab, args.warmup, args.steps = 2, 32, 256, 0, 1   # --repeats kept
     return args
 
 

@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CHECK = REPO / "tools" / "gpu" / "check.sh"
-CUDA_STEPS = ("gpu-tests", "unit-tests", "bench")
+CUDA_STEPS = ("ds-build", "gpu-tests", "unit-tests", "features", "bench")
 
 
 def _wheel(folder: Path, name: str, tag: str = "py3-none-any") -> Path:
@@ -114,8 +114,95 @@ def test_bench_gpu_dry_run_reports_rows_and_refuses_unknown_variants(tmp_path):
     result = json.loads(out.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
     assert set(rows) == {"torch", "zero2"} and all(r["ok"] and r["tokens_per_s"] > 0 for r in rows.values())
+    # every timed row is measured twice (--repeats 2), both repeats reported
+    assert all(len(r["step_ms_reps"]) == 2 and len(r["tokens_per_s_reps"]) == 2 for r in rows.values())
     assert rows["zero2"]["impl_file"].startswith(str(REPO)) and "| tiny (0.1M) | zero2 |" in result["markdown"]
     assert any("DeepSpeed 0.19.8 rows skipped" in n for n in result["notes"])
     bad = subprocess.run([sys.executable, str(BENCH), "--dry-run", "--variants", "zero9"], capture_output=True,
                          text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "unknown ['zero9']" in bad.stderr
+
+
+def _load(path: Path, name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_labels_deepspeed_rows_with_the_optimizer_the_build_report_allows(tmp_path, monkeypatch):
+    """DeepSpeed's ZeRO 0-3 rows use FusedAdam where tools/gpu/ds_build.py built it, else torch_adam with
+    the reason in their label; ds-offload is skipped with the reason when its CPU Adam was not built."""
+    bench = _load(BENCH, "bench_gpu_under_test")
+    report = tmp_path / "ds-build.json"
+
+    def plan(fused, cpu, mode="auto"):
+        report.write_text(json.dumps({"fused_adam": fused, "cpu_adam": cpu}))
+        return bench.ds_adam_plan(bench.parse_args(["--ds-build", str(report), "--ds-fused-adam", mode]))
+
+    built = {"status": "built", "seconds": 41.0}
+    assert plan(built, built) == ("yes", "FusedAdam (built ahead by ds-build in 41.0 s)", None)
+    use, label, skip = plan({"status": "no nvcc"}, {"status": "failed", "error": "c++: not found"})
+    assert use == "no" and "no nvcc in the image" in label and "c++: not found" in skip
+    assert plan({"status": "failed", "error": "x"}, built)[:2] == ("no", "torch_adam: FusedAdam build failed (unfused)")
+    assert plan(built, {"status": "not tried"})[2].startswith("skipped: DeepSpeed's CPU Adam was not built")
+    assert "did not finish within ds-build's limit" in plan({"status": "unfinished"}, built)[1]
+    assert plan(built, built, "no")[0] == "no"
+    monkeypatch.setattr(bench.shutil, "which", lambda name: None)   # no report, no nvcc
+    no_report = bench.ds_adam_plan(bench.parse_args(["--ds-build", str(tmp_path / "absent.json")]))
+    assert no_report == ("no", "torch_adam: no nvcc on this machine, so no FusedAdam (unfused)", None)
+
+
+def test_feature_rows_train_on_the_cpu_and_the_comparison_flags_what_differs():
+    """Every feature row of tools/gpu/features.py (ZeRO-3, offload, SP, ALST, AutoTP, MoE, Muon, ZeRO++)
+    trains here in-process for 2 steps (world size 1, gloo); evaluate() passes equal runs, and flags a
+    loss outside the tolerance, a device run that was not on cuda/nccl, and a side that failed."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "tools" / "gpu"))
+    try:
+        rows_mod = _load(REPO / "tools" / "gpu" / "feature_rows.py", "feature_rows")
+        features = _load(REPO / "tools" / "gpu" / "features.py", "gpu_features_under_test")
+    finally:
+        sys.path.remove(str(REPO / "tools" / "gpu"))
+    runs = {name: {"ok": True, **rows_mod.run_row(name, torch.device("cpu"), 2)} for name in rows_mod.ROWS}
+    assert set(runs) >= {"zero3", "zero3-offload-optimizer", "zero3-offload-param", "sp-ulysses", "sp-alst",
+                         "tp-autotp", "moe", "muon", "zeropp"}
+    assert all(len(r["losses"]) == 2 and r["world_size"] == 1 and r["backend"] == "gloo" for r in runs.values())
+    assert "MuonWithAuxAdam" in runs["muon"]["notes"] and "DeepSpeedCPUAdam" in runs["zero3-offload-param"]["notes"]
+    assert len(runs["zeropp"]["probe"]) == 3 and "AutoTP plan column" in runs["tp-autotp"]["notes"]
+    names = list(runs)
+    assert all(r["ok"] for r in features.evaluate(names, runs, runs, rehearsal=True))
+    # on a device machine a run on the CPU/gloo is not the device run
+    assert not any(r["ok"] for r in features.evaluate(names, runs, runs, rehearsal=False))
+    off = {**runs, "zero3": {**runs["zero3"], "losses": [v * 1.05 for v in runs["zero3"]["losses"]]}}
+    table = {r["row"]: r for r in features.evaluate(names, off, runs, rehearsal=True)}
+    assert not table["zero3"]["ok"] and table["zero3"]["verdict"].startswith("MISMATCH")
+    assert table["moe"]["ok"]
+    failed = {**runs, "muon": {"row": "muon", "ok": False, "error": "RuntimeError: boom"}}
+    table = {r["row"]: r for r in features.evaluate(names, failed, runs, rehearsal=True)}
+    assert table["muon"]["verdict"] == "FAILED: device: RuntimeError: boom"
+    assert "| muon | bf16 | - |" in features.markdown(list(table.values()), "cpu", 2, True)
+
+
+@pytest.mark.slow   # ~1-2 minutes on 2 busy cores: worker processes for both sides, then the bench workers
+def test_cpu_rehearsal_runs_the_feature_rows_and_the_repeated_bench_rows(tmp_path):
+    """check.sh --cpu-rehearsal: the features step trains every row on both sides (the CPU standing in
+    for the device) and compares them; the bench measures each row twice; --bundle packs the logs."""
+    proc = _check(tmp_path, "--cpu-rehearsal", "--steps", "env,ds-build,features,bench", "--bundle")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "out"
+    results = json.loads((out / "results.json").read_text())
+    status = {s["step"]: (s["status"], s["note"]) for s in results["steps"]}
+    assert status == {"env": ("ok", ""), "ds-build": ("skipped", "no DeepSpeed wheel"), "features": ("ok", ""),
+                      "bench": ("ok", "")}
+    rows = results["features"]["rows"]
+    assert results["features"]["rehearsal"] and len(rows) == 9 and all(r["ok"] for r in rows)
+    assert all(len(r["step_ms_reps"]) == 2 for r in results["bench"]["rows"])
+    summary = (out / "summary.md").read_text()
+    assert "features on CPU rehearsal" in summary and "| zeropp | bf16 |" in summary
+    with tarfile.open(out / "logs.tar.gz") as archive:
+        assert {"features.json", "features-workers.log", "bench-workers.log"} <= set(archive.getnames())

@@ -105,11 +105,12 @@ def summary(out: str, dry_run: bool) -> int:
     steps = [json.loads(line) for line in open(os.path.join(out, "steps.jsonl")) if line.strip()]
     load = lambda name: json.load(open(p)) if os.path.isfile(p := os.path.join(out, name)) else None  # noqa: E731
     envi, install, bench = load("env.json"), load("install.json"), load("bench.json")
+    features, ds_build = load("features.json"), load("ds-build.json")
     tests = {s["step"]: _junit(os.path.join(out, f"{s['step']}.xml")) for s in steps if s["step"].endswith("tests")}
     bad = [s["step"] for s in steps if s["status"] in ("failed", "timeout")]
     results = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                "dry_run": dry_run, "ok": not bad, "env": envi, "steps": steps, "install": install,
-               "tests": tests, "bench": bench}
+               "tests": tests, "features": features, "ds_build": ds_build, "bench": bench}
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     device = (envi or {}).get("device") or "no CUDA device"
@@ -123,12 +124,25 @@ def summary(out: str, dry_run: bool) -> int:
         if t:
             note = (f"{t['passed']} passed, {t['failures']} failed, {t['errors']} errors, {t['skipped']} skipped"
                     + (f"; {note}" if note else ""))
+        for name, rep, key in (("features", features, "row"), ("bench", bench, "variant")):
+            if s["step"] == name and rep and rep.get("rows"):
+                bad_rows = [r.get(key, "?") for r in rep["rows"] if not r.get("ok")]
+                note = (f"{len(rep['rows']) - len(bad_rows)} of {len(rep['rows'])} rows ok"
+                        + (f" (not: {', '.join(bad_rows)})" if bad_rows else "") + (f"; {note}" if note else ""))
         lines.append(f"| {s['step']} | {s['status']} | {s['seconds']:.0f} | {note} |")
     if install and install.get("error"):
         lines += ["", f"install: {install['error']}"]
     for name, t in tests.items():
         if t and t["failed_tests"]:
             lines += ["", f"{name} failures:", *[f"- `{n}`" for n in t["failed_tests"]]]
+    if ds_build:
+        lines += ["", "ds-build (DeepSpeed 0.19.8 ops for the bench): " + "; ".join(
+            f"{op} {ds_build.get(op, {}).get('status')}" + (f" in {ds_build[op]['seconds']} s"
+                                                           if ds_build.get(op, {}).get("seconds") else "")
+            for op in ("fused_adam", "cpu_adam")) + f"; nvcc {ds_build.get('nvcc') or 'none'}"
+            + (f"; error: {ds_build['error']}" if ds_build.get("error") else "")]
+    if features and features.get("markdown"):
+        lines += ["", features["markdown"]]
     if bench and bench.get("markdown"):
         lines += ["", bench["markdown"]]
     text = "\n".join(lines) + "\n"
