@@ -27,7 +27,7 @@ def _check(results: list[dict], ref: dict, sp: int, tp: int) -> None:
     assert max(ref["norms"]) > CLIP, ref["norms"]   # clipping engaged: a wrong gradient scale shows
 
 
-@pytest.mark.parametrize("stage,tp_first", [(1, False), (3, False), pytest.param(2, True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("stage,tp_first", [(0, False), (1, False), (2, False), (3, False), (2, True)])
 def test_llama_alst_sp2_autotp2_matches_one_process(stage, tp_first):
     ref = llama_reference(STEPS, dp=1, micro=2, variable=0, lr=LR, clip=CLIP)
     results = run_distributed(4, train_llama_sp_tp, STEPS, 2, 2, stage, lr=LR, clip=CLIP, tp_first=tp_first)
