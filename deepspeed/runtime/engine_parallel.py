@@ -218,7 +218,7 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
     tp = engine_tensor_parallel_size(engine.module, config_class.raw)
     if tp <= 1:
         return False
-    from .mesh import initialize as mesh_initialize
+    from .mesh import current as mesh_current, initialize as mesh_initialize
     from .optimizer_wrapper import SplitModel
     from .tensor_parallel import input_check
     from .tensor_parallel.replicated_grads import ReplicatedGradSync
@@ -226,11 +226,20 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
     from ..module_inject.layers import tensor_parallel_size
 
     sp = _sequence_degree_for_tp(mpu, sp, tp)
+    previous = mesh_current()
     parallel = mesh_initialize(sequence=sp, tensor=tp)
     if sp > 1:   # ALST's registered attentions: the refined mesh's sequence group, their TP slice of the heads
+        import logging
+
         from .sequence_parallel.ulysses_sp import follow_mesh
+        from ..utils.logging import log_dist
 
         follow_mesh(parallel)
+        if previous is not None and previous.ranks("sequence") != parallel.ranks("sequence"):
+            log_dist(f"sequence parallelism x AutoTP: the sequence groups now span {parallel.ranks('sequence')} "
+                     f"(tensor is the fastest mesh axis; were {previous.ranks('sequence')}): take sequence groups "
+                     "(e.g. for UlyssesSPDataLoaderAdapter) from the mpu after deepspeed.initialize", ranks=[0],
+                     level=logging.WARNING)
     tensor_group = parallel.group("tensor")
     if tensor_parallel_size(engine.module) == 1:   # not yet sharded by tp_model_init: the config asks for it
         broadcast_for_tensor_parallel(engine.module, tensor_group)

@@ -91,3 +91,32 @@ def register_then_initialize(sp: int, tp: int, heads: int) -> None:
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
         groups.mpu = None
+
+
+class _MegatronMpu:
+    """A client's own Megatron-style mpu (its groups: the world's data group, no model parallelism)."""
+
+    def get_data_parallel_group(self):
+        return None
+
+    def get_data_parallel_world_size(self) -> int:
+        import deepspeed.comm as ds_comm
+
+        return ds_comm.get_world_size()
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+
+def autotp_with_own_mpu() -> None:
+    """autotp_size with a client mpu that is not ALST's: refused (the mesh makes the tensor groups)."""
+    import deepspeed
+    from deepspeed.utils import groups
+    from tp_engine_jobs import build
+
+    try:
+        deepspeed.initialize(model=build("mlp"), mpu=_MegatronMpu(), config={
+            "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "tensor_parallel": {"autotp_size": 2}})
+    finally:
+        groups.mpu = None

@@ -11,7 +11,7 @@ import pytest
 from harness import run_distributed
 from models import assert_params_close
 from sp_models_jobs import llama_reference
-from sp_tp_jobs import register_then_initialize, train_llama_sp_tp
+from sp_tp_jobs import autotp_with_own_mpu, register_then_initialize, train_llama_sp_tp
 
 STEPS, LR, CLIP = 6, 0.5, 1.0
 
@@ -40,14 +40,20 @@ def test_llama_alst_sp2_autotp2_matches_one_process(stage, tp_first):
 
 
 @pytest.mark.slow
-def test_llama_alst_dp2_sp2_autotp2_on_8_ranks():
+@pytest.mark.parametrize("stage", [1, 3])
+def test_llama_alst_dp2_sp2_autotp2_on_8_ranks(stage):
     ref = llama_reference(STEPS, dp=2, micro=2, variable=0, lr=LR, clip=CLIP)
-    results = run_distributed(8, train_llama_sp_tp, STEPS, 2, 2, 1, lr=LR, clip=CLIP)
+    results = run_distributed(8, train_llama_sp_tp, STEPS, 2, 2, stage, lr=LR, clip=CLIP)
     _check(results, ref, sp=2, tp=2)
     assert [r["sp_ranks"] for r in results][:4] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all(r["zero_ranks"] == 4 for r in results)
 
 
 def test_heads_not_divisible_by_tp_times_sp_refused_on_every_rank():
-    with pytest.raises(Exception, match=r"head count 2 .* 2 x 2 = 4"):
+    with pytest.raises(Exception, match=r"(?s)failed on 4/4 ranks.*head count 2 .* 2 x 2 = 4"):
         run_distributed(4, register_then_initialize, 2, 2, 2)
+
+
+def test_autotp_with_another_client_mpu_still_refused():
+    with pytest.raises(Exception, match=r"autotp_size=2 with a client `mpu`.*ALST's mpu"):
+        run_distributed(2, autotp_with_own_mpu)
