@@ -218,17 +218,28 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
     tp = engine_tensor_parallel_size(engine.module, config_class.raw)
     if tp <= 1:
         return False
-    from .mesh import initialize as mesh_initialize
+    from .mesh import current as mesh_current, initialize as mesh_initialize
     from .optimizer_wrapper import SplitModel
     from .tensor_parallel import input_check
     from .tensor_parallel.replicated_grads import ReplicatedGradSync
     from ..module_inject.auto_tp import broadcast_for_tensor_parallel, shard_model
     from ..module_inject.layers import tensor_parallel_size
 
-    if mpu is not None:
-        raise ValueError(f"tensor_parallel.autotp_size={tp} with a client `mpu`: the mesh makes the tensor-parallel "
-                         "groups; pass no mpu (or leave autotp_size out and shard with your mpu's layers)")
+    sp = _sequence_degree_for_tp(mpu, sp, tp)
+    previous = mesh_current()
     parallel = mesh_initialize(sequence=sp, tensor=tp)
+    if sp > 1:   # ALST's registered attentions: the refined mesh's sequence group, their TP slice of the heads
+        import logging
+
+        from .sequence_parallel.ulysses_sp import follow_mesh
+        from ..utils.logging import log_dist
+
+        follow_mesh(parallel)
+        if previous is not None and previous.ranks("sequence") != parallel.ranks("sequence"):
+            log_dist(f"sequence parallelism x AutoTP: the sequence groups now span {parallel.ranks('sequence')} "
+                     f"(tensor is the fastest mesh axis; were {previous.ranks('sequence')}): take sequence groups "
+                     "(e.g. for UlyssesSPDataLoaderAdapter) from the mpu after deepspeed.initialize", ranks=[0],
+                     level=logging.WARNING)
     tensor_group = parallel.group("tensor")
     if tensor_parallel_size(engine.module) == 1:   # not yet sharded by tp_model_init: the config asks for it
         broadcast_for_tensor_parallel(engine.module, tensor_group)
@@ -245,3 +256,28 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
     engine._tp_replicated = ReplicatedGradSync(tensor_group, tp, names)   # [Note: TP-replicated gradients]
     input_check.install(engine.module, tensor_group)   # TP peers must be fed the same batch
     return True
+
+
+def _alst_mpu(mpu: Any) -> bool:
+    """ALST's `mpu` (runtime/sequence_parallel/parallel_state_sp): a facade over the mesh itself."""
+    return getattr(mpu, "__name__", None) == "deepspeed.runtime.sequence_parallel.parallel_state_sp"
+
+
+def _sequence_degree_for_tp(mpu: Any, sp: int, tp: int) -> int:
+    """The sequence degree of the SP x TP mesh ([Note: SP x TP] in sequence_parallel/ulysses_sp.py): the
+    config's, or that of ALST's mpu, which reads the mesh and so follows its refinement with the tensor dim.
+    Any other client mpu is refused: the mesh makes the tensor-parallel groups."""
+    if mpu is None:
+        return sp
+    if not _alst_mpu(mpu):
+        raise ValueError(f"tensor_parallel.autotp_size={tp} with a client `mpu`: the mesh makes the tensor-parallel "
+                         "groups; pass no mpu (or leave autotp_size out and shard with your mpu's layers). ALST's "
+                         "mpu (UlyssesSPAttentionHF.register_with_transformers) composes with it")
+    from .mesh import current
+
+    parallel = current()
+    have = parallel.size("sequence") if parallel is not None else 1
+    if sp > 1 and have != sp:
+        raise ValueError(f"sequence_parallel_size={sp} in the config but ALST's mpu has sequence-parallel world size "
+                         f"{have}; make them agree (or leave the key out)")
+    return have

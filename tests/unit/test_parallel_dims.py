@@ -31,6 +31,19 @@ def test_every_dim_composes_row_major():
         assert flat == list(range(16)), name    # every group family partitions the world
 
 
+def test_sequence_x_tensor_layout_is_the_documented_picture():
+    # docs/sequence_parallel.md "With AutoTP": world 8 = data 2 x sequence 2 x tensor 2, tensor fastest
+    dims = ParallelDims(8, sequence=2, tensor=2)
+    assert dims.groups("tensor") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.groups("sequence") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.groups("data") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.groups("sequence_data") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    for rank in range(8):   # the TP peers of one SP rank hold the same sequence shard of the same replica
+        coord = dims.topology().get_coord(rank)
+        peers = [dims.topology().get_coord(r) for r in dims.ranks("tensor", rank)]
+        assert all((p.data, p.sequence) == (coord.data, coord.sequence) for p in peers)
+
+
 def test_pipeline_topology_is_a_layout_of_the_same_kind():
     topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
     assert axis_groups(topo, ["data"]) == topo.get_axis_comm_lists("data")

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ... import comm as ds_comm
+from .. import mesh as _mesh
 from ...sequence.layer import _DimZeroAllToAll, _SeqAllToAll  # noqa: F401  (upstream imports it from here)
 from ...sequence.layer import all_gather_varlen
 
@@ -55,12 +56,9 @@ class UlyssesSPAttentionHF(torch.nn.Module):
     def __init__(self, attn, batch_size: int, attn_head_count: int, attn_head_size: int, kv_head_count: int,
                  num_hidden_layers: int, process_group: Any, seq_length_is_variable: bool = False,
                  local_seq_length: Optional[int] = None, global_seq_length: Optional[int] = None,
-                 disable_in_eval: bool = False) -> None:
+                 disable_in_eval: bool = False, tensor_parallel_size: int = 1) -> None:
         super().__init__()
         self.attn = attn
-        self.process_group = process_group
-        self.world_size = ds_comm.get_world_size(process_group)
-        self.sp_rank = ds_comm.get_rank(process_group)
         self.batch_size = batch_size
         self.seq_length_is_variable = seq_length_is_variable
         self.local_seq_length = local_seq_length
@@ -71,22 +69,48 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         self.global_kv_head_count = kv_head_count
         self.num_hidden_layers = num_hidden_layers
         self.core_attn_implementation = None  # set by register_with_transformers
-        if attn_head_count % self.world_size != 0:
-            raise ValueError(f"Attention head count {attn_head_count} is not divisible by SP size {self.world_size}")
-        if not (kv_head_count % self.world_size == 0 or self.world_size % kv_head_count == 0):
-            raise ValueError(f"KV attention head count {kv_head_count} is not divisible by SP size "
-                             f"{self.world_size} or vice versa")
-        self.local_q_head_count = attn_head_count // self.world_size
-        self.kv_replication_factor = max(self.world_size // kv_head_count, 1)
-        self.local_kv_head_count = max(kv_head_count // self.world_size, 1)
+        self.mesh = None   # the mesh it follows, when made by register_with_transformers ([Note: SP x TP])
+        self.bind(process_group, tensor_parallel_size)
+
+    def bind(self, process_group: Any, tensor_parallel_size: int = 1) -> None:
+        """Run over `process_group` (the SP group) on the heads of one of `tensor_parallel_size` AutoTP
+        slices ([Note: SP x TP]): each rank's attention gets heads / tp query heads, split over sp."""
+        tp = tensor_parallel_size
+        self.process_group = process_group
+        self.world_size = ds_comm.get_world_size(process_group)
+        self.sp_rank = ds_comm.get_rank(process_group)
+        self.tensor_parallel_size = tp
+        sp, heads, kv_heads = self.world_size, self.attn_head_count, self.global_kv_head_count
+        if tp > 1 and (heads % (tp * sp) or kv_heads % tp):
+            raise ValueError(f"Ulysses sequence parallelism with AutoTP: the attention head count {heads} (key/value "
+                             f"heads {kv_heads}) must be divisible by tensor_parallel.autotp_size x "
+                             f"sequence_parallel_size = {tp} x {sp} = {tp * sp} (key/value heads by {tp}): each "
+                             f"rank's attention holds heads / {tp} heads and Ulysses splits them over {sp} ranks; "
+                             "choose sizes whose product divides the head count")
+        if heads % sp != 0:
+            raise ValueError(f"Attention head count {heads} is not divisible by SP size {sp}")
+        local_kv = kv_heads // tp
+        if not (local_kv % sp == 0 or sp % local_kv == 0):
+            raise ValueError(f"KV attention head count {local_kv} is not divisible by SP size {sp} or vice versa"
+                             + (f" ({kv_heads} key/value heads over autotp_size {tp})" if tp > 1 else ""))
+        self.local_q_head_count = heads // tp // sp
+        self.kv_replication_factor = max(sp // local_kv, 1)
+        self.local_kv_head_count = max(local_kv // sp, 1)
+
+    def follow(self, mesh: Any) -> None:
+        """Bind to `mesh`'s sequence group and tensor degree (the engine refines ALST's SP-only mesh with
+        AutoTP's tensor dim at initialize: [Note: SP x TP])."""
+        self.mesh = mesh
+        self.bind(mesh.group("sequence"), mesh.size("tensor"))
 
     def _check_shapes(self, query: Tensor, key: Tensor) -> None:
         bs, hc, sl_l, hs = query.shape
         if self.seq_length_is_variable:
             self.local_seq_length = sl_l
             self.global_seq_length = sl_l * self.world_size
-        want_q = (self.batch_size, self.attn_head_count, self.local_seq_length, self.attn_head_size)
-        want_kv = (self.batch_size, self.global_kv_head_count, self.local_seq_length, self.attn_head_size)
+        tp = self.tensor_parallel_size   # AutoTP: this rank's slice of the heads
+        want_q = (self.batch_size, self.attn_head_count // tp, self.local_seq_length, self.attn_head_size)
+        want_kv = (self.batch_size, self.global_kv_head_count // tp, self.local_seq_length, self.attn_head_size)
         if tuple(query.shape) != want_q or tuple(key.shape) != want_kv:
             raise ValueError(f"[rank {ds_comm.get_rank()}] Ulysses SP attention: query {tuple(query.shape)} / key "
                              f"{tuple(key.shape)} do not match the registered shapes {want_q} / {want_kv} "
@@ -187,10 +211,13 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         arch = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         head_size = getattr(arch, "head_dim", None) or arch.hidden_size // arch.num_attention_heads
         kv_heads = getattr(arch, "num_key_value_heads", None) or arch.num_attention_heads
+        mesh = _mesh.current()
         uattn = cls(attn=core, batch_size=micro_batch_size, attn_head_count=arch.num_attention_heads,
                     attn_head_size=head_size, kv_head_count=kv_heads, num_hidden_layers=arch.num_hidden_layers,
                     process_group=mpu.get_sequence_parallel_group(), seq_length_is_variable=seq_length_is_variable,
-                    local_seq_length=local_len, global_seq_length=global_len, disable_in_eval=disable_in_eval)
+                    local_seq_length=local_len, global_seq_length=global_len, disable_in_eval=disable_in_eval,
+                    tensor_parallel_size=mesh.size("tensor"))
+        uattn.mesh = mesh
         uattn.core_attn_implementation = core_attn_implementation
 
         def uattn_wrapper(module, query, key, value, attention_mask, *args, **kwargs):
@@ -202,6 +229,22 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         uattn_wrapper._ulysses_attention = uattn
         ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = uattn_wrapper
         return mpu
+
+
+def follow_mesh(mesh: Any) -> None:
+    """[Note: SP x TP] ALST makes its sequence groups at `register_with_transformers`, before
+    `deepspeed.initialize` knows the tensor-parallel degree; the engine then refines the mesh with
+    AutoTP's tensor dim (same sequence degree, other ranks: tensor is the fastest axis) and calls this,
+    so every registered attention runs over the new sequence group on its TP slice of the heads (and a
+    head count that tp x sp does not divide is refused on every rank before any weight is cut)."""
+    import sys
+
+    registry = sys.modules.get("transformers.modeling_utils")
+    functions = getattr(registry, "ALL_ATTENTION_FUNCTIONS", None)
+    for key in list(functions.valid_keys()) if functions is not None else []:
+        attention = getattr(functions[key], "_ulysses_attention", None)
+        if attention is not None and attention.mesh is not None:
+            attention.follow(mesh)
 
 
 def _hf_config(model_name_or_path: Any) -> Any:

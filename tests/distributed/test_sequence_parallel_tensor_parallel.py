@@ -1,0 +1,59 @@
+"""Ulysses/ALST sequence parallelism x AutoTP tensor parallelism on one mesh ([Note: SP x TP] in
+deepspeed/runtime/sequence_parallel/ulysses_sp.py): a tiny HF Llama (4 query heads, 2 key/value heads) at
+world 4 = sp 2 x tp 2 equals one process training the unsharded model on the same global batch: losses per
+step, the clipped global norm, the whole final weights (fp32; not bit-equal: the row layers' partial sums
+and the shards' gradients reach the result in another order)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import run_distributed
+from models import assert_params_close
+from sp_models_jobs import llama_reference
+from sp_tp_jobs import autotp_with_own_mpu, register_then_initialize, train_llama_sp_tp
+
+STEPS, LR, CLIP = 6, 0.5, 1.0
+
+
+def _check(results: list[dict], ref: dict, sp: int, tp: int) -> None:
+    for rank, result in enumerate(results):
+        d = rank // (sp * tp)   # pipe x data x sequence x tensor, tensor fastest
+        assert result["dp_rank"] == d
+        want = [row[d] for row in ref["losses"]]
+        assert result["losses"] == pytest.approx(want, rel=1e-5), (rank, result["losses"], want)
+        assert result["norms"] == pytest.approx(ref["norms"], rel=1e-5), (rank, result["norms"], ref["norms"])
+    assert_params_close(results, ref, rtol=1e-5, atol=1e-6)
+    assert max(ref["norms"]) > CLIP, ref["norms"]   # clipping engaged: a wrong gradient scale shows
+
+
+@pytest.mark.parametrize("stage,tp_first", [(0, False), (1, False), (2, False), (3, False), (2, True)])
+def test_llama_alst_sp2_autotp2_matches_one_process(stage, tp_first):
+    ref = llama_reference(STEPS, dp=1, micro=2, variable=0, lr=LR, clip=CLIP)
+    results = run_distributed(4, train_llama_sp_tp, STEPS, 2, 2, stage, lr=LR, clip=CLIP, tp_first=tp_first)
+    _check(results, ref, sp=2, tp=2)
+    # the rank order: tensor innermost, the sequence groups strided by tp, ZeRO over data x sequence
+    assert [r["tp_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["sp_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(r["zero_ranks"] == 2 for r in results)
+    assert all("model.layers.0.self_attn.q_proj.weight" in r["sharded"] for r in results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_llama_alst_dp2_sp2_autotp2_on_8_ranks(stage):
+    ref = llama_reference(STEPS, dp=2, micro=2, variable=0, lr=LR, clip=CLIP)
+    results = run_distributed(8, train_llama_sp_tp, STEPS, 2, 2, stage, lr=LR, clip=CLIP)
+    _check(results, ref, sp=2, tp=2)
+    assert [r["sp_ranks"] for r in results][:4] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(r["zero_ranks"] == 4 for r in results)
+
+
+def test_heads_not_divisible_by_tp_times_sp_refused_on_every_rank():
+    with pytest.raises(Exception, match=r"(?s)failed on 4/4 ranks.*head count 2 .* 2 x 2 = 4"):
+        run_distributed(4, register_then_initialize, 2, 2, 2)
+
+
+def test_autotp_with_another_client_mpu_still_refused():
+    with pytest.raises(Exception, match=r"autotp_size=2 with a client `mpu`.*ALST's mpu"):
+        run_distributed(2, autotp_with_own_mpu)
