@@ -209,7 +209,7 @@ def _side_by_side(args, cases: list) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for impl in impls:
         argv = ["--child", json.dumps(cases), "--steps", str(args.steps), "--dim", str(args.dim),
-                "--layers", str(args.layers)]
+                "--layers", str(args.layers), "--job-timeout", str(args.job_timeout)]   # the ranks' limit too
         result = run_child(impl, __file__, argv, args.ds_venv, args.job_timeout)
         if "error" in result:
             print(f"| {names[impl]} | error: {result['error'][:300]} ||||||||")

@@ -23,7 +23,7 @@ engine reports that raw norm. DeepSpeed 0.19.8 does so at stage 0 only. At stage
 Muon while it partitions the gradients, before its norm, so its norm and clip cover the
 orthogonalised updates with the AdamW gradients; an update's norm is about
 sqrt(min(rows, cols) * max(1, rows/cols)), a property of the shapes, so every Muon step there is
-divided by ~sqrt(sum over matrices) (10.9 for a 5-matrix toy, ~72 for bench_muon.py's model,
+divided by ~sqrt(sum over matrices) (10.9 for a 4-matrix toy, 61.7 for bench_muon.py's model,
 hundreds for an LLM) and the step is pinned by the threshold rather than by `muon_lr`. It is
 upstream issue deepspeedai/DeepSpeed#8439 (open), and upstream's stage 0 disagrees with it, so
 we keep the clip on gradients; with `"gradient_clipping": 0` both packages run the same formula
