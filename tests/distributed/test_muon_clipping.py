@@ -6,8 +6,9 @@ Muon and AdamW then step from the clipped gradients: `torch.nn.utils.clip_grad_n
 stage 0 only; at stages 1-3 it orthogonalises first and clips the Muon updates together with the
 AdamW gradients, which divides every Muon step by the norm of the updates (a property of the
 model's shapes, not of the gradient). The test checks each step, taken from the same weights,
-against torch's optimizers and against Muon's formula in fp64, and that the clip upstream's stages 1-3 would apply here is large enough
-(the updates' norm is over twice the threshold) that the tolerance would catch it.
+against torch's optimizers and against Muon's formula in fp64, and that the clip upstream's
+stages 1-3 would apply here is large enough (the updates' norm is over twice the threshold) that
+the tolerance would catch it.
 
 Tolerances (relative Frobenius distance of each Muon update, from the same weights): "gram" is
 the exact iteration in fp32 on CPUs without oneDNN fp16 (measured here: <= 7e-6 from the formula
