@@ -156,9 +156,9 @@ def _side_rank(rank: int, world: int, port: int, cases: list, steps: int, dim: i
     counter = {"bytes": 0}
     _count_torch_distributed(tdist, counter, world)
     rows = []
-    for name, optimizer, stage in cases:
+    for name, optimizer, stage, *extra in cases:
         config = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": optimizer,
-                  "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+                  "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, **(extra[0] if extra else {})}
         row = {"case": name, "stage": stage, "wall": [], "cpu": [], "bytes": [], "losses": []}
         try:
             engine, opt, _, _ = deepspeed.initialize(model=_model(dim, layers), config=config)
@@ -181,6 +181,8 @@ def _side_rank(rank: int, world: int, port: int, cases: list, steps: int, dim: i
                 else:
                     row["bytes"].append(counter["bytes"])
                 row["losses"].append(float(loss.detach()))
+                norm = engine.get_global_grad_norm()   # the norm gradient_clipping compared with the threshold
+                row.setdefault("norms", []).append(None if norm is None else float(norm))
             row["state"] = optimizer_state_bytes(opt)
             del engine, opt
         except Exception as exc:   # an unsupported case is a row, not the end of the run
@@ -203,25 +205,27 @@ def _side_by_side(args, cases: list) -> None:
     print(f"2 ranks x 1 thread, gloo; medians of steps 3-{args.steps}; bytes = ring wire bytes of every "
           "torch.distributed collective per rank per step")
     print("| impl | optimizer | ZeRO stage | wall s/step | CPU s/step (rank max) | optimizer state / rank (bytes) "
-          "| sent / rank / step (bytes) | losses (steps 1, 2, last) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| sent / rank / step (bytes) | losses (steps 1, 2, last) | reported grad norm (step 1) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for impl in impls:
         argv = ["--child", json.dumps(cases), "--steps", str(args.steps), "--dim", str(args.dim),
-                "--layers", str(args.layers)]
+                "--layers", str(args.layers), "--job-timeout", str(args.job_timeout)]   # the ranks' limit too
         result = run_child(impl, __file__, argv, args.ds_venv, args.job_timeout)
         if "error" in result:
-            print(f"| {names[impl]} | error: {result['error'][:300]} |||||||")
+            print(f"| {names[impl]} | error: {result['error'][:300]} ||||||||")
             continue
-        for i, (name, _, stage) in enumerate(cases):
+        for i, (name, _, stage, *_extra) in enumerate(cases):
             per_rank = [ranks[i] for ranks in result["ranks"]]
             r0 = per_rank[0]
             if "error" in r0:
-                print(f"| {names[impl]} | {name} | {stage} | error: `{r0['error']}` |||||")
+                print(f"| {names[impl]} | {name} | {stage} | error: `{r0['error']}` ||||||")
                 continue
             cpu = max(statistics.median(r["cpu"][2:]) for r in per_rank)
             losses = ", ".join(f"{v:.4f}" for v in (r0["losses"][0], r0["losses"][1], r0["losses"][-1]))
+            norm = r0.get("norms", [None])[0]
+            norm = "-" if norm is None else f"{norm:.4f}"
             print(f"| {names[impl]} | {name} | {stage} | {statistics.median(r0['wall'][2:]):.4f} | {cpu:.4f} | "
-                  f"{r0['state']:,} | {statistics.median(r0['bytes'][2:]):,.0f} | {losses} |")
+                  f"{r0['state']:,} | {statistics.median(r0['bytes'][2:]):,.0f} | {losses} | {norm} |")
 
 
 def main() -> None:
@@ -244,7 +248,11 @@ def main() -> None:
         cases = []
         for stage in (int(s) for s in args.stages.split(",")):
             cases.append(("AdamW", adamw, stage))
-            cases.append(("Muon", {"type": "Muon", "params": {"lr": 1e-3, "muon_lr": 0.02}}, stage))
+            muon = {"type": "Muon", "params": {"lr": 1e-3, "muon_lr": 0.02}}
+            cases.append(("Muon", muon, stage))
+            # DeepSpeed 0.19.8 at ZeRO 1-3 clips the orthogonalised Muon update, not the gradient
+            # ([Note: Muon and gradient clipping]); with clipping off both run the same formula
+            cases.append(("Muon, gradient_clipping 0", muon, stage, {"gradient_clipping": 0.0}))
         _side_by_side(args, cases)
         return
     cases = []

@@ -70,8 +70,9 @@ def state_bytes(engine: Any, field: str | None = None) -> int:
 
 
 def muon_train(config: dict, steps: int, save: str | None = None, load: str | None = None,
-               skip: int = 0) -> dict:
-    """Train `steps` global steps (after skipping `skip` batches); full params after each step."""
+               skip: int = 0, loss_mult: float = 1.0) -> dict:
+    """Train `steps` global steps (after skipping `skip` batches) on the loss times `loss_mult`;
+    full params and the engine's reported gradient norm after each step."""
     import deepspeed
     import deepspeed.comm as dist
 
@@ -80,15 +81,16 @@ def muon_train(config: dict, steps: int, save: str | None = None, load: str | No
     if load is not None:
         engine.load_checkpoint(load)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    history, wire = [], []
+    history, wire, norms = [], [], []
     for step, (x, y) in enumerate(batches(skip + steps)):
         if step < skip:
             continue
         dist.comms_counter.reset()
         for k in range(gas):
             start = (k * world + rank) * micro
-            engine.backward(engine(x[start:start + micro], y[start:start + micro]))
+            engine.backward(engine(x[start:start + micro], y[start:start + micro]) * loss_mult)
             engine.step()
+        norms.append(engine.get_global_grad_norm())
         # Muon's two exchanges are the only all-to-alls of a training step: bytes this rank sent
         wire.append(dist.comms_counter.summary().get("all_to_all_single", {}).get("bytes", 0))
         history.append(full_params(engine))
@@ -96,23 +98,54 @@ def muon_train(config: dict, steps: int, save: str | None = None, load: str | No
         engine.save_checkpoint(save, tag="t")
     tags = {n: bool(p.use_muon) for n, p in engine.module.named_parameters()}
     return {"history": history if rank == 0 else None, "momentum_bytes": state_bytes(engine, "momentum_buffer"),
-            "state_bytes": state_bytes(engine), "wire": wire,
+            "state_bytes": state_bytes(engine), "wire": wire, "norms": norms,
             "tags": tags}
 
 
-def reference(steps: int, lr: float = 3e-3, muon_lr: float = 0.02, momentum: float = 0.9, wd: float = 0.1) -> list:
-    """torch.optim.Muon on the hidden matrices + torch.optim.AdamW on the rest, one process,
-    the whole global batch: full params after each step."""
+def reference_steps(history: list, lr: float = 3e-3, muon_lr: float = 0.02, momentum: float = 0.9,
+                    wd: float = 0.1, clip: float = 0.0, loss_mult: float = 1.0) -> list:
+    """torch.optim.Muon on the hidden matrices + torch.optim.AdamW on the rest, one process, the
+    whole global batch, each step taken from the weights `history` (an engine's full params
+    after each step) holds before it, gradients clipped as `torch.nn.utils.clip_grad_norm_` does
+    when `clip` > 0. Per step: the params after it, the Muon matrices after the same step by the
+    formula in fp64 ("exact": Keller Jordan's Muon, which torch's computes in bf16), the raw
+    gradient norm and each parameter's raw gradient."""
     model = make_net()
+    params = dict(model.named_parameters())
     muon = [model.up.weight, model.down.weight]
     adam = [p for p in model.parameters() if all(p is not q for q in muon)]
     optimizers = [torch.optim.Muon(muon, lr=muon_lr, momentum=momentum, weight_decay=wd),
                   torch.optim.AdamW(adam, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd)]
-    history = []
-    for x, y in batches(steps):
+    steps, momenta = [], [torch.zeros_like(p, dtype=torch.float64) for p in muon]
+    for step, (x, y) in enumerate(batches(len(history))):
+        if step > 0:
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(history[step - 1][name])
         model.zero_grad()
-        model(x, y).backward()
+        (model(x, y) * loss_mult).backward()
+        grads = {n: p.grad.detach().clone() for n, p in params.items()}
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        exact = {}
+        for name, p, m in zip(("up.weight", "down.weight"), muon, momenta):
+            g = p.grad.double()
+            m.lerp_(g, 1 - momentum)
+            update = _newton_schulz_fp64(g.lerp(m, momentum)) * max(1.0, p.shape[0] / p.shape[1]) ** 0.5
+            exact[name] = (p.detach().double() * (1 - muon_lr * wd) - muon_lr * update).float()
         for opt in optimizers:
             opt.step()
-        history.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return history
+        steps.append({"params": {n: p.detach().clone() for n, p in params.items()}, "exact": exact,
+                      "norm": float(norm), "grads": grads})
+    return steps
+
+
+def _newton_schulz_fp64(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Five quintic Newton-Schulz iterations, (a, b, c) = (3.4445, -4.7750, 2.0315), in fp64."""
+    x = g.T if g.shape[0] > g.shape[1] else g
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = 3.4445 * x + (-4.7750 * gram + 2.0315 * gram @ gram) @ x
+    return x.T if g.shape[0] > g.shape[1] else x

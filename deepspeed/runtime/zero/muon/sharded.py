@@ -15,6 +15,19 @@ the one an unsharded run computes from the same gradient. Bytes per step: for ev
 matrix, the elements outside its owner's own fragments cross the wire twice, at most
 2 * (N-1)/N * Ψ_muon elements of the compute dtype summed over ranks (1/N of that per rank
 when owners balance); nothing crosses at N = 1 or when a matrix lies in its owner's shard.
+
+[Note: Muon and gradient clipping]
+`gradient_clipping` (default 1.0) clips the raw gradients by their global norm before the
+momentum, at every stage: the step is `clip_grad_norm_` then torch.optim.Muon + AdamW, and the
+engine reports that raw norm. DeepSpeed 0.19.8 does so at stage 0 only. At stages 1-3 it runs
+Muon while it partitions the gradients, before its norm, so its norm and clip cover the
+orthogonalised updates with the AdamW gradients; an update's norm is about
+sqrt(min(rows, cols) * max(1, rows/cols)), a property of the shapes, so every Muon step there is
+divided by ~sqrt(sum over matrices) (10.9 for a 4-matrix toy, 61.7 for bench_muon.py's model,
+hundreds for an LLM) and the step is pinned by the threshold rather than by `muon_lr`. It is
+upstream issue deepspeedai/DeepSpeed#8439 (open), and upstream's stage 0 disagrees with it, so
+we keep the clip on gradients; with `"gradient_clipping": 0` both packages run the same formula
+(docs/zero.md "Muon and gradient clipping"; tests/distributed/test_muon_clipping.py).
 """
 
 from __future__ import annotations
