@@ -116,11 +116,14 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
              via_init: bool = False, count_bytes: bool = False, save_dir: str | None = None,
              load_dir: str | None = None, extra: dict | None = None, start: int = 0, momentum: float = 0.0,
              save_16bit: str | None = None, checkpoint_block: bool = False, accumulate: int = 1,
-             perturb: float = 0.0) -> dict:
+             perturb: float = 0.0, adam: bool = False, load_kwargs: dict | None = None,
+             report_state: bool = False) -> dict:
     """Every rank: its replica's micro-batches (`accumulate` of them, consecutive rows of the global batch).
     `via_init`: shard with deepspeed.tp_model_init first (transformers' way), else by the config alone.
     `perturb`: TP rank 1 adds this to every gradient of its replicated parameters (a nondeterministic kernel's
-    last-bit difference, magnified). Each engine.step()'s all-reduces are recorded (`step_reduces`)."""
+    last-bit difference, magnified). Each engine.step()'s all-reduces are recorded (`step_reduces`).
+    `adam`: torch AdamW (weight decay 0.01) instead of SGD. `report_state`: this rank's optimizer state at the
+    end, {(name, start of its piece): {field: value}}."""
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.module_inject.layers import GatherReplacedLayerParams, is_tensor_parallel
@@ -136,10 +139,13 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
     config.update(copy.deepcopy(extra or {}))
     if via_init:
         model = deepspeed.tp_model_init(model, tp_size=tp, dtype=torch.float32, config=config)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)   # made before the config path shards: same params
+    if adam:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    else:   # made before the config path shards: same params
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     if load_dir is not None:
-        engine.load_checkpoint(load_dir)
+        engine.load_checkpoint(load_dir, **(load_kwargs or {}))
     dp, dp_rank = engine.dp_world_size, engine.get_data_parallel_rank()
     rows = torch.utils.data.TensorDataset(torch.arange(64.0).view(32, 2))
     first_batch = next(iter(engine.deepspeed_io(rows)))[0].tolist()   # this replica's first micro-batch
@@ -179,6 +185,7 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
         engine.save_checkpoint(save_dir, tag="tp")
     if save_16bit is not None:
         engine.save_16bit_model(save_16bit)
+    state = _optimizer_state(engine) if report_state else None
     local = {n: p.numel() for n, p in engine.module.named_parameters()}
     sharded = {n for n, p in engine.module.named_parameters() if is_tensor_parallel(p)}
     params = list(engine.module.parameters())
@@ -188,7 +195,15 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
     return {"params": full, "losses": losses, "norms": norms, "local_numel": local,
             "full_numel": full_numel, "after_numel": after, "sharded": sorted(sharded), "bytes": counted,
             "tensor_rank": dist.get_rank() % tp, "first_batch": first_batch, "step_reduces": step_reduces,
-            "tp_src": groups.get_tensor_model_parallel_src_rank()}
+            "tp_src": groups.get_tensor_model_parallel_src_rank(), "state": state}
+
+
+def _optimizer_state(engine) -> dict:
+    from deepspeed.runtime.checkpoint.hp_state import HpState
+
+    hp = HpState(engine)
+    return {(p.name, p.start): {k: (v.detach().clone() if torch.is_tensor(v) else v)
+                                for k, v in hp.base.state.get(p.key, {}).items()} for p in hp.pieces}
 
 
 MUON_CONFIG = {"type": "Muon", "params": {"lr": 3e-3, "muon_lr": 0.02, "momentum": 0.9, "weight_decay": 0.1,

@@ -27,7 +27,7 @@ import torch
 from ...checkpoint import files
 from ...checkpoint.reader import CheckpointReader
 from ...utils.progress import NoBar, min_bytes, progress
-from . import moe_io, zero3_io
+from . import moe_io, tp_reslice, zero3_io
 from .hp_state import HpState
 from .writer import mp_rank, set_rng_state
 
@@ -62,8 +62,10 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
         tag = files.read_latest(load_dir, latest)
         if tag is None:
             return None
-    check_tensor_parallel_size(engine, load_dir, str(tag))
-    if moe_io.is_moe_engine(engine):   # [Note: MoE checkpoint layout]
+    resliced = tensor_parallel_reader(engine, load_dir, str(tag))
+    if resliced is not None:   # [Note: moving a checkpoint across TP sizes]
+        reader = resliced
+    elif moe_io.is_moe_engine(engine):   # [Note: MoE checkpoint layout]
         reader = moe_io.MoECheckpointReader(engine, load_dir, str(tag))
     elif hasattr(engine, "_checkpoint_reader"):
         reader = engine._checkpoint_reader(load_dir, str(tag))
@@ -112,25 +114,26 @@ def load_hp_state(engine: Any, checkpoint_dir: str) -> None:
     apply_plan(engine, plan)
 
 
-def check_tensor_parallel_size(engine: Any, load_dir: str, tag: str) -> None:
-    """A checkpoint holds one file set per AutoTP rank, each with that rank's slices; loading it at another
-    TP size is refused (both sizes named) before any rank reads slices of the wrong width. (Runs inside
-    the load's agreed phase: every rank raises.)"""
+def tensor_parallel_reader(engine: Any, load_dir: str, tag: str) -> Any:
+    """None when the checkpoint's tensor-parallel size is this run's; else the reader that moves its
+    slices to this run's layout ([Note: moving a checkpoint across TP sizes]). Layouts it cannot move
+    (MoE, pipelines, universal checkpoints) are refused, both sizes named. (Runs inside the load's
+    agreed phase: every rank raises.)"""
     from ...module_inject.layers import tensor_parallel_size
 
-    path = files.tag_dir(load_dir, tag)
-    first = os.path.join(path, files.model_file(0)) if path is not None else None
-    if first is None or not os.path.isfile(first):
-        return   # the reader names what is missing
-    states = files.load_file(first)
+    path, states = tp_reslice.saved_layout(load_dir, tag)
+    if states is None:
+        return None   # the reader names what is missing
     saved = int(states.get("mp_world_size", 1) or 1) if states.get("tp_partition_dims") else 1
     have = tensor_parallel_size(engine.module)
-    if saved != have:
+    if saved == have:
+        return None
+    if moe_io.is_moe_engine(engine) or hasattr(engine, "_checkpoint_reader") or getattr(engine, "mpu", None):
         raise files.CheckpointError(
             f"{path} was saved at tensor-parallel size (autotp_size) {saved}, and this run has autotp_size {have}: "
-            f"resuming at another tensor-parallel size is not supported; resume with autotp_size={saved} (any "
-            "data-parallel size), or consolidate the weights with zero_to_fp32 / save_16bit_model and start "
-            "from those")
+            f"resuming at another tensor-parallel size is supported for AutoTP engines without MoE, pipeline "
+            f"or an mpu; resume with autotp_size={saved} (any data-parallel size)")
+    return tp_reslice.resliced_reader(engine, load_dir, tag, saved, states, mp_rank(engine))
 
 
 def apply_plan(engine: Any, plan: LoadPlan) -> None:

@@ -1,0 +1,186 @@
+"""Resuming an AutoTP checkpoint at another tensor-parallel size ([Note: moving a checkpoint across TP sizes]).
+
+[Note: moving a checkpoint across TP sizes]
+An AutoTP checkpoint holds one file set per saved tensor rank (`mp_rank_XX`), each with that rank's
+slices of the partitioned parameters (`tp_partition_dims`: the dim; `tp_sub_param_sizes`: the fused
+blocks along it) and a copy of the replicated ones. A run at another TP size (or the same size after a
+data-size change, which the reader already handles per file set) reads through `TPReslicedReader`,
+which answers the plain reader's questions ("elements [a, b) of parameter `name`, field f") for this
+rank's *new* slice:
+
+* `slice_sources` is the pure plan: which saved tensor rank's slice, at which offset along the
+  partition dim, lands where in the new slice, block by block for fused weights (each block is split
+  on its own, as `TensorParallel_Layer._slice` does);
+* `assemble` is the one executor: it reads the saved ranks' slices named by the plan one at a time and
+  copies the planned pieces into the new slice. It never holds a parameter's whole value unless the
+  new slice is the whole value (TP=1), and the reader keeps one assembled (parameter, field) at a time.
+
+Replicated parameters come from tensor rank 0's file set. Everything else (counters, scheduler, loss
+scaler, param groups, step) is the same in every file set and is read from rank 0's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ...checkpoint import files
+from ...checkpoint.reader import CheckpointReader
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`length` indices along the partition dim: saved rank `saved_rank`'s slice from `src` -> the new
+    slice from `dst`."""
+    saved_rank: int
+    src: int
+    dst: int
+    length: int
+
+
+def slice_sources(size: int, blocks: Sequence[int] | None, saved_tp: int, new_tp: int,
+                  new_index: int) -> list[Segment]:
+    """The plan for tensor rank `new_index` of `new_tp`: where each piece of its slice of a dim of `size`
+    (fused `blocks` along it, else one block) lies in the slices saved by `saved_tp` ranks."""
+    blocks = list(blocks) if blocks else [size]
+    if sum(blocks) != size:
+        raise files.CheckpointError(f"fused blocks {blocks} do not add up to the partitioned dim {size}")
+    for b in blocks:
+        if b % saved_tp or b % new_tp:
+            raise files.CheckpointError(f"a partitioned dim (block) of {b} is not divisible by the saved "
+                                        f"tensor-parallel size {saved_tp} and this run's {new_tp}")
+    out: list[Segment] = []
+    src_base = dst_base = 0   # the block's offset in a saved slice and in the new slice
+    for b in blocks:
+        saved_w, new_w = b // saved_tp, b // new_tp
+        lo, hi = new_index * new_w, (new_index + 1) * new_w
+        for r in range(saved_tp):
+            a, z = max(lo, r * saved_w), min(hi, (r + 1) * saved_w)
+            if a < z:
+                out.append(Segment(r, src_base + a - r * saved_w, dst_base + a - lo, z - a))
+        src_base += saved_w
+        dst_base += new_w
+    return out
+
+
+def assemble(read_slice: Callable[[int], torch.Tensor | None], saved_shape: Sequence[int],
+             new_shape: Sequence[int], dim: int, plan: list[Segment]) -> torch.Tensor | None:
+    """The new slice from the saved slices `read_slice(rank)` (flat or shaped; None: the field is absent)
+    per `plan`, reading one saved slice at a time. None when a saved rank lacks the field."""
+    out = torch.empty(tuple(new_shape), dtype=torch.float32)   # host: read from files, copied by the caller
+    for rank in sorted({s.saved_rank for s in plan}):
+        value = read_slice(rank)
+        if value is None:
+            return None
+        value = value.reshape(tuple(saved_shape))
+        for s in plan:
+            if s.saved_rank == rank:
+                out.narrow(dim, s.dst, s.length).copy_(value.narrow(dim, s.src, s.length))
+        del value
+    return out
+
+
+def _resized(shape: Sequence[int], dim: int, num: int, den: int) -> torch.Size:
+    dims = list(shape)
+    dims[dim] = dims[dim] * num // den
+    return torch.Size(dims)
+
+
+class TPReslicedReader:
+    """A CheckpointReader's answers for tensor rank `new_index` of `new_tp`, from the file sets of a
+    checkpoint saved at `saved_tp` (see the module note)."""
+
+    def __init__(self, readers: list[CheckpointReader], dims: dict[str, int], blocks: dict[str, list[int]],
+                 new_tp: int, new_index: int) -> None:
+        self.readers, self.dims, self.blocks = readers, dims, blocks
+        self.saved_tp, self.new_tp, self.new_index = len(readers), new_tp, new_index
+        self._cache: tuple[tuple[str, str], torch.Tensor | None] | None = None
+        self._saved_shapes = {n: s for g in readers[0].groups() for n, s in g}
+        self._groups = [[(n, self._new_shape(n, s)) for n, s in g] for g in readers[0].groups()]
+
+    def __getattr__(self, name: str) -> Any:   # path, model_states, common_state, step, fields, has, ...
+        return getattr(self.__dict__["readers"][0], name)
+
+    def _new_shape(self, name: str, saved: Sequence[int]) -> torch.Size:
+        if name not in self.dims:
+            return torch.Size(saved)
+        return _resized(saved, self.dims[name], self.saved_tp, self.new_tp)
+
+    def _plan(self, name: str, saved_shape: Sequence[int]) -> list[Segment]:
+        size = saved_shape[self.dims[name]] * self.saved_tp
+        return slice_sources(size, self.blocks.get(name), self.saved_tp, self.new_tp, self.new_index)
+
+    def groups(self) -> list[list[tuple[str, torch.Size]]]:
+        return self._groups
+
+    def bind_replicated_names(self, *args: Any, **kwargs: Any) -> None:
+        for reader in self.readers:
+            reader.bind_replicated_names(*args, **kwargs)
+        self._saved_shapes = {n: s for g in self.readers[0].groups() for n, s in g}
+        self._groups = [[(n, self._new_shape(n, s)) for n, s in g] for g in self.readers[0].groups()]
+
+    def read(self, name: str, field: str, start: int = 0, numel: int | None = None) -> torch.Tensor | None:
+        if name not in self.dims:
+            return self.readers[0].read(name, field, start, numel)
+        key = (name, field)
+        if self._cache is None or self._cache[0] != key:
+            self._cache = None   # drop the previous parameter's slice before assembling this one
+            saved = self._saved_shapes[name]
+            value = assemble(lambda r: self.readers[r].read(name, field), saved, self._new_shape(name, saved),
+                             self.dims[name], self._plan(name, saved))
+            self._cache = (key, value)
+        value = self._cache[1]
+        if value is None:
+            return None
+        flat = value.reshape(-1)
+        numel = flat.numel() - start if numel is None else numel
+        return flat[start:start + numel].clone()
+
+    def module_tensor(self, name: str) -> torch.Tensor | None:
+        if name not in self.dims:
+            return self.readers[0].module_tensor(name)
+        first = self.readers[0].module_tensor(name)
+        if first is None:
+            return None
+        saved = first.shape
+        del first
+        return assemble(lambda r: self.readers[r].module_tensor(name), saved, self._new_shape(name, saved),
+                        self.dims[name], self._plan(name, saved))
+
+
+def saved_layout(load_dir: str, tag: str) -> tuple[str | None, dict | None]:
+    """(tag path, tensor rank 0's model states) or (path, None) when there is none to read."""
+    path = files.tag_dir(load_dir, tag)
+    if path is None:
+        return None, None
+    for name in (files.model_file(0), files.model_file(0, zero3_dp_rank=0)):
+        if os.path.isfile(os.path.join(path, name)):
+            return path, files.load_file(os.path.join(path, name))
+    return path, None
+
+
+def resliced_reader(engine: Any, load_dir: str, tag: str, saved_tp: int, states: dict,
+                    new_index: int) -> TPReslicedReader:
+    """The reader that moves a TP=`saved_tp` checkpoint to this run's tensor-parallel layout."""
+    from ...module_inject.layers import tensor_parallel_size
+    from .writer import _tp_partition_dims
+
+    new_tp = tensor_parallel_size(engine.module)
+    path = files.tag_dir(load_dir, tag)
+    dims, blocks = dict(states.get("tp_partition_dims") or {}), dict(states.get("tp_sub_param_sizes") or {})
+    own_dims, own_blocks = _tp_partition_dims(engine.module)
+    if new_tp > 1 and saved_tp > 1 and (own_dims != dims or own_blocks != blocks):
+        raise files.CheckpointError(
+            f"{path} was saved at tensor-parallel size {saved_tp} with another partitioning than this run's "
+            f"(autotp_size {new_tp}): parameters or partition dims differ, so its slices cannot be moved")
+    if saved_tp == 1:   # nothing was partitioned at save: this run's partitioning says how to cut
+        dims, blocks = own_dims, own_blocks
+    readers = [CheckpointReader(load_dir, tag, mp_rank=r) for r in range(saved_tp)]
+    if readers[0].universal:
+        raise files.CheckpointError(f"{path} is a universal checkpoint saved at tensor-parallel size {saved_tp}; "
+                                    f"this run has autotp_size {new_tp}: moving universal checkpoints across "
+                                    "tensor-parallel sizes is not supported")
+    return TPReslicedReader(readers, dims, blocks, new_tp, new_index)
