@@ -88,3 +88,15 @@ def test_tp2_dp2_to_tp1_dp4_and_tp4_dp1(tmp_path, stage, tp):
 def test_tp_and_stage_change_together(tmp_path):
     """TP=2 at ZeRO-1 -> TP=1 at ZeRO-3 (the stage and the TP size change in one load); AdamW."""
     assert_params_close(*_adamw_moved(tmp_path, 2, 1, 1, 3))
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("tp_from,tp_to", [(2, 1), (1, 2)])
+def test_frozen_sliced_weight_moves(tmp_path, stage, tp_from, tp_to):
+    """A frozen row-parallel weight (read from the module state, or ZeRO-3's frozen fragments, not the
+    optimizer's masters) is joined and cut like a trained one; SGD momentum for the rest."""
+    run = dict(momentum=0.9, freeze="block.down.weight")
+    want = run_distributed(2, train_tp, "mlp", 3, tp_to, stage, micro=tp_to, **run)
+    run_distributed(2, train_tp, "mlp", 2, tp_from, stage, micro=tp_from, save_dir=str(tmp_path), **run)
+    got = run_distributed(2, train_tp, "mlp", 1, tp_to, stage, micro=tp_to, load_dir=str(tmp_path), start=2, **run)
+    assert_params_close(got, want[0])

@@ -117,13 +117,13 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
              load_dir: str | None = None, extra: dict | None = None, start: int = 0, momentum: float = 0.0,
              save_16bit: str | None = None, checkpoint_block: bool = False, accumulate: int = 1,
              perturb: float = 0.0, adam: bool = False, load_kwargs: dict | None = None,
-             report_state: bool = False) -> dict:
+             report_state: bool = False, freeze: str | None = None) -> dict:
     """Every rank: its replica's micro-batches (`accumulate` of them, consecutive rows of the global batch).
     `via_init`: shard with deepspeed.tp_model_init first (transformers' way), else by the config alone.
     `perturb`: TP rank 1 adds this to every gradient of its replicated parameters (a nondeterministic kernel's
     last-bit difference, magnified). Each engine.step()'s all-reduces are recorded (`step_reduces`).
     `adam`: torch AdamW (weight decay 0.01) instead of SGD. `report_state`: this rank's optimizer state at the
-    end, {(name, start of its piece): {field: value}}."""
+    end, {(name, start of its piece): {field: value}}. `freeze`: this parameter does not train."""
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.module_inject.layers import GatherReplacedLayerParams, is_tensor_parallel
@@ -132,6 +132,8 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
     model = build(kind)
     model.checkpoint_block = checkpoint_block
     full_numel = {n: p.numel() for n, p in model.named_parameters()}
+    if freeze is not None:
+        model.get_parameter(freeze).requires_grad_(False)
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": clip,
               "gradient_accumulation_steps": accumulate,
               "zero_optimization": {"stage": stage}, "steps_per_print": 10**6,
