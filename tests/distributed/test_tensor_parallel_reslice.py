@@ -113,3 +113,13 @@ def test_bf16_tp2_to_tp1(tmp_path, stage):
     want = run_distributed(2, train_tp, "glu", 3, 1, stage, micro=1, **run)[0]
     got = run_distributed(2, train_tp, "glu", 1, 1, stage, micro=1, load_dir=str(tmp_path), start=2, **run)
     assert_params_close(got, want, rtol=2e-2, atol=2e-3)
+
+
+def test_another_partitioning_refused_on_every_rank(tmp_path):
+    """Saved at TP=2 with gate_up fused ([2, -1] blocks), loaded at TP=4 by the automatic rule (one block):
+    the slices cannot be moved; every rank raises, naming both sizes."""
+    run_distributed(4, train_tp, "glu", 1, 2, 1, micro=2, save_dir=str(tmp_path))
+    with pytest.raises(Exception, match="saved at tensor-parallel size 2 with another partitioning than this "
+                                        "run's \\(autotp_size 4\\)"):
+        run_distributed(4, train_tp, "glu", 1, 4, 1, micro=4, load_dir=str(tmp_path),
+                        extra={"tensor_parallel": {"autotp_size": 4}})
