@@ -81,6 +81,16 @@ def _train(engine, batches) -> None:
         engine.step()
 
 
+def _params(engine) -> dict:
+    """The whole parameters (gathered at ZeRO-3), in the model's dtype."""
+    import deepspeed
+
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()),
+                                           enabled=engine.zero_optimization_stage() == 3):
+        return {n: p.detach().clone() for n, p in params.items()}
+
+
 def _train_job(config: dict, save_dir: str | None = None) -> dict:
     import deepspeed
     import deepspeed.comm as dist
@@ -92,17 +102,16 @@ def _train_job(config: dict, save_dir: str | None = None) -> dict:
     out: dict = {}
     if save_dir is not None:
         engine.save_checkpoint(save_dir, tag="t")
-        out["at_save"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        out["at_save"] = _params(engine)
     _train(engine, batches[half:])
     out["bytes"] = _bytes(engine)
-    out["state"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()} \
-        if config["zero_optimization"]["stage"] < 3 else None
+    out["state"] = _params(engine)
     if save_dir is not None:   # resume from the checkpoint in a fresh engine: same result
         fresh, _, _, _ = deepspeed.initialize(model=_model(), config=copy.deepcopy(config))
         fresh.load_checkpoint(save_dir, tag="t")
         out["resumed_bytes"] = _bytes(fresh)
         _train(fresh, batches[half:])
-        out["resumed"] = {n: p.detach().clone() for n, p in fresh.module.named_parameters()}
+        out["resumed"] = _params(fresh)
         dist.barrier()
         if dist.get_rank() == 0:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -149,11 +158,20 @@ CASES = {   # name: (dtype, bf16 states, offload, master bytes, grad bytes, stat
 }
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("case", list(CASES))
 def test_low_precision_masters_match_reference_and_bytes(stage: int, case: str) -> None:
     dtype, states, offload, master_b, grad_b, state_b = CASES[case]
-    config = _config(stage, dtype, states, offload)
+    _check_against_reference(_config(stage, dtype, states, offload), dtype, master_b, grad_b, state_b)
+
+
+def test_stage3_with_parameter_offload() -> None:
+    config = _config(3, "bf16", states=False, offload=True)
+    config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    _check_against_reference(config, "bf16", 2, 2, 8)
+
+
+def _check_against_reference(config: dict, dtype: str, master_b: int, grad_b: int, state_b: int) -> None:
     results = run_distributed(2, _train_job, config)
     ref = _reference(config, STEPS)
     want = torch.bfloat16 if dtype == "bf16" else torch.float16
@@ -167,7 +185,7 @@ def test_low_precision_masters_match_reference_and_bytes(stage: int, case: str) 
             assert torch.equal(r["state"][name], value), (name, (r["state"][name].float() - value.float()).abs().max())
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_checkpoint_resumes_and_consolidates(stage: int, tmp_path) -> None:
     config = _config(stage, "bf16", states=True, offload=True)
     results = run_distributed(2, _train_job, config, str(tmp_path))
@@ -209,7 +227,7 @@ def test_validation_rules_on_every_rank() -> None:
     no_offload = _config(2, "bf16", states=False, offload=False)
     fp16_no_offload = _config(1, "fp16", offload=False)
     states_offload_client = _config(2, "bf16", states=True, offload=True)
-    stage3 = _config(3, "bf16", states=True, offload=False)
+    stage3 = _config(3, "bf16", states=False, offload=False)
     cases = [(both, None, "mutually exclusive"),
              (no_offload, None, "Master weights feature requires ZeRO-2 Offload with DeepSpeedCPUAdam. "
                                 "Current ZeRO-Offload:False optimizer type FusedAdam"),
@@ -217,7 +235,8 @@ def test_validation_rules_on_every_rank() -> None:
              (_config(1, "bf16", offload=True), "torch_adam", "optimizer type Adam"),
              (states_offload_client, "cpu_adam_fp32", "bf16_optimizer_states with ZeRO-Offload requires "
                                                       "DeepSpeedCPUAdam constructed with fp32_optimizer_states=False"),
-             (stage3, None, "bf16.bf16_master_weights_and_grads=true is not implemented yet at ZeRO stage 3")]
+             (stage3, None, "Master weights feature requires ZeRO-3 Offload with DeepSpeedCPUAdam. "
+                            "Current ZeRO-3 Offload:False optimizer type FusedAdam")]
     for config, client, message in cases:
         for err in run_distributed(2, _init_error, config, client):
             assert message in err, (message, err)

@@ -28,7 +28,7 @@ FP16_KEY = "fp16.fp16_master_weights_and_grads"
 BF16_KEY = "bf16.bf16_master_weights_and_grads"
 STATES_KEY = "bf16.bf16_optimizer_states"
 # ZeRO stages whose optimizer holds low-precision masters in this build
-SUPPORTED_STAGES = (1, 2)
+SUPPORTED_STAGES = (1, 2, 3)
 
 
 def master_weights_dtype(model: Any) -> torch.dtype | None:
