@@ -26,8 +26,8 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(DIM, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
+def _batches(rank: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1 + rank)
     return [(torch.randn(MICRO, DIM, generator=g), torch.randn(MICRO, 1, generator=g)) for _ in range(STEPS * GAS)]
 
 
@@ -90,12 +90,12 @@ def _params(engine) -> dict:
         return {n: p.detach().clone() for n, p in params.items()}
 
 
-def _train_job(config: dict, save_dir: str | None = None) -> dict:
+def _train_job(config: dict, save_dir: str | None = None, per_rank: bool = False) -> dict:
     import deepspeed
     import deepspeed.comm as dist
 
     engine, _, _, _ = deepspeed.initialize(model=_model(), config=copy.deepcopy(config))
-    batches = _batches()
+    batches = _batches(dist.get_rank() if per_rank else 0)
     half = STEPS // 2 * GAS
     _train(engine, batches[:half])
     out: dict = {}
@@ -117,6 +117,51 @@ def _train_job(config: dict, save_dir: str | None = None) -> dict:
 
             out["consolidated"] = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t")
     return out
+
+
+def _reference_two_ranks(config: dict, steps: int, clip: float, every_micro: bool) -> dict:
+    """Each rank's batches differ: the two bf16 gradients are averaged in bf16 (at the boundary, or at
+    every micro-step and then accumulated: `every_micro`), clipped by the
+    global norm (fp32 sum of squares) and stepped by the same optimizer on bf16 masters."""
+    from deepspeed.ops.adam import FusedAdam
+
+    models = [_model().to(torch.bfloat16) for _ in range(2)]
+    masters = [torch.nn.Parameter(p.detach().clone()) for p in models[0].parameters()]
+    opt = FusedAdam(masters, **config["optimizer"]["params"])
+    batches = [_batches(r) for r in range(2)]
+    for step in range(steps):
+        grads = None
+        for micro in range(step * GAS, (step + 1) * GAS):
+            for model, mine in zip(models, batches):
+                (_loss(model, *mine[micro]) / GAS).backward()
+            if every_micro or micro == (step + 1) * GAS - 1:   # ZeRO-2/3 reduce at every backward
+                reduced = [(a.grad + b.grad) * 0.5 for a, b in zip(*(m.parameters() for m in models))]
+                grads = reduced if grads is None else [g + r for g, r in zip(grads, reduced)]
+                for model in models:
+                    model.zero_grad()
+        norm = float(torch.stack([g.float().pow(2).sum() for g in grads]).sum()) ** 0.5
+        coef = clip / (norm + 1e-6)
+        for m, g in zip(masters, grads):
+            m.grad = g.mul_(coef) if coef < 1.0 else g
+        opt.step()
+        for model in models:
+            for m, p in zip(masters, model.parameters()):
+                p.data.copy_(m.data)
+                p.grad = None
+    return {n: p.detach().clone() for n, p in models[0].named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_different_batches_per_rank_and_clipping(stage: int) -> None:
+    """The data-parallel average and the global-norm clipping on bf16 gradients (the order of the
+    additions differs from the reference's: bf16 tolerance)."""
+    config = _config(stage, "bf16", states=True, offload=False)
+    config["gradient_clipping"] = 0.05
+    ref = _reference_two_ranks(config, STEPS, 0.05, every_micro=stage > 1)
+    for r in run_distributed(2, _train_job, config, None, True):
+        for name, value in ref.items():
+            torch.testing.assert_close(r["state"][name], value, msg=name)   # bf16: rtol 1.6e-2
+        assert any(not torch.equal(r["state"][n], v) for n, v in _reference(config, STEPS).items())
 
 
 def _reference(config: dict, steps: int) -> dict:
