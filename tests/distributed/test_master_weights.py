@@ -286,3 +286,28 @@ def test_validation_rules_on_every_rank() -> None:
             assert message in err, (message, err)
     # a config-built CPU Adam is given bf16 moments (the user's fp32_optimizer_states=True overridden)
     assert run_distributed(2, _init_error, _config(1, "bf16", True, True, fp32_states=True)) == ["ok", "ok"]
+
+
+def _fp32_accum_job(stage: int) -> dict:
+    import deepspeed
+
+    config = _config(stage, "bf16", states=True, offload=False)
+    config["data_types"] = {"grad_accum_dtype": "fp32"}
+    engine, _, _, _ = deepspeed.initialize(model=_model(), config=config)
+    accum = {str(s.grad_source.dtype) for s in _shards(engine)}
+    _train(engine, _batches()[:GAS])
+    engine.offload_states()   # and back: the bf16 masters and moments keep their dtype
+    engine.reload_states()
+    _train(engine, _batches()[GAS:])
+    return {"accum": accum, "bytes": _bytes(engine), "state": _params(engine)}
+
+
+def test_fp32_accumulation_override_and_offload_states() -> None:
+    """`data_types.grad_accum_dtype: "fp32"` accumulates in fp32 while the optimizer reads a bf16
+    copy; engine.offload_states / reload_states keep the 16-bit partitions. All stages agree."""
+    runs = {stage: run_distributed(2, _fp32_accum_job, stage)[0] for stage in (1, 2, 3)}
+    for stage, r in runs.items():
+        assert r["accum"] == {"torch.float32"}, (stage, r["accum"])
+        assert (r["bytes"]["master"], r["bytes"]["grad"], r["bytes"]["states"]) == (2, 2, 4), r["bytes"]
+        for name, value in runs[1]["state"].items():
+            assert torch.equal(r["state"][name], value), (stage, name)
