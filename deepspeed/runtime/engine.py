@@ -57,7 +57,7 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         super().__init__()
         if model is None:
             raise ValueError("deepspeed.initialize: `model` is required (got None)")
-        check_supported(config_class, type(self).__name__)
+        check_supported(config_class, type(self).__name__, optimizer)
         self._config = config_class
         if config_class.model.log_level is not None:   # the config's level for the deepspeed logger
             set_log_level_from_string(config_class.model.log_level)

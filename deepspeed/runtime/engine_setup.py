@@ -16,6 +16,7 @@ from .config.sections.base import TORCH_DTYPES
 from .config.sections.precision import param_dtype_conflict
 from .errors import NotSupportedYet, UsageError
 from .grad_reducer import GradBucketReducer, ReducePolicy
+from .precision.master_weights import check_built_optimizer, check_master_weights
 
 # DDP's default bucket (25 MiB of fp32) when the user leaves reduce_bucket_size at its default:
 # DeepSpeed's 5e8-element default would make one bucket and remove all overlap with backward.
@@ -23,16 +24,14 @@ _DEFAULT_DP_BUCKET_BYTES = 25 * 2**20
 _FIRST_BUCKET_BYTES = 1 * 2**20
 
 
-def check_supported(config: Any, what: str = "DeepSpeedEngine") -> None:
+def check_supported(config: Any, what: str = "DeepSpeedEngine", optimizer: Any = None) -> None:
     """Agree the config across ranks (a no-op after deepspeed.initialize, which did), then fail
-    early, on every rank, for config features the engine does not run yet."""
+    early, on every rank, for config features the engine does not run yet and for low-precision
+    master-weight settings upstream refuses (`optimizer`: the client's, checked when an instance)."""
     agree_config(config, what)   # before any collective: [Note: cross-rank config agreement]
     model = config.model
-    unsupported = []
-    if model.fp16.fp16_master_weights_and_grads:
-        unsupported.append("fp16.fp16_master_weights_and_grads=true (needs ZeRO with CPU offload)")
-    if model.bf16.bf16_master_weights_and_grads:
-        unsupported.append("bf16.bf16_master_weights_and_grads=true (needs ZeRO stages 1-3)")
+    unsupported: list[str] = []
+    check_master_weights(config, optimizer)
     if not model.managed_gradient_accumulation and model.zero_optimization.stage < 2 \
             and model.zero_optimization.overlap_comm:
         # upstream's rule (its stage 0/1 reduction moves to step()); kept so a config valid here is valid there
@@ -99,14 +98,29 @@ def build_optimizer_for_engine(engine: Any, client_optimizer: Any, model_paramet
             raise TypeError(f"deepspeed.initialize: optimizer must be a torch.optim.Optimizer or a callable taking "
                             f"the model parameters, got {type(client_optimizer).__name__}")
         _check_offload_client_optimizer(engine, optimizer)
+        check_built_optimizer(engine._config, optimizer)   # an instance was checked by check_supported
     elif config.optimizer is not None:
-        optimizer = build_optimizer(config.optimizer.type, dict(config.optimizer.params), params,
+        optimizer = build_optimizer(config.optimizer.type, _bf16_states_params(engine), params,
                                     on_cpu_offload=engine.zero_cpu_offload())   # DeepSpeedCPU* as upstream
     else:
         return None
     optimizer.param_groups[:] = [g for g in optimizer.param_groups if len(g["params"]) > 0]
     log_dist(f"DeepSpeed Basic Optimizer = {type(optimizer).__name__}", ranks=[0])
     return optimizer
+
+
+def _bf16_states_params(engine: Any) -> dict:
+    """The optimizer section's params; with `bf16_optimizer_states` and ZeRO-Offload, the CPU Adam
+    keeps its moments in bf16 (`fp32_optimizer_states` forced to False, as upstream's engine does)."""
+    config = engine._config.model
+    params = dict(config.optimizer.params)
+    if config.bf16.bf16_optimizer_states and engine.zero_cpu_offload():
+        if params.get("fp32_optimizer_states"):
+            logger.warning("bf16_optimizer_states is enabled; overriding fp32_optimizer_states "
+                           "to False so CPU Adam moments are stored in bf16.")
+        if str(config.optimizer.type).lower() in ("adam", "adamw"):
+            params["fp32_optimizer_states"] = False
+    return params
 
 
 def _check_offload_client_optimizer(engine: Any, optimizer: Any) -> None:

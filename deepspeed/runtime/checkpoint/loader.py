@@ -230,6 +230,18 @@ def _plan_masters(plan: LoadPlan, strict: bool) -> None:
             plan.copies.append((piece.master, reader.read(piece.name, "fp32", piece.start, piece.numel)))
 
 
+def _state_dtype(base: Any, key: torch.Tensor, name: str, value: torch.Tensor) -> torch.dtype:
+    """The dtype `base` keeps state `name` of `key` in: that of its current state, else the one its
+    fresh state gets (DeepSpeed's Adam: `_state_dtype`, None meaning the master's, e.g. bf16 moments
+    behind bf16 masters), else the file's (fp32; torch.optim casts to the master's dtype itself)."""
+    current = base.state.get(key, {}).get(name)
+    if torch.is_tensor(current) and current.is_floating_point():
+        return current.dtype
+    if hasattr(base, "_state_dtype") and value.is_floating_point():
+        return base._state_dtype or key.dtype
+    return value.dtype
+
+
 def _plan_optimizer_state(plan: LoadPlan) -> None:
     """The base optimizer's state for this rank's pieces, loaded through its own load_state_dict
     (which casts state to each tensor's dtype and device as the optimizer expects). Pieces of
@@ -259,7 +271,7 @@ def _plan_optimizer_state(plan: LoadPlan) -> None:
             value = None if own is not None and name not in own else reader.read(piece.name, name, piece.start,
                                                                                  piece.numel)
             if value is not None:
-                entry[name] = value.view_as(key)
+                entry[name] = value.view_as(key).to(_state_dtype(hp.base, key, name, value))
         if entry and step is not None and (own is None or "step" in own):
             entry["step"] = torch.tensor(float(step))  # host: torch.optim's step counter
         if entry:

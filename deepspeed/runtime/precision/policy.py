@@ -8,6 +8,7 @@ Which dtype each tensor is in (see docs/precision.md):
 | fp16              | fp16             | fp32           | fp32              | fp16                  |
 | bf16              | bf16             | fp32           | fp32              | bf16                  |
 | torch_autocast    | fp32 (autocast)  | = params       | fp32              | autocast dtype for the safe modules' params, else fp32 |
+| fp16/bf16 + `*_master_weights_and_grads` (ZeRO) | fp16/bf16 | fp16/bf16 | fp16/bf16 | fp16/bf16 |
 
 `data_types.grad_accum_dtype` and `communication_data_type` override their columns. The loss
 scaler is dynamic or static for fp16 (and for torch_autocast in float16), absent otherwise.
@@ -21,6 +22,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from .master_weights import master_weights_dtype
 from .loss_scaler import BaseScaler, DynamicScaler, NoScaler, make_scaler
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -42,11 +44,14 @@ class PrecisionPolicy:
     def from_config(cls, config: Any) -> "PrecisionPolicy":
         model = config.model
         accum = _DTYPES.get(model.data_types.grad_accum_dtype or "", None)
+        # low-precision ZeRO masters (master_weights.py): masters and gradients in that dtype
+        low = master_weights_dtype(model)
+        master = low or torch.float32
         if model.fp16.enabled:
-            return cls(torch.float16, torch.float32, accum or torch.float32, config.communication_dtype, None,
+            return cls(torch.float16, master, accum or master, config.communication_dtype, None,
                        fp16_section=model.fp16, cast_inputs=bool(model.fp16.auto_cast))
         if model.bf16.enabled:
-            return cls(torch.bfloat16, torch.float32, accum or torch.float32, config.communication_dtype, None,
+            return cls(torch.bfloat16, master, accum or master, config.communication_dtype, None,
                        check_grad_overflow=bool(model.bf16.check_grad_overflow))
         if model.torch_autocast.enabled:
             dtype = model.torch_autocast.dtype or torch.bfloat16

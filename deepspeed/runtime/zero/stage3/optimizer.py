@@ -35,7 +35,7 @@ class _UnitMaster(MasterShard):
     def __init__(self, unit: ShardedUnit, master_dtype: torch.dtype, master_device: torch.device,
                  pin_memory: bool = False) -> None:
         self.unit = unit
-        same = unit.shard_device == master_device and master_dtype == torch.float32
+        same = unit.shard_device == master_device and master_dtype == unit.grad_dtype
         # Offload elsewhere or another dtype: a master-side gradient copy, filled at each step.
         self._make_master(unit.shard, master_dtype, master_device, same, pin_memory)
         # Frozen parameters get no fragment (as at stages 1-2): the base optimizer never sees them.
@@ -77,6 +77,9 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
         strangers = [names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
         if strangers:
             raise ValueError(f"ZeRO-3: the optimizer trains parameters that are not the engine module's: {strangers}")
+        if policy.master_dtype != torch.float32:   # low-precision masters: so are the gradient partitions
+            for unit in coordinator.units:
+                unit.set_grad_dtype(policy.grad_accum_dtype)
         self.units = [_UnitMaster(u, policy.master_dtype, master_device or u.shard.device, pin_memory)
                       for u in coordinator.units if any(id(p) in trained for p in u.params)]
         self._comm_device = coordinator.units[0].flat.device if coordinator.units else \

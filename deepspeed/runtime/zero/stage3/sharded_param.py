@@ -98,6 +98,7 @@ class ShardedUnit:
     partition: ParamwisePartition
     layout: UnitLayout
     shard: torch.Tensor          # 1D, params' dtype: this rank's piece of every parameter, back to back
+    grad_dtype: torch.dtype = torch.float32   # of grad_shard (set_grad_dtype)
     status: ZeroParamStatus
 
     def __init__(self, spec: UnitSpec, params: list[nn.Parameter], group: Any = None,
@@ -146,7 +147,7 @@ class ShardedUnit:
         self.shard = self.layout.row(self.flat, self.rank).to(self.shard_device)
         for i, piece in adopted.items():
             self.layout.piece(self.shard, i).copy_(piece)
-        # This rank's fp32 slice of the reduced gradients, accumulated across micro-steps; created
+        # This rank's slice (fp32: grad_dtype) of the reduced gradients, accumulated across micro-steps; created
         # by the first reduction after a step and dropped at zero_grad (`release_grad`), unless
         # pinned (a pinned allocation per step would cost more than the memory).
         self._grad_shard: torch.Tensor | None = None
@@ -425,14 +426,21 @@ class ShardedUnit:
         """This rank's slice of the gradients summed over ranks, times `scale` (default 1/N: the
         average), into `grad_shard` (accumulated across micro-steps)."""
         alpha = 1.0 / self.world if scale is None else scale
-        summed = summed.to(self.shard_device, torch.float32)
+        summed = summed.to(self.shard_device, self.grad_dtype)
         if self._grad_shard is None:
             self._grad_shard = summed.mul(alpha)
         else:
             self._grad_shard.add_(summed, alpha=alpha)
 
     def _new_grad_shard(self) -> torch.Tensor:
-        return torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.shard_device)
+        return torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.shard_device)
+
+    def set_grad_dtype(self, dtype: torch.dtype) -> None:
+        """Hold `grad_shard` in `dtype` (low-precision ZeRO masters: bf16/fp16 gradient partitions);
+        before any reduction."""
+        self.grad_dtype = dtype
+        if self._grad_shard is not None:
+            self._grad_shard = self._new_grad_shard().pin_memory() if self._pinned else None
 
     @property
     def grad_shard(self) -> torch.Tensor:
