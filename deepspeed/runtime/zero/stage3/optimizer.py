@@ -84,6 +84,11 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
         self._fragments_of, self.model_param_groups = attach_fragment_masters(optimizer, self.units, names)
         self.muon = ShardedMuon.maybe(optimizer, self.units, [list(um.unit.shapes) for um in self.units],
                                       self.model_param_groups, group, self._comm_device, names)
+        if self.muon is not None and coordinator._param_groups:   # expert units live on other groups
+            from ...errors import NotSupportedYet
+
+            raise NotSupportedYet("the Muon optimizer with expert parallelism (ep_size > 1) at zero_optimization."
+                                  "stage 3: not supported in this build; use ZeRO stage 1 or 2, or another optimizer")
         self._offload_view: Any = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
