@@ -359,9 +359,11 @@ def safe_get_experts(stage: int) -> dict:
     run_steps(engine, steps[:1])
     x, t = steps[1][dist.get_rank()]
     engine.backward(engine(x, t))
+    with _whole(engine):
+        whole = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
     out = {}
     for name, p in engine.module.named_parameters():
-        out[global_state_name(name, 2, ep_rank)] = (p.detach().clone(), safe_get_full_fp32_param(p),
+        out[global_state_name(name, 2, ep_rank)] = (whole[name], safe_get_full_fp32_param(p),
                                                    safe_get_full_grad(p), safe_get_full_optimizer_state(p, "exp_avg"))
     engine.step()
     return out

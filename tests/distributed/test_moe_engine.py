@@ -196,8 +196,8 @@ def test_moe_layer_zero3_at_ep_1() -> None:
 
 def test_moe_safe_get_full_of_experts() -> None:
     """The safe_get_full_* helpers gather an expert's shards over its expert-data-parallel group: every
-    replica of an expert sees the same full fp32 value (its parameter) and gradient at ZeRO 1 and 2."""
-    for stage in (1, 2):
+    replica of an expert sees the same full fp32 value (its parameter) and gradient at ZeRO 1, 2 and 3."""
+    for stage in (1, 2, 3):
         results = run_distributed(4, safe_get_experts, stage)
         for r in results:
             for name, (param, fp32, grad, exp_avg) in r.items():

@@ -47,6 +47,11 @@ class _UnitMaster(MasterShard):
         self.pointed_grad: torch.Tensor | None = None
         unit.add_shard_listener(self._take_changed)   # GatheredParameters(modifier_rank=...) wrote the shard
 
+    # The ranks the unit is partitioned over (an expert unit's: its expert-data-parallel group), for
+    # safe_get_full_* (utils/tensor_fragment.py), which assembles a parameter over them.
+    group = property(lambda self: self.unit.group)
+    world = property(lambda self: self.unit.world)
+
     @property
     def grad_source(self) -> torch.Tensor:
         """The unit's reduced gradient slice (created at the first reduction after a step)."""
