@@ -90,14 +90,14 @@ def test_autoep_training_ep2_dp2_matches_no_ep(kind: str) -> None:
         _same(a, b)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_autoep_zero3_matches_no_ep_and_zero2(world: int) -> None:
+@pytest.mark.parametrize("kind,world", [("mixtral", 2), ("mixtral", 4), ("qwen3_moe", 2)])
+def test_autoep_zero3_matches_no_ep_and_zero2(kind: str, world: int) -> None:
     """ZeRO-3 at ep=2 (world 2: EDP groups of one rank; world 4: ep=2 x EDP 2), SGD with clipping: 6 steps'
     losses and whole weights equal ZeRO-3 without EP and ZeRO-2 at ep=2. Expert pieces are 1/EDP of each
     local expert tensor, dense pieces 1/world; save_checkpoint is refused (not supported yet) on every rank."""
-    base = run_distributed(world, train_run, "mixtral", 0, 6, 3)
-    ep = run_distributed(world, train_run, "mixtral", 2, 6, 3)
-    zero2 = run_distributed(world, train_run, "mixtral", 2, 6, 2)
+    base = run_distributed(world, train_run, kind, 0, 6, 3)
+    ep = run_distributed(world, train_run, kind, 2, 6, 3)
+    zero2 = run_distributed(world, train_run, kind, 2, 6, 2)
     for a, b, c in zip(ep, base, zero2):
         _same(a, b)
         _same(a, c)

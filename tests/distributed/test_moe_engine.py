@@ -51,7 +51,7 @@ def test_moe_gradient_accumulation() -> None:
     _check(run_distributed(2, train, 2, 4, {"stage": 2, "micro_gas": 2}), reference(2, 4, micro_gas=2))
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_moe_bf16(stage: int) -> None:
     """bf16 parameters (fp32 masters) track the fp32 reference within bf16's precision."""
     results = run_distributed(2, train, 2, 5, {"stage": stage, "bf16": True})
