@@ -19,11 +19,7 @@ def setup_autoep(engine: Any) -> None:
     ep = int(section.get("autoep_size", 1))
     if engine._split is not None or engine.sequence_parallel_size > 1 or engine.mpu is not None:
         raise NotSupportedYet(f"expert_parallel.autoep_size={ep} with tensor or sequence parallelism or a client "
-                              "mpu: AutoEP combines with data parallelism and ZeRO 0-2 in this build")
-    if ep > 1 and int(engine._config.model.zero_optimization.stage) == 3:
-        raise NotSupportedYet(f"expert_parallel.autoep_size={ep} with zero_optimization.stage 3: ZeRO-3 does not "
-                              "partition expert parameters over their expert-data-parallel group in this build; "
-                              "use stage 0, 1 or 2")
+                              "mpu: AutoEP combines with data parallelism and ZeRO 0-3 in this build")
     engine.autoep_plan = apply_autoep(engine.module, section, ep, broadcast_group=engine.seq_data_parallel_group,
                                       use_data_before_expert_parallel=bool(
                                           engine.config.get("use_data_before_expert_parallelism", False)))

@@ -12,7 +12,9 @@ larger at ep>1 than at ep=1 (#6545); here ep=1, 2, 4 give the same update on the
 
 ZeRO-1/2 shard each expert bucket over its EDP group (each element owned by one rank of it, and
 distinct EP ranks hold distinct experts), so the sum of the squared local shards over all W ranks
-counts every parameter once: the usual global-norm all-reduce is exact. Without ZeRO every rank
+counts every parameter once: the usual global-norm all-reduce is exact. ZeRO-3 partitions each
+expert unit over its EDP group in the same way ([Note: ZeRO-3 expert units] in
+zero/stage3/coordinator.py), so the same holds there. Without ZeRO every rank
 holds whole gradients: the norm sums the dense parameters on EP rank 0 only and each rank's
 experts, over the EP group (a SplitModel, as tensor parallelism does for its replicated parameters).
 """
@@ -28,7 +30,7 @@ from .. import comm as ds_comm
 from ..moe.utils import is_moe_param
 from ..utils import groups
 from .engine_autoep import setup_autoep
-from .errors import NotSupportedYet, UnsupportedCombination
+from .errors import NotSupportedYet
 
 
 def is_moe_layer(module: nn.Module) -> bool:
@@ -71,18 +73,11 @@ def setup_moe(engine: Any) -> None:
     sizes = {name: ep_size_of(name) for name in names}
     stage = int(engine._config.model.zero_optimization.stage)
     if stage == 3 and max(sizes.values()) > 1:
-        from ..moe.layer import MoE
-
-        native = any(isinstance(m, MoE) for m in engine.moe_layers)   # upstream refuses these at ZeRO-3 outright
-        raise (UnsupportedCombination if native else NotSupportedYet)(
-            f"zero_optimization.stage=3 with {'Native DeepSpeed MoE layers' if native else 'expert parallelism'} "
-            f"(ep_size={max(sizes.values())}): ZeRO-3 does not partition expert parameters over their "
-            "expert-data-parallel group in this build; use zero_optimization.stage 0, 1 or 2 (experts are "
-            "partitioned there), or ep_size=1 at stage 3")
+        _check_zero3(engine, max(sizes.values()), experts)
     if engine._split is not None or engine.sequence_parallel_size > 1 or engine.mpu is not None:
         raise NotSupportedYet(f"MoE layers (ep_size {sorted(sizes.values())}) with tensor, sequence or pipeline "
                               "parallelism or a client mpu: expert parallelism combines with data parallelism and "
-                              "ZeRO 0-2 only in this build")
+                              "ZeRO 0-3 only in this build")
     use_data_before = bool(engine.config.get("use_data_before_expert_parallelism", False))
     for layer in engine.moe_layers:
         try:
@@ -108,6 +103,32 @@ def setup_moe(engine: Any) -> None:
         name = f"ep_size_{max(parallel)}"
         engine._split = SplitModel(groups._get_expert_parallel_group(name),
                                    expert_rank=groups._get_expert_parallel_rank(name))
+
+
+def _check_zero3(engine: Any, ep: int, experts: list[nn.Parameter]) -> None:
+    """What ZeRO-3 with expert units ([Note: ZeRO-3 expert units]) does not combine with yet."""
+    from .zero.stage3.init_context import init_shard
+
+    zero = engine._config.model.zero_optimization
+    quantized = [k for k in ("zero_quantized_gradients", "zero_quantized_weights") if getattr(zero, k)]
+    quantized += ["zero_hpz_partition_size"] if zero.zero_hpz_partition_size > 1 else []
+    if quantized:
+        raise NotSupportedYet(f"expert parallelism (ep_size={ep}) with ZeRO-3 and {' / '.join(quantized)} (ZeRO++): "
+                              "not supported in this build; leave them off")
+    if any(init_shard(p) is not None for p in experts):
+        raise NotSupportedYet(f"expert parallelism (ep_size={ep}) with ZeRO-3 and expert parameters created under "
+                              "deepspeed.zero.Init: not supported in this build; build the model outside zero.Init")
+
+
+def refuse_ep_zero3(engine: Any, what: str) -> None:
+    """`what` (a checkpoint or consolidated save) is not supported yet with expert units partitioned
+    over their expert-data-parallel groups at ZeRO-3: every rank raises alike, before any collective."""
+    coordinator = getattr(engine, "_stage3", None)
+    if coordinator is not None and getattr(coordinator, "_param_groups", None):
+        raise NotSupportedYet(f"{what} with expert parallelism (ep_size or autoep_size > 1) at zero_optimization.stage "
+                              "3: not supported yet in this build (expert shards live on their expert-data-parallel "
+                              "groups); train at stage 3 and save at stage 1 or 2, or use engine.module.state_dict() "
+                              "inside deepspeed.zero.GatheredParameters(engine.module.parameters())")
 
 
 def broadcast_expert_params(module: nn.Module) -> set[int]:

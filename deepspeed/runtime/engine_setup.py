@@ -344,7 +344,10 @@ def build_stage3_coordinator(engine: Any) -> Any:
                              comm_dtype=engine.precision.comm_dtype_override,
                              quantized_gradients=zero.zero_quantized_gradients,
                              quantized_weights=zero.zero_quantized_weights,
-                             hpz_group=_hpz_group(engine, zero.zero_hpz_partition_size))
+                             hpz_group=_hpz_group(engine, zero.zero_hpz_partition_size),
+                             param_groups={pid: c.group for pid, c in (getattr(engine, "_expert_comm", None)
+                                                                        or {}).items()   # engine_moe.py
+                                           if c.world < engine.seq_dp_world_size})
 
 
 def _hpz_group(engine: Any, size: int) -> Any:

@@ -123,15 +123,28 @@ def train_run(kind: str, ep: int, steps: int, stage: int = 1, save: str = "") ->
     if ep:
         config["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": kind}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    rank, losses = dist.get_rank(), []
+    rank, losses, norms = dist.get_rank(), [], []
     for step in range(steps):
         ids = batch(step, rank)
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    state = {k: v.clone() for k, v in engine.module.state_dict().items()}   # collective under AutoEP
-    result = {"losses": losses, "state": state}
+        norms.append(float(engine.get_global_grad_norm()))
+    result = {"losses": losses, "norms": norms}
+    if stage == 3:   # whole weights: gather every unit (experts over their EDP group), then state_dict()
+        result["pieces"] = {n: (p.ds_numel, p.ds_tensor.numel()) for n, p in engine.module.named_parameters()}
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            result["state"] = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        try:
+            engine.save_checkpoint(save or "/nonexistent-autoep-z3")
+            result["save_error"] = ""
+        except Exception as exc:   # noqa: BLE001 - the test reads the message
+            result["save_error"] = f"{type(exc).__name__}: {exc}"
+        dist.barrier()
+        return result
+    result["state"] = {k: v.clone() for k, v in engine.module.state_dict().items()}   # collective under AutoEP
+    state = result["state"]
     if save:
         engine.save_16bit_model(save)
         if rank == 0:
@@ -286,7 +299,9 @@ def error_run(kind: str, section: dict, stage: int = 1) -> str:
     import deepspeed
 
     model = build(kind)
-    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6, "zero_optimization": {"stage": stage},
+    section = dict(section)
+    zero = {"stage": stage, **section.pop("zero", {})}   # zero_optimization keys the case adds
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6, "zero_optimization": zero,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "expert_parallel": {"enabled": True, **section}}
     try:
         deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)

@@ -167,8 +167,20 @@ def train(ep_size: int, steps: int, cfg_kwargs: dict) -> dict:
     gas = engine.gradient_accumulation_steps()
     losses, norms = [], []
     run_steps(engine, batches(dist.get_world_size(), steps, gas), losses, norms)
-    return {"state": global_state(engine.module, ep_size, ep_rank), "losses": losses, "norms": norms,
-            "rank": dist.get_rank()}
+    with _whole(engine):
+        state = global_state(engine.module, ep_size, ep_rank)
+    return {"state": state, "losses": losses, "norms": norms, "rank": dist.get_rank()}
+
+
+def _whole(engine: Any) -> Any:
+    """At ZeRO-3, every parameter whole inside (experts gathered over their expert-data-parallel group)."""
+    import contextlib
+
+    import deepspeed
+
+    if engine._stage3 is None:
+        return contextlib.nullcontext()
+    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()))
 
 
 def checkpoint_roundtrip(ep_save: int, ep_load: int, cfg_kwargs: dict, save_dir: str, before: int = 3,
@@ -298,7 +310,8 @@ def train_layer(ep_size: int | tuple, steps: int, cfg_kwargs: dict, save_dir: st
     model = LayerModel(ep_size)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(**cfg_kwargs))
     run_steps(engine, batches(dist.get_world_size(), steps))
-    out = {"state": layer_state(engine.module)}
+    with _whole(engine):
+        out = {"state": layer_state(engine.module)}
     if save_dir is not None:
         engine.save_checkpoint(save_dir, tag="t")
         engine.wait_for_checkpoint()
@@ -346,9 +359,27 @@ def safe_get_experts(stage: int) -> dict:
     run_steps(engine, steps[:1])
     x, t = steps[1][dist.get_rank()]
     engine.backward(engine(x, t))
+    with _whole(engine):
+        whole = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
     out = {}
     for name, p in engine.module.named_parameters():
-        out[global_state_name(name, 2, ep_rank)] = (p.detach().clone(), safe_get_full_fp32_param(p),
+        out[global_state_name(name, 2, ep_rank)] = (whole[name], safe_get_full_fp32_param(p),
                                                    safe_get_full_grad(p), safe_get_full_optimizer_state(p, "exp_avg"))
     engine.step()
     return out
+
+
+def zero_init_error(ep_size: int) -> str:
+    """Two Linears built under deepspeed.zero.Init, the second's parameters marked as experts of
+    `ep_size`, then ZeRO-3: the error every rank raises."""
+    import deepspeed
+
+    with deepspeed.zero.Init():
+        model = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN))
+    for p in model[1].parameters():
+        p.allreduce, p.group_name = False, f"ep_size_{ep_size}"
+    try:
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(stage=3))
+    except Exception as exc:   # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return "initialized"

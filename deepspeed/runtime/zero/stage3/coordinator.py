@@ -37,6 +37,19 @@ module delimit forward passes for the Prefetcher ([Note: ZeRO-3 prefetch trace] 
 Collective order must be the same on every rank: the model must run the same modules in the
 same order on every rank (data-dependent routing belongs inside a z3 leaf module).
 
+[Note: ZeRO-3 expert units]
+An expert parameter (engine_moe.py, [Note: expert gradients]) is replicated over its
+expert-data-parallel (EDP) group only: other EP ranks hold other experts under the same name. Its
+unit is therefore partitioned over that group (`param_groups`), and a module owning both kinds
+gets one unit per kind (`plan_units(kind_of=...)`), so every unit has one group: its all-gathers
+and reduce-scatters run there (a bucket never mixes groups, reducer.py), its gradient is summed
+over the EDP group and scaled by the reduce policy's 1/W like every unit, and each element of an
+expert lives in exactly one shard of its EDP group, so the global norm's sum over all W ranks
+counts every expert once. Every rank has the same units in the same order (distinct EDP groups
+hold the same number of experts), so each group's collectives match across its members. Not
+combined yet (refused by engine_moe.py and engine.py): ZeRO++, zero.Init-built experts, Muon and
+checkpoints; hpZ's node copy is for units on ZeRO's group only.
+
 [Note: leaf units complete by module]
 Inside a leaf module the graph may differ by rank (MoE routing: rank 0's tokens reach experts
 0-3, rank 1's only expert 0). Completion by parameter would then differ too: rank 0 completes
@@ -111,26 +124,34 @@ class Stage3Coordinator:
                  max_reuse_distance: int = 0, reduce_bucket_size: int = 0,
                  auto_external: bool | None = None, reduce_policy: Any = None,
                  comm_dtype: torch.dtype | None = None, quantized_gradients: bool = False,
-                 quantized_weights: bool = False, hpz_group: Any = None) -> None:
+                 quantized_weights: bool = False, hpz_group: Any = None,
+                 param_groups: dict[int, Any] | None = None) -> None:
         """`max_reuse_distance`/`max_live_parameters`: see [Note: keeping units for the backward];
         `reduce_bucket_size`: see [Note: ZeRO-3 reduce-scatter buckets] (0: one per unit);
         `auto_external`: see [Note: automatic external parameters] (None: from the environment);
         `reduce_policy`, `comm_dtype`: prescale/predivide and communication_data_type (reducer.py);
         `quantized_gradients`, `quantized_weights`, `hpz_group`: ZeRO++ qgZ (zero/qgz.py), qwZ
-        (zero/qwz.py) and hpZ's node group (stage3/hpz.py)."""
+        (zero/qwz.py) and hpZ's node group (stage3/hpz.py); `param_groups`: id(parameter) -> the
+        group its unit is partitioned over instead of `group` ([Note: ZeRO-3 expert units])."""
         auto_external = external.enabled_by_env() if auto_external is None else auto_external
         self.module, self.shard_device = module, shard_device
         self._keep_limit = min(max_reuse_distance, max_live_parameters)
         self._keep_budget = self._keep_limit
         self._kept: list[ShardedUnit] = []   # gathered by a forward, held for its backward
         self._thresholds = (persistence_threshold, model_persistence_threshold)
-        self.plan: UnitPlan = plan_units(module, *self._thresholds, numel_of=init_context.full_numel)
+        self._param_groups = dict(param_groups or {})
+        self.plan: UnitPlan = plan_units(module, *self._thresholds, numel_of=init_context.full_numel,
+                                         kind_of=self._kind_of)
         named = dict(module.named_parameters())
         self.stats = GatherStats()
-        self.units = [ShardedUnit(spec, [named[n] for n in spec.param_names], group, shard_device, pin_memory,
-                                  self.stats) for spec in self.plan.units]
+        self.units = []
+        for spec in self.plan.units:
+            params = [named[n] for n in spec.param_names]
+            own = self._kind_of(params[0]) is not None   # kind_of made every parameter of the unit alike
+            self.units.append(ShardedUnit(spec, params, self._param_groups[id(params[0])] if own else group,
+                                          shard_device, pin_memory, self.stats))
         for unit in self.units:
-            unit.configure_zeropp(quantized_weights, hpz_group)
+            unit.configure_zeropp(quantized_weights, hpz_group if unit.group is group else None)
         self._unit_set = set(self.units)
         self.prefetcher = Prefetcher(self.units, prefetch_bucket_size, max_live_parameters)
         largest = max((u.partition.padded_numel for u in self.units if u.trainable), default=0)
@@ -187,7 +208,7 @@ class Stage3Coordinator:
         units.py): units stay as they are, modules' hooks gather the new `uses`. `hooks=False`:
         only modules already hooked gained uses (automatic external parameters)."""
         numels = {p: n for unit in self.units for p, n in zip(unit.params, unit.spec.numels)}
-        plan = plan_units(self.module, *self._thresholds, numel_of=lambda p: numels.get(p, -1))
+        plan = plan_units(self.module, *self._thresholds, numel_of=lambda p: numels.get(p, -1), kind_of=self._kind_of)
         if plan.units != self.plan.units:
             raise RuntimeError("ZeRO-3: the model's parameters changed since deepspeed.initialize; "
                                "gather units cannot be re-planned")
@@ -196,6 +217,10 @@ class Stage3Coordinator:
             self._install_forward_hooks()
         else:
             self._take_plan_uses()
+
+    def _kind_of(self, p: nn.Parameter) -> int | None:
+        """The unit kind of `p`: its own group's id, or None (ZeRO's group)."""
+        return id(self._param_groups[id(p)]) if id(p) in self._param_groups else None
 
     def _take_plan_uses(self) -> None:
         """The units each hooked module acquires, looked up by its hooks at each call: changing

@@ -47,6 +47,11 @@ class _UnitMaster(MasterShard):
         self.pointed_grad: torch.Tensor | None = None
         unit.add_shard_listener(self._take_changed)   # GatheredParameters(modifier_rank=...) wrote the shard
 
+    # The ranks the unit is partitioned over (an expert unit's: its expert-data-parallel group), for
+    # safe_get_full_* (utils/tensor_fragment.py), which assembles a parameter over them.
+    group = property(lambda self: self.unit.group)
+    world = property(lambda self: self.unit.world)
+
     @property
     def grad_source(self) -> torch.Tensor:
         """The unit's reduced gradient slice (created at the first reduction after a step)."""
@@ -87,6 +92,11 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
         self._fragments_of, self.model_param_groups = attach_fragment_masters(optimizer, self.units, names)
         self.muon = ShardedMuon.maybe(optimizer, self.units, [list(um.unit.shapes) for um in self.units],
                                       self.model_param_groups, group, self._comm_device, names)
+        if self.muon is not None and coordinator._param_groups:   # expert units live on other groups
+            from ...errors import NotSupportedYet
+
+            raise NotSupportedYet("the Muon optimizer with expert parallelism (ep_size > 1) at zero_optimization."
+                                  "stage 3: not supported in this build; use ZeRO stage 1 or 2, or another optimizer")
         self._offload_view: Any = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -111,7 +111,7 @@ class UnitGradReducer:
 
     def _enqueue(self, unit: ShardedUnit, flat: torch.Tensor) -> None:
         numel = flat.numel()
-        if self._queue and (self._queued + numel > self.bucket_numel or not self._fits(flat)):
+        if self._queue and (self._queued + numel > self.bucket_numel or not self._fits(unit, flat)):
             self.flush()
         if numel >= self.bucket_numel:
             self._reduce([(unit, flat)])
@@ -119,10 +119,10 @@ class UnitGradReducer:
             self._queue.append((unit, flat))
             self._queued += numel
 
-    def _fits(self, flat: torch.Tensor) -> bool:
-        """A bucket is one tensor: one dtype and device."""
+    def _fits(self, unit: ShardedUnit, flat: torch.Tensor) -> bool:
+        """A bucket is one tensor: one dtype, device and group ([Note: ZeRO-3 expert units])."""
         first = self._queue[0][1]
-        return flat.dtype == first.dtype and flat.device == first.device
+        return flat.dtype == first.dtype and flat.device == first.device and self._queue[0][0].group is unit.group
 
     def discard(self) -> None:
         """Drop queued (and deferred) gradients without reducing them (a backward that failed
@@ -143,21 +143,22 @@ class UnitGradReducer:
 
     def _reduce(self, items: list[tuple[ShardedUnit, torch.Tensor]]) -> None:
         units = [u for u, _ in items]
+        group, world = units[0].group, units[0].world   # one group per bucket (_fits)
         if len(items) == 1:
             flat, spec = items[0][1], units[0].spec
         else:   # rank-major interleave: row r holds every unit's slice r
-            flat = torch.cat([f.view(self.world, -1) for _, f in items], dim=1).view(-1)
+            flat = torch.cat([f.view(world, -1) for _, f in items], dim=1).view(-1)
             spec = bucket_spec(units)
         if self.comm_dtype is not None and flat.dtype != self.comm_dtype and not self.quantized:
             flat = flat.to(self.comm_dtype)
         before, after = self.policy.before(), self.policy.after()
         if before != 1.0:
             flat.mul_(before)   # our own tensor (take_grads made it)
-        out = torch.empty(flat.numel() // self.world, dtype=flat.dtype, device=flat.device)
-        if ds_comm.is_initialized() and self.quantized and self.world > 1:
-            watchdog.quantized_reduce_scatter(out, flat, self.group, spec, "gradient")
+        out = torch.empty(flat.numel() // world, dtype=flat.dtype, device=flat.device)
+        if ds_comm.is_initialized() and self.quantized and world > 1:
+            watchdog.quantized_reduce_scatter(out, flat, group, spec, "gradient")
         elif ds_comm.is_initialized():
-            watchdog.reduce_scatter(out, flat, self.group, spec, "gradient")
+            watchdog.reduce_scatter(out, flat, group, spec, "gradient")
         else:
             out.copy_(flat)
         self.collectives += 1

@@ -38,7 +38,7 @@ from __future__ import annotations
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 from torch import nn
@@ -109,9 +109,13 @@ def _inside_leaf(name: str, leaves: list[str]) -> bool:
 
 
 def plan_units(model: nn.Module, persistence_threshold: int = 0, model_persistence_threshold: int = sys.maxsize,
-               numel_of: Callable[[nn.Parameter], int] = torch.Tensor.numel) -> UnitPlan:
+               numel_of: Callable[[nn.Parameter], int] = torch.Tensor.numel,
+               kind_of: Callable[[nn.Parameter], Hashable] | None = None) -> UnitPlan:
     """Plan the gather units of `model`. See [Note: unit ownership and tied parameters].
-    `numel_of` gives a parameter's full size when `.data` is a placeholder (zero.Init, released)."""
+    `numel_of` gives a parameter's full size when `.data` is a placeholder (zero.Init, released).
+    `kind_of`: parameters a module owns are split into one unit per kind, in order of first
+    appearance (expert parameters are partitioned over another group: [Note: ZeRO-3 expert units]
+    in coordinator.py); default: one kind."""
     param_name = {}
     for name, p in model.named_parameters():
         param_name.setdefault(p, name)
@@ -129,10 +133,13 @@ def plan_units(model: nn.Module, persistence_threshold: int = 0, model_persisten
         if used or _external_params(module, leaf):
             uses[name] = list(dict.fromkeys(used + _external_params(module, leaf)))
         mine = [p for p in used if p not in owned]
-        if mine:
-            for p in mine:
+        by_kind: dict[Hashable, list[nn.Parameter]] = {}
+        for p in mine:
+            by_kind.setdefault(kind_of(p) if kind_of is not None else None, []).append(p)
+        for params in by_kind.values():
+            for p in params:
                 owned[p] = len(raw)
-            raw.append((name, mine))
+            raw.append((name, params))
     units, persistent_total = [], 0
     for index, (owner, params) in enumerate(raw):
         numels = tuple(numel_of(p) for p in params)
