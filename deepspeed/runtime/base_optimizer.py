@@ -92,7 +92,7 @@ class EngineOptimizer(DeepSpeedOptimizer):
         if loss is None:
             return None
         engine._bstate.engine_driven = True   # the caller's backward brings the scale with it
-        from .engine_parallel import sequence_loss_factor
+        from .sequence_loss import sequence_loss_factor
 
         share = sequence_loss_factor(engine, loss)   # [Note: sequence-parallel gradient scale]
         scaled = self.scale_if_loss(loss)
@@ -141,9 +141,7 @@ class EngineOptimizer(DeepSpeedOptimizer):
         name>/*.pt` and `zero/optimizer_state.pt`). The module's own (low-precision) weights are not
         touched; the next step writes the masters into them. `lp_groups_name` names upstream's
         parameter-group attribute and is not needed here."""
-        from .checkpoint.loader import load_hp_state
-
-        load_hp_state(self._engine("load_hp_checkpoint_state_from_checkpoint_dir"), checkpoint_dir)
+        self._engine("load_hp_checkpoint_state_from_checkpoint_dir")._load_hp_state(checkpoint_dir)
 
 
 class ZeROOptimizer(EngineOptimizer):

@@ -23,7 +23,7 @@ from .base_optimizer import DeepSpeedOptimizer
 from .dataloader import DeepSpeedDataLoader
 from .engine_accessors import EngineAccessors
 from .engine_moe import refuse_ep_zero3, setup_moe
-from .engine_parallel import sequence_loss_factor, setup_parallel_groups
+from .engine_parallel import setup_parallel_groups
 from .backward_hooks import (BackwardState, derived_outputs, in_autograd_backward, output_tensors,
                              queue_autograd_callback, under_function_transform)
 from .engine_setup import (assert_valid_mixed_precision_config, broadcast_module_states, build_lr_scheduler,
@@ -35,6 +35,7 @@ from .grad_accum import is_boundary
 from .optimizer_wrapper import clip_sharded_grads, counted_in_norm
 from .observer import EngineObserver
 from .precision.policy import PrecisionPolicy
+from .sequence_loss import sequence_loss_factor
 from .zero.generation import ParameterOffloadView
 from .zero.offload_states import OffloadStates
 from .zero.stages import STAGES

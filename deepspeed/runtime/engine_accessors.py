@@ -86,6 +86,12 @@ class EngineAccessors:
     """Mixin: one method per row of `_ACCESSORS`, reading `self._config`; and the checkpoint file
     names upstream's engine exposes (tests and Megatron-style trainers call them)."""
 
+    def _load_hp_state(self, checkpoint_dir: str) -> None:
+        """The optimizer facade's `load_hp_checkpoint_state_from_checkpoint_dir` (base_optimizer.py)."""
+        from .checkpoint.loader import load_hp_state
+
+        load_hp_state(self, checkpoint_dir)
+
     def get_sequence_parallel_group(self) -> Any:
         """The ranks sharing one sample's sequence (None without sequence parallelism): upstream's accessor."""
         return self.seq_parallel_group

@@ -1,5 +1,5 @@
 """The engine under sequence parallelism: ZeRO 0-3, both loss conventions, against one process on the
-full sequences ([Note: sequence-parallel gradient scale] in deepspeed/runtime/engine_parallel.py).
+full sequences ([Note: sequence-parallel gradient scale] in deepspeed/runtime/sequence_loss.py).
 
 SGD, not Adam: Adam's update does not see a gradient scaled by sp, SGD's does, and so do the grad norm
 and clipping, which are compared too. Not bit-equal: the shards' partial sums reach the gradients in
