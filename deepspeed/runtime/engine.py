@@ -22,7 +22,7 @@ from .activation_checkpointing import state as activation_checkpointing
 from .base_optimizer import DeepSpeedOptimizer
 from .dataloader import DeepSpeedDataLoader
 from .engine_accessors import EngineAccessors
-from .engine_moe import refuse_ep_zero3, setup_moe
+from .engine_moe import setup_moe
 from .engine_parallel import setup_parallel_groups
 from .backward_hooks import (BackwardState, derived_outputs, in_autograd_backward, output_tensors,
                              queue_autograd_callback, under_function_transform)
@@ -509,7 +509,6 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         stay intact until the new one is complete. By default a background thread writes and publishes it
         (checkpoint.async_save; docs/checkpointing.md); the next save or load and process exit wait for it.
         """
-        refuse_ep_zero3(self, "save_checkpoint")
         from .checkpoint.engine_io import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
@@ -518,7 +517,6 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
         """Load a checkpoint saved at any world size and ZeRO stage; returns (load_path, client_state),
         (None, None) when `load_dir` has no `latest` and no tag is given."""
-        refuse_ep_zero3(self, "load_checkpoint")
         from .checkpoint.engine_io import load_checkpoint
 
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
@@ -545,7 +543,6 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         weights are gathered (one unit at a time) only when
         zero_optimization.stage3_gather_16bit_weights_on_model_save is true; otherwise nothing
         is written and every rank returns False."""
-        refuse_ep_zero3(self, "save_16bit_model")
         from .checkpoint.model_save import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
@@ -555,7 +552,6 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """The full module state dict on rank 0, None on other ranks (collective; at stage 3 it
         gathers the units whatever stage3_gather_16bit_weights_on_model_save says, as upstream)."""
-        refuse_ep_zero3(self, "the consolidated 16-bit state dict")
         from .checkpoint.model_save import consolidated_16bit_state_dict
 
         return consolidated_16bit_state_dict(self, exclude_frozen_parameters)

@@ -120,17 +120,6 @@ def _check_zero3(engine: Any, ep: int, experts: list[nn.Parameter]) -> None:
                               "deepspeed.zero.Init: not supported in this build; build the model outside zero.Init")
 
 
-def refuse_ep_zero3(engine: Any, what: str) -> None:
-    """`what` (a checkpoint or consolidated save) is not supported yet with expert units partitioned
-    over their expert-data-parallel groups at ZeRO-3: every rank raises alike, before any collective."""
-    coordinator = getattr(engine, "_stage3", None)
-    if coordinator is not None and getattr(coordinator, "_param_groups", None):
-        raise NotSupportedYet(f"{what} with expert parallelism (ep_size or autoep_size > 1) at zero_optimization.stage "
-                              "3: not supported yet in this build (expert shards live on their expert-data-parallel "
-                              "groups); train at stage 3 and save at stage 1 or 2, or use engine.module.state_dict() "
-                              "inside deepspeed.zero.GatheredParameters(engine.module.parameters())")
-
-
 def broadcast_expert_params(module: nn.Module) -> set[int]:
     """Make every expert-data-parallel replica start from its first member's experts (one broadcast
     per EDP group and dtype); returns the ids of the expert parameters, which the dense broadcast

@@ -136,11 +136,8 @@ def train_run(kind: str, ep: int, steps: int, stage: int = 1, save: str = "") ->
         result["pieces"] = {n: (p.ds_numel, p.ds_tensor.numel()) for n, p in engine.module.named_parameters()}
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             result["state"] = {k: v.clone() for k, v in engine.module.state_dict().items()}
-        try:
-            engine.save_checkpoint(save or "/nonexistent-autoep-z3")
-            result["save_error"] = ""
-        except Exception as exc:   # noqa: BLE001 - the test reads the message
-            result["save_error"] = f"{type(exc).__name__}: {exc}"
+        # save_16bit_model gathers the units, then each expert tensor over the EP group: the whole HF layout
+        result["sd16"] = engine._zero3_consolidated_16bit_state_dict()
         dist.barrier()
         return result
     result["state"] = {k: v.clone() for k, v in engine.module.state_dict().items()}   # collective under AutoEP
@@ -276,7 +273,7 @@ def checkpoint_run(kind: str, save_dir: str, stage: int, save_ep: int, load_ep: 
     engine = engine_at(save_ep)
     train(engine, 0)
     engine.save_checkpoint(save_dir, tag="t")
-    at_save = {k: v.clone() for k, v in engine.module.state_dict().items()}   # whole (HF layout)
+    at_save = whole_state(engine)   # whole (HF layout)
     consolidated = {}
     if dist.get_rank() == 0:   # zero_to_fp32 joins the experts' pieces into the whole HF tensors
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -286,12 +283,24 @@ def checkpoint_run(kind: str, save_dir: str, stage: int, save_ep: int, load_ep: 
         consolidated["ds_autoep_layers"] = model_states["ds_autoep_layers"]
     dist.barrier()
     straight = train(engine, steps)
-    whole = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    whole = whole_state(engine)
     resumed = engine_at(load_ep)
     resumed.load_checkpoint(save_dir, tag="t")
     again = train(resumed, steps)
     return {"straight": straight, "resumed": again, "whole": whole, "at_save": at_save, "consolidated": consolidated,
-            "whole_resumed": {k: v.clone() for k, v in resumed.module.state_dict().items()}}
+            "whole_resumed": whole_state(resumed)}
+
+
+def whole_state(engine: Any) -> dict:
+    """The whole module state dict (HF layout; collective): at ZeRO-3 inside a gather of every unit."""
+    import contextlib
+
+    import deepspeed
+
+    gather = deepspeed.zero.GatheredParameters(list(engine.module.parameters())) if engine._stage3 is not None \
+        else contextlib.nullcontext()
+    with gather:
+        return {k: v.clone() for k, v in engine.module.state_dict().items()}
 
 
 def error_run(kind: str, section: dict, stage: int = 1) -> str:

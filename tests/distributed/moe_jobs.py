@@ -194,17 +194,21 @@ def checkpoint_roundtrip(ep_save: int, ep_load: int, cfg_kwargs: dict, save_dir:
     run_steps(engine, steps[:before])
     engine.save_checkpoint(save_dir, tag="t", client_state={"note": 7})
     engine.wait_for_checkpoint()
-    saved = global_state(engine.module, ep_save, ep_rank)
+    with _whole(engine):
+        saved = global_state(engine.module, ep_save, ep_rank)
     run_steps(engine, steps[before:])
-    uninterrupted = global_state(engine.module, ep_save, ep_rank)
+    with _whole(engine):
+        uninterrupted = global_state(engine.module, ep_save, ep_rank)
     resumed, ep_rank2 = make_engine(ep_load, cfg_kwargs)
     path, client = resumed.load_checkpoint(save_dir, tag="t")
-    loaded = global_state(resumed.module, ep_load, ep_rank2)
+    with _whole(resumed):
+        loaded = global_state(resumed.module, ep_load, ep_rank2)
     steps_after_load = resumed.global_steps
     run_steps(resumed, steps[before:])
-    return {"saved": saved, "loaded": loaded, "uninterrupted": uninterrupted,
-            "resumed": global_state(resumed.module, ep_load, ep_rank2), "client": client,
-            "global_steps": steps_after_load}
+    with _whole(resumed):
+        final = global_state(resumed.module, ep_load, ep_rank2)
+    return {"saved": saved, "loaded": loaded, "uninterrupted": uninterrupted, "resumed": final, "client": client,
+            "global_steps": steps_after_load, "path": path}
 
 
 def reference(world: int, steps: int, lr: float = 0.1, clip: float = 0.0, micro_gas: int = 1) -> dict:
@@ -319,7 +323,8 @@ def train_layer(ep_size: int | tuple, steps: int, cfg_kwargs: dict, save_dir: st
         other, *_ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(),
                                          config=config(**cfg_kwargs))
         other.load_checkpoint(save_dir, tag="t")
-        out["loaded"] = layer_state(other.module)
+        with _whole(other):
+            out["loaded"] = layer_state(other.module)
     return out
 
 

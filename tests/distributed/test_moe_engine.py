@@ -87,15 +87,20 @@ def test_moe_zero3_with_ep_refuses_zero_init_experts() -> None:
         assert "expert parameters created under deepspeed.zero.Init" in message, message
 
 
-def test_moe_layer_zero3_with_ep_matches_zero2() -> None:
+def test_moe_layer_zero3_with_ep_matches_zero2(tmp_path) -> None:
     """deepspeed.moe.layer.MoE at ep_size 2 and 4 on 4 ranks at ZeRO-3 (experts partitioned over their
-    expert-data-parallel groups; upstream refuses this) trains as at ZeRO-2."""
+    expert-data-parallel groups; upstream refuses this) trains as at ZeRO-2; its checkpoint reloads exactly."""
     for ep in (2, 4):
-        z3 = merged(run_distributed(4, train_layer, ep, 4, {"stage": 3}))
+        runs = run_distributed(4, train_layer, ep, 4, {"stage": 3}, str(tmp_path / f"ep{ep}"))
+        z3 = merged(runs)
         z2 = merged(run_distributed(4, train_layer, ep, 4, {"stage": 2}))
         assert set(z3) == set(z2)
         for name, value in z2.items():
             torch.testing.assert_close(z3[name], value, rtol=1e-5, atol=1e-6, msg=f"ep={ep} {name}")
+        loaded = merged([{"state": r["loaded"]} for r in runs])
+        assert set(loaded) == set(z3)
+        for name, value in z3.items():
+            torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=f"ep={ep} loaded {name}")
 
 
 def _merge(results: list[dict], key: str) -> dict:
@@ -127,6 +132,36 @@ def test_moe_checkpoint_resume(stage: int, tmp_path) -> None:
         for name, value in want.items():
             torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=f"{key} {name}")
     assert all(r["client"]["note"] == 7 and r["global_steps"] == 3 for r in results)
+
+
+@pytest.mark.parametrize("opt", [{"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+                                 {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}],
+                         ids=["sgd_momentum", "adamw"])
+def test_moe_zero3_checkpoint_resume(opt: dict, tmp_path) -> None:
+    """ZeRO-3 at ep=2 on 4 ranks (experts partitioned over their expert-data-parallel groups): the
+    checkpoint is upstream's MoE layout, reloads exactly, training on equals the uninterrupted run
+    (momentum / both moments restored: dropping one breaks it), and zero_to_fp32 gives the whole
+    model under global expert names, equal to the live parameters at the save."""
+    import os
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    results = run_distributed(4, checkpoint_roundtrip, 2, 2, {"stage": 3, "optimizer": opt}, str(tmp_path), 2, 3)
+    names = set(os.listdir(tmp_path / "t"))
+    assert {"mp_rank_00_model_states.pt"} | {f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"
+                                             for layer in (0, 1) for e in range(4)} <= names
+    assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(4)} <= names
+    saved = _merge(results, "saved")
+    for key, ref, tol in (("loaded", "saved", 0), ("resumed", "uninterrupted", 1e-6)):
+        got, want = _merge(results, key), _merge(results, ref)
+        assert set(got) == set(want) == set(saved)
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=tol, atol=tol, msg=f"{key} {name}")
+    assert all(r["global_steps"] == 2 and r["path"].endswith("mp_rank_00_model_states.pt") for r in results)
+    state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="t")
+    assert set(state) == set(saved)
+    for name, value in saved.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("ep_load", [1, 4])

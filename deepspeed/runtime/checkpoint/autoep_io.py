@@ -45,8 +45,10 @@ def layer_metadata(engine: Any) -> list[dict]:
     return out
 
 
-def expert_entries(engine: Any, params: dict[str, tuple[int, Any]]) -> list[tuple[str, dict]]:
-    """This rank's per-expert files (on the first rank of each expert-data-parallel group)."""
+def expert_entries(engine: Any, params: dict[str, tuple[int, Any]],
+                   values: dict[str, torch.Tensor] | None = None) -> list[tuple[str, dict]]:
+    """This rank's per-expert files (on the first rank of each expert-data-parallel group); `values`:
+    the parameters' gathered local values by name (ZeRO-3, where the parameters are placeholders)."""
     from ...utils import groups
     from ...checkpoint.files import expert_file
 
@@ -55,18 +57,29 @@ def expert_entries(engine: Any, params: dict[str, tuple[int, Any]]) -> list[tupl
     for name, (layer_id, layer) in params.items():
         if groups._get_expert_data_parallel_rank(layer.expert_group_name) != 0:
             continue
-        local = named[name].detach().cpu()
+        local = values[name] if values is not None else named[name].detach().cpu()
         for j in range(layer.num_local_experts):
             files.setdefault((layer_id, layer.first_expert + j), {})[name] = local[j].clone()
     return [(expert_file(layer_id, e), sd) for (layer_id, e), sd in sorted(files.items())]
 
 
-def piece_in_whole(engine: Any, params: dict[str, tuple[int, Any]], name: str, start: int) -> tuple[int, tuple]:
-    """Where a piece of this rank's slice lies in the whole HF tensor: (offset, whole shape)."""
+def piece_in_whole(params: dict[str, tuple[int, Any]], name: str, shape: tuple, start: int) -> tuple[int, tuple]:
+    """Where a piece of this rank's slice (of local `shape`) lies in the whole HF tensor: (offset, whole shape)."""
     layer = params[name][1]
-    local = dict(engine.module.named_parameters())[name]
-    per_expert = local[0].numel()
-    return layer.first_expert * per_expert + start, (layer.num_experts,) + tuple(local.shape[1:])
+    per_expert = torch.Size(shape[1:]).numel()
+    return layer.first_expert * per_expert + start, (layer.num_experts,) + tuple(shape[1:])
+
+
+def whole_rows(layer: Any, local: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (every EP rank's experts, in order) from this EP rank's `local` rows.
+    Collective over the layer's EP group."""
+    from ... import comm as ds_comm
+
+    if layer.ep_size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(layer.ep_size)]
+    ds_comm.all_gather(parts, local.contiguous(), group=layer.ep_group)
+    return torch.cat(parts)
 
 
 def read_module(path: str, params: dict[str, tuple[int, Any]]) -> dict[str, torch.Tensor]:

@@ -91,7 +91,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         cut = zero3_io.optimizer_state if zero3 else partitioned_optimizer_state
         optimizer_state = cut(engine, hp, dp_rank(engine), engine.seq_dp_world_size, later=later, fields_step=fields_step)
     frozen = zero3_io.frozen_fragments(engine, dp_rank(engine), engine.seq_dp_world_size) \
-        if zero3 and not exclude_frozen_parameters else None
+        if zero3 and not moe and not exclude_frozen_parameters else None
+    gathered = moe_io.gather_for_save(engine) if moe else None   # ZeRO-3: the whole values the files hold
 
     def snapshot() -> SaveJob:
         """This rank's files as objects; with a background write, nothing in them aliases live state."""
@@ -99,7 +100,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         mp = mp_rank(engine)
         if moe:
             client = copy.deepcopy(client_state or {}) if background else dict(client_state or {})
-            entries = moe_io.save_entries(engine, hp, client, exclude_frozen_parameters, background)
+            entries = moe_io.save_entries(engine, hp, client, exclude_frozen_parameters, background, gathered)
         elif dp_rank(engine) == 0 or zero3:  # ZeRO-3: every rank writes its own model-states file
             client = copy.deepcopy(client_state or {}) if background else dict(client_state or {})
             state = model_states(engine, hp, client, exclude_frozen_parameters, partitioned,
@@ -223,7 +224,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     state = reader.model_states
     client_state = {k: v for k, v in state.items() if k not in DEEPSPEED_KEYS}
     # DeepSpeed returns the model-states file this engine's layout reads (one per rank at ZeRO-3)
-    name = files.model_file(mp_rank(engine), zero3_dp_rank=dp_rank(engine) if engine._stage3 is not None else None)
+    zero3_files = engine._stage3 is not None and not moe_io.is_moe_engine(engine)   # MoE: mp_rank_00 at any stage
+    name = files.model_file(mp_rank(engine), zero3_dp_rank=dp_rank(engine) if zero3_files else None)
     path = os.path.join(load_dir, reader.tag, name)
     log_dist(f"Loaded checkpoint {reader.path} (saved by {reader.world_size} rank(s), stage {reader.stage})",
              ranks=[0])

@@ -65,7 +65,7 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
     resliced = tensor_parallel_reader(engine, load_dir, str(tag))
     if resliced is not None:   # [Note: moving a checkpoint across TP sizes]
         reader = resliced
-    elif moe_io.is_moe_engine(engine):   # [Note: MoE checkpoint layout]
+    elif moe_io.reads_moe(engine, load_dir, str(tag)):   # [Note: MoE checkpoint layout]
         reader = moe_io.MoECheckpointReader(engine, load_dir, str(tag))
     elif hasattr(engine, "_checkpoint_reader"):
         reader = engine._checkpoint_reader(load_dir, str(tag))

@@ -51,21 +51,23 @@ def _gathered_state_dict(engine: Any, exclude_frozen_parameters: bool) -> dict |
     """ZeRO-3: `module.state_dict()` with every parameter gathered from its unit's shards, on
     rank 0 (None elsewhere). Collective: one all-gather per unit holding a wanted parameter."""
     from ...module_inject.layers import tp_layers
+    from .autoep_io import autoep_params, whole_rows
+    from .zero3_io import gathered_params
 
     rank0 = engine.global_rank == 0
     wanted = {id(p) for p in engine.module.parameters() if p.requires_grad or not exclude_frozen_parameters}
     # AutoTP: a gathered ZeRO-3 parameter is still this tensor rank's slice; all-gather it over the TP group
     sliced = {id(p): (layer, dim) for layer in tp_layers(engine.module) for p, dim in layer.sharded_params()}
-    gathered: dict[int, torch.Tensor] = {}
-    for unit in engine._stage3.units:  # unit order: the same collectives on every rank
-        if not any(id(p) in wanted for p in unit.params):
-            continue
-        tensors = unit.gather_full(unit.shard)
-        tensors = [sliced[id(p)][0].full_param(t, sliced[id(p)][1]) if id(p) in sliced and id(p) in wanted else t
-                   for p, t in zip(unit.params, tensors)]
-        if rank0:
-            gathered.update((id(p), t.cpu()) for p, t in zip(unit.params, tensors) if id(p) in wanted)
-        del tensors
+    # AutoEP: a gathered expert parameter holds this EP rank's experts; all-gather them over the EP group
+    named = dict(engine.module.named_parameters())
+    experts = {id(named[n]): layer for n, (_, layer) in autoep_params(engine).items()}
+
+    def whole(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if id(p) in sliced:
+            return sliced[id(p)][0].full_param(value, sliced[id(p)][1])
+        return whole_rows(experts[id(p)], value) if id(p) in experts else value
+
+    gathered = gathered_params(engine, lambda p: id(p) in wanted, keep=lambda p: rank0, whole=whole)
     if not rank0:
         return None
     state, copies = {}, {}

@@ -38,13 +38,26 @@ PIECES = "ds_moe_pieces"
 
 
 def is_moe_engine(engine: Any) -> bool:
-    """Expert parameters below ZeRO-3 (at stage 3 only ep_size=1 runs: experts are ordinary
-    parameters there, named alike on every rank, and the usual layout holds them)."""
-    return bool(getattr(engine, "_expert_comm", None)) and getattr(engine, "_stage3", None) is None
+    """Expert parameters at ZeRO 0-2, or at ZeRO-3 with expert units on their expert-data-parallel
+    groups (ep_size > 1; at ep_size=1 experts are ordinary parameters, named alike on every rank, and
+    the usual ZeRO-3 layout holds them)."""
+    stage3 = getattr(engine, "_stage3", None)
+    return bool(getattr(engine, "_expert_comm", None)) and (stage3 is None or bool(stage3._param_groups))
 
 
 def is_moe_checkpoint(path: str) -> bool:
     return bool(glob.glob(os.path.join(path, "layer_*_expert_*_model_states.pt")))
+
+
+def reads_moe(engine: Any, load_dir: str, tag: str) -> bool:
+    """Whether `engine` reads `load_dir/tag` with MoECheckpointReader: an MoE engine, or one with
+    experts at ZeRO-3 and ep_size=1 (the usual ZeRO-3 layout when it saves) loading an MoE checkpoint."""
+    from ...checkpoint.files import tag_dir
+
+    if is_moe_engine(engine):
+        return True
+    path = tag_dir(load_dir, tag) if getattr(engine, "_expert_comm", None) else None
+    return path is not None and is_moe_checkpoint(path)
 
 
 def global_names(engine: Any) -> dict[str, tuple[int, int, str]]:
@@ -74,6 +87,7 @@ def pieces_state(engine: Any, hp: Any, renamed: dict[str, tuple[int, int, str]] 
     renamed = global_names(engine) if renamed is None else renamed
     fields, step = hp.local_fields()
     autoep = autoep_params(engine)
+    local = {n: tuple(s) for g in hp.groups for n, s in g}   # this rank's shapes (ZeRO-3: not the placeholders')
     pieces = []
     for piece in hp.pieces:
         values = {"fp32": piece.master.detach().float().cpu().clone()}
@@ -81,19 +95,43 @@ def pieces_state(engine: Any, hp: Any, renamed: dict[str, tuple[int, int, str]] 
             value = hp.state_value(piece, field)
             if value is not None:
                 values[field] = value.detach().float().cpu().clone()
-        start = piece_in_whole(engine, autoep, piece.name, piece.start)[0] if piece.name in autoep else piece.start
+        start = piece_in_whole(autoep, piece.name, local[piece.name], piece.start)[0] if piece.name in autoep \
+            else piece.start
         pieces.append((renamed.get(piece.name, (0, 0, piece.name))[2], start, piece.numel, values))
-    named = dict(engine.module.named_parameters())
-    shapes = {renamed.get(n, (0, 0, n))[2]: piece_in_whole(engine, autoep, n, 0)[1] if n in autoep
-              else tuple(named[n].shape) for g in hp.groups for n, _ in g}
+    shapes = {renamed.get(n, (0, 0, n))[2]: piece_in_whole(autoep, n, s, 0)[1] if n in autoep else tuple(s)
+              for n, s in local.items()}
     scaler = getattr(hp.wrapper, "loss_scaler", None)
     return {PIECES: pieces, "shapes": shapes, "step": step,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in hp.base.param_groups],
             "loss_scaler": scaler.state_dict() if scaler is not None and hasattr(scaler, "state_dict") else None}
 
 
-def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool, snapshot: bool) -> list:
-    """This rank's files of an MoE checkpoint ([Note: MoE checkpoint layout]), as (name, object)."""
+def gather_for_save(engine: Any) -> dict[str, torch.Tensor] | None:
+    """ZeRO-3 (collective, every rank alike): the whole values, by state-dict name, of what this rank's
+    files hold (rank 0: the dense parameters; the first rank of each expert-data-parallel group: its
+    EP rank's experts); None below ZeRO-3, where the parameters are whole."""
+    from ... import comm as ds_comm
+    from .zero3_io import gathered_params
+
+    if getattr(engine, "_stage3", None) is None:
+        return None
+    rank0 = ds_comm.get_rank() == 0
+
+    def keep(p: torch.Tensor) -> bool:
+        if not is_moe_param(p):
+            return rank0
+        return groups._get_expert_data_parallel_rank(str(p.group_name)) == 0
+
+    gathered = gathered_params(engine, lambda p: True, keep=keep)
+    with local_expert_state():
+        named = engine.module.state_dict(keep_vars=True)
+    return {k: gathered[id(v)] for k, v in named.items() if id(v) in gathered}
+
+
+def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool, snapshot: bool,
+                 gathered: dict[str, torch.Tensor] | None = None) -> list:
+    """This rank's files of an MoE checkpoint ([Note: MoE checkpoint layout]), as (name, object);
+    `gathered`: gather_for_save's values at ZeRO-3."""
     from ... import comm as ds_comm
     from ...checkpoint import files
     from ...version import __version__
@@ -103,9 +141,13 @@ def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool,
     autoep = autoep_params(engine)
     entries: list = []
     if ds_comm.get_rank() == 0:
+        frozen = None if gathered is None else {   # ZeRO-3: whole frozen values, saved as at ZeRO 1-2
+            n: gathered[n] for n, p in engine.module.named_parameters() if not p.requires_grad and n in gathered}
         with local_expert_state():   # rank 0 only: AutoEP's state_dict must not gather here
-            state = model_states(engine, hp, client_state, exclude_frozen, True, snapshot=snapshot)
-        state["module"] = {k: v for k, v in state["module"].items() if k not in renamed and k not in autoep}
+            state = model_states(engine, hp, client_state, exclude_frozen, True, zero3_frozen=frozen,
+                                 snapshot=snapshot)
+        state["module"] = {k: (gathered or {}).get(k, v) for k, v in state["module"].items()
+                           if k not in renamed and k not in autoep}
         if state.get("param_shapes"):
             state["param_shapes"] = [type(g)((n, s) for n, s in g.items() if n not in renamed and n not in autoep)
                                      for g in state["param_shapes"]]
@@ -114,8 +156,8 @@ def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool,
             state[AUTOEP_LAYERS_KEY] = layer_metadata(engine)
         entries.append((files.model_file(0), state))
     with local_expert_state():
-        module_state = engine.module.state_dict()
-    entries += expert_entries(engine, autoep)
+        module_state = engine.module.state_dict() if gathered is None else gathered
+    entries += expert_entries(engine, autoep, gathered)
     by_expert: dict[tuple[int, int], dict] = {}
     for local, (layer_id, expert, name) in renamed.items():
         layer = moe_layers(engine.module)[layer_id][1]

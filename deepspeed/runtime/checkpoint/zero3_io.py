@@ -99,3 +99,25 @@ def write_param_slices(engine: Any, values: dict[str, torch.Tensor]) -> None:
                 unit.shard[f.shard_start:f.shard_start + f.numel].copy_(piece)
                 if master is not None:
                     master[f.shard_start:f.shard_start + f.numel].copy_(piece)
+
+
+def gathered_params(engine: Any, wanted: Any, keep: Any = None, whole: Any = None) -> dict[int, torch.Tensor]:
+    """{id(parameter): its full value, on the host} for each parameter `wanted(p)` (the same answer on
+    every rank) that `keep(p)` (default: all) wants on this rank. Collective: every unit holding a
+    wanted parameter is gathered once, in unit order, over its own group (an expert unit over its
+    expert-data-parallel group: the value is this EP rank's expert), then `whole(p, value)` (collective
+    too: a tensor- or expert-parallel slice made whole) runs on every rank; each gathered unit is dropped
+    at once, so the extra memory is one unit plus what is kept."""
+    out: dict[int, torch.Tensor] = {}
+    for unit in engine._stage3.units:  # unit order: the same collectives on every rank
+        if not any(wanted(p) for p in unit.params):
+            continue
+        full = unit.gather_full(unit.shard)
+        for i, p in enumerate(unit.params):
+            if wanted(p):
+                value = whole(p, full[i]) if whole is not None else full[i]
+                if keep is None or keep(p):
+                    out[id(p)] = value.detach().to("cpu", copy=True)
+                del value   # nothing of this unit outlives it
+        del full
+    return out
