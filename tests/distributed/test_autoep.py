@@ -94,7 +94,8 @@ def test_autoep_training_ep2_dp2_matches_no_ep(kind: str) -> None:
 def test_autoep_zero3_matches_no_ep_and_zero2(kind: str, world: int) -> None:
     """ZeRO-3 at ep=2 (world 2: EDP groups of one rank; world 4: ep=2 x EDP 2), SGD with clipping: 6 steps'
     losses and whole weights equal ZeRO-3 without EP and ZeRO-2 at ep=2. Expert pieces are 1/EDP of each
-    local expert tensor, dense pieces 1/world; the consolidated 16-bit state dict (save_16bit_model) holds the whole HF tensors."""
+    local expert tensor, dense pieces 1/world; the consolidated 16-bit state dict (save_16bit_model) holds
+    the whole HF tensors."""
     base = run_distributed(world, train_run, kind, 0, 6, 3)
     ep = run_distributed(world, train_run, kind, 2, 6, 3)
     zero2 = run_distributed(world, train_run, kind, 2, 6, 2)
