@@ -11,7 +11,7 @@ import pytest
 from harness import run_distributed
 from models import assert_params_close
 from sp_models_jobs import llama_reference
-from sp_tp_jobs import autotp_with_own_mpu, register_then_initialize, train_llama_sp_tp
+from sp_tp_jobs import autotp_with_own_mpu, register_then_initialize, sp_tp_resume, train_llama_sp_tp
 
 STEPS, LR, CLIP = 6, 0.5, 1.0
 
@@ -47,6 +47,32 @@ def test_llama_alst_dp2_sp2_autotp2_on_8_ranks(stage):
     _check(results, ref, sp=2, tp=2)
     assert [r["sp_ranks"] for r in results][:4] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all(r["zero_ranks"] == 4 for r in results)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_sp2_tp2_checkpoint_resumes_at_the_same_layout(stage, tmp_path):
+    """sp 2 x tp 2 (AdamW): save after 2 steps, a fresh engine loads and trains 2 more: the same losses and
+    whole weights as the uninterrupted run; the files are upstream's (`mp_rank_0t` per tensor rank, ZeRO
+    optimizer files per data x sequence rank); zero_to_fp32 joins the TP slices into the whole model."""
+    import os
+
+    import torch
+
+    results = run_distributed(4, sp_tp_resume, stage, str(tmp_path))
+    names = set(os.listdir(tmp_path / "t"))
+    model = [f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt" for d in range(2) for t in range(2)] \
+        if stage == 3 else [f"mp_rank_{t:02d}_model_states.pt" for t in range(2)]
+    assert set(model) | {f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for d in range(2) for t in range(2)} \
+        <= names, sorted(names)
+    for r in results:
+        assert r["resumed"] == pytest.approx(r["straight"], rel=1e-6, abs=0)
+        for key, ref, tol in (("loaded", "at_save", 0), ("whole_resumed", "whole", 1e-6)):
+            for name, value in r[ref].items():
+                torch.testing.assert_close(r[key][name], value, rtol=tol, atol=tol, msg=f"{key} {name}")
+    consolidated = results[0]["consolidated"]
+    assert set(consolidated) >= set(results[0]["at_save"])
+    for name, value in results[0]["at_save"].items():
+        torch.testing.assert_close(consolidated[name], value, rtol=0, atol=0, msg=name)
 
 
 def test_heads_not_divisible_by_tp_times_sp_refused_on_every_rank():

@@ -228,9 +228,10 @@ def mp_rank(engine: Any) -> int:
     """The `mp_rank_XX` of this rank's files: its position among the ranks holding the other parts
     of its model replica (a pipeline stage's index), 0 without model parallelism (upstream's rule)."""
     mpu = getattr(engine, "mpu", None)
-    if mpu is None:   # AutoTP: the tensor rank (each writes its slices), as upstream's mp_rank_XX files
-        split = getattr(engine, "_split", None)
-        return split.tensor_rank if split is not None else 0
-    if not hasattr(mpu, "get_model_parallel_rank") or hasattr(mpu, "initialize_sequence_parallel"):
-        return 0   # ALST's sp-only mpu names its sequence group "model parallel": those ranks share weights
+    # ALST's mpu names its sequence group "model parallel", but those ranks share weights
+    if mpu is None or hasattr(mpu, "initialize_sequence_parallel"):
+        split = getattr(engine, "_split", None)   # AutoTP (also with ALST): the tensor rank writes its slices,
+        return split.tensor_rank if split is not None else 0   # as upstream's mp_rank_XX files
+    if not hasattr(mpu, "get_model_parallel_rank"):
+        return 0
     return int(mpu.get_model_parallel_rank())
