@@ -735,6 +735,9 @@ def _lazy_state_dict(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
         # pipeline stages: parameter names carry the global layer index, so the stages' state
         # dicts are disjoint except for tied weights (equal on every stage that holds them)
         parts += [_Checkpoint(ds_dir, mp_rank=m) for m in range(1, ckpt.mp_world_size)]
+        tp = _layer_tensor_ranks(ds_dir)
+        if tp > 1:
+            return _pipe_tp_state_dict(parts, tp, exclude_frozen_parameters)
         _info(f"Pipeline checkpoint: {ckpt.mp_world_size} stages")
     state = OrderedDict()
     for part in parts:
@@ -809,6 +812,58 @@ def _tp_state_dict(ckpt, tp_dims, exclude_frozen_parameters):
     for alias, target in (ckpt.model0.get(SHARED_PARAMS) or {}).items():
         if target in out:
             out[alias] = out[target]
+    return out
+
+
+def _layer_tensor_ranks(ds_dir):
+    """The tensor-parallel size of a pipeline checkpoint: its `layer_XX-model_YY-model_states.pt` files'
+    count of YY (1 with plain `layer_XX-model_states.pt` files)."""
+    found = {int(m.group(1)) for m in (re.match(r"^layer_\d+-model_(\d+)-model_states\.pt$", f)
+                                       for f in os.listdir(ds_dir)) if m}
+    return len(found) or 1
+
+
+def _pipe_tp_state_dict(parts, tp, exclude_frozen_parameters):
+    """3-D (pipeline x your Megatron-style tensor layers) at ZeRO 0-2: model-parallel rank m is stage m // tp's
+    tensor rank m % tp (upstream's order). A parameter the saving model tagged `tensor_model_parallel` with a
+    `partition_dim` (the model states' `tensor_model_parallel_dims`) is its slices joined along it in tensor-rank
+    order; the others must be equal on every tensor rank (tensor rank 0's are taken)."""
+    _info(f"Pipeline x tensor checkpoint: {len(parts) // tp} stages x {tp} tensor-parallel ranks")
+    dims = {}
+    for part in parts:   # a dim the ranks' files disagree on (or one without a dim) is not guessed
+        for name, dim in (part.model0.get("tensor_model_parallel_dims") or {}).items():
+            dims[name] = dim if dims.get(name, dim) == dim else None
+    states = [OrderedDict() for _ in range(tp)]
+    for m, part in enumerate(parts):
+        state = states[m % tp]
+        state.update(_layer_buffers(part))
+        if not exclude_frozen_parameters:
+            state.update(_frozen(part))
+        for name, value in _trainable_stage12(part).items():
+            state.setdefault(name, value)
+    out = OrderedDict()
+    for name, value in states[0].items():
+        slices = [s.get(name) for s in states]
+        if any(v is None for v in slices):
+            raise ZeroCheckpointError(f"'{parts[0].ds_dir}': parameter '{name}' is missing from some tensor-parallel "
+                                      "ranks' files")
+        if name not in dims:
+            if len({tuple(v.shape) for v in slices}) > 1:
+                raise ZeroCheckpointError(f"'{parts[0].ds_dir}': parameter '{name}' has a different shape on each "
+                                          f"tensor-parallel rank ({[tuple(v.shape) for v in slices]}) but is not tagged "
+                                          "tensor_model_parallel: the saving model must tag its slices")
+            out[name] = value
+        elif dims[name] is None:
+            raise ZeroCheckpointError(f"'{parts[0].ds_dir}': parameter '{name}' is tagged tensor_model_parallel without "
+                                      "a partition_dim (or with a partition_stride other than 1), so its slices cannot "
+                                      "be joined: set partition_dim on it (Megatron's set_tensor_model_parallel_"
+                                      "attributes) and save again")
+        else:
+            out[name] = join_tp_slices([v.contiguous() for v in slices], dims[name])
+    for part in parts:
+        for alias, target in (part.model0.get(SHARED_PARAMS) or {}).items():
+            if target in out:
+                out[alias] = out[target]
     return out
 
 

@@ -81,8 +81,9 @@ class ParallelBlock(nn.Module):
         self.fc_in_bias = nn.Parameter(torch.zeros(FFN)[cols].clone())
         self.fc_out = nn.Parameter(initial(layer, "fc_out", (HIDDEN, FFN))[:, cols].clone())
         self.fc_out_bias = nn.Parameter(torch.zeros(HIDDEN))   # added after the reduction: replicated
-        for p in (self.fc_in, self.fc_in_bias, self.fc_out):
-            p.tensor_model_parallel = True
+        # Megatron's tags (zero_to_fp32 joins the slices of a checkpoint along partition_dim)
+        for p, dim in ((self.fc_in, 0), (self.fc_in_bias, 0), (self.fc_out, 1)):
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
 
     def forward(self, x):
         group = self.group_fn()

@@ -49,8 +49,8 @@ class TensorBlock(nn.Module):
         self.col_bias = nn.Parameter(_full(layer, "col_b", (FFN,))[cols].clone())
         self.row_weight = nn.Parameter(_full(layer, "row_w", (HIDDEN, FFN))[:, cols].clone())
         self.row_bias = nn.Parameter(_full(layer, "row_b", (HIDDEN,)).clone())   # replicated
-        for p in (self.col_weight, self.col_bias, self.row_weight):
-            p.tensor_model_parallel = True   # Megatron's tag
+        for p, dim in ((self.col_weight, 0), (self.col_bias, 0), (self.row_weight, 1)):
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1   # Megatron's tags
 
     def forward(self, x):
         group = self.mpu.get_tensor_model_parallel_group()

@@ -81,6 +81,10 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
         out["tp_partition_dims"] = tp_dims   # zero_to_fp32 joins the tensor ranks' slices along these
     if tp_blocks:
         out["tp_sub_param_sizes"] = tp_blocks   # fused weights: joined block by block
+    if getattr(engine, "pipeline_parallelism", False):
+        sliced = _megatron_partition_dims(module)
+        if sliced:   # zero_to_fp32 joins a 3-D checkpoint's tensor slices along these
+            out[MEGATRON_TP_DIMS] = sliced
     if hp is not None:
         out["optimizer_param_names"] = hp.optimizer_names
     reserved = set(out) & set(client_state)
@@ -218,6 +222,21 @@ def _tp_partition_dims(module: Any) -> tuple[dict[str, int], dict[str, list[int]
     named = list(module.named_parameters())
     return ({n: dims[id(p)] for n, p in named if id(p) in dims},
             {n: blocks[id(p)] for n, p in named if id(p) in blocks})
+
+
+MEGATRON_TP_DIMS = "tensor_model_parallel_dims"
+
+
+def _megatron_partition_dims(module: Any) -> dict[str, int | None]:
+    """{name: its `partition_dim`} of the parameters your Megatron-style layers tag `tensor_model_parallel`
+    (or `model_parallel`; None when the tag has no `partition_dim`, or a `partition_stride` other than 1: zero_to_fp32 then
+    refuses to guess how to join the slices)."""
+    out = {}
+    for name, p in module.named_parameters():
+        if getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False):
+            dim, stride = getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1)
+            out[name] = int(dim) if dim is not None and stride == 1 else None
+    return out
 
 
 def dp_rank(engine: Any) -> int:
