@@ -849,13 +849,14 @@ def _pipe_tp_state_dict(parts, tp, exclude_frozen_parameters):
                                       "ranks' files")
         if name not in dims:
             if len({tuple(v.shape) for v in slices}) > 1:
+                shapes = [tuple(v.shape) for v in slices]
                 raise ZeroCheckpointError(f"'{parts[0].ds_dir}': parameter '{name}' has a different shape on each "
-                                          f"tensor-parallel rank ({[tuple(v.shape) for v in slices]}) but is not tagged "
-                                          "tensor_model_parallel: the saving model must tag its slices")
+                                          f"tensor-parallel rank ({shapes}) but is not tagged tensor_model_parallel: "
+                                          "the saving model must tag its slices")
             out[name] = value
         elif dims[name] is None:
-            raise ZeroCheckpointError(f"'{parts[0].ds_dir}': parameter '{name}' is tagged tensor_model_parallel without "
-                                      "a partition_dim (or with a partition_stride other than 1), so its slices cannot "
+            raise ZeroCheckpointError(f"'{parts[0].ds_dir}': parameter '{name}' is tagged tensor_model_parallel "
+                                      "without a partition_dim (or with a partition_stride other than 1), so its slices cannot "
                                       "be joined: set partition_dim on it (Megatron's set_tensor_model_parallel_"
                                       "attributes) and save again")
         else:

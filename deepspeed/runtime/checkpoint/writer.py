@@ -229,8 +229,8 @@ MEGATRON_TP_DIMS = "tensor_model_parallel_dims"
 
 def _megatron_partition_dims(module: Any) -> dict[str, int | None]:
     """{name: its `partition_dim`} of the parameters your Megatron-style layers tag `tensor_model_parallel`
-    (or `model_parallel`; None when the tag has no `partition_dim`, or a `partition_stride` other than 1: zero_to_fp32 then
-    refuses to guess how to join the slices)."""
+    (or `model_parallel`; None when the tag has no `partition_dim`, or a `partition_stride` other than 1:
+    zero_to_fp32 then refuses to guess how to join the slices)."""
     out = {}
     for name, p in module.named_parameters():
         if getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False):
