@@ -856,9 +856,9 @@ def _pipe_tp_state_dict(parts, tp, exclude_frozen_parameters):
             out[name] = value
         elif dims[name] is None:
             raise ZeroCheckpointError(f"'{parts[0].ds_dir}': parameter '{name}' is tagged tensor_model_parallel "
-                                      "without a partition_dim (or with a partition_stride other than 1), so its slices cannot "
-                                      "be joined: set partition_dim on it (Megatron's set_tensor_model_parallel_"
-                                      "attributes) and save again")
+                                      "without a partition_dim (or with a partition_stride other than 1), so its "
+                                      "slices cannot be joined: set partition_dim on it (Megatron's "
+                                      "set_tensor_model_parallel_attributes) and save again")
         else:
             out[name] = join_tp_slices([v.contiguous() for v in slices], dims[name])
     for part in parts:
