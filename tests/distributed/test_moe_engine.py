@@ -176,12 +176,13 @@ def test_moe_checkpoint_resume_at_another_ep_size(stage: int, ep_load: int, tmp_
             torch.testing.assert_close(got[name], value, rtol=tol, atol=tol, msg=f"{key} {name}")
 
 
-def test_moe_zero_to_fp32(tmp_path) -> None:
-    """zero_to_fp32 on an MoE checkpoint: every expert under its global name, fp32, equal to the
+@pytest.mark.parametrize("stage", [2, 3])
+def test_moe_zero_to_fp32(stage: int, tmp_path) -> None:
+    """zero_to_fp32 on an MoE checkpoint (bf16): every expert under its global name, fp32, equal to the
     trained parameters."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    results = run_distributed(4, checkpoint_roundtrip, 2, 2, {"stage": 2, "bf16": True}, str(tmp_path), 2, 0)
+    results = run_distributed(4, checkpoint_roundtrip, 2, 2, {"stage": stage, "bf16": True}, str(tmp_path), 2, 0)
     state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="t")
     saved = _merge(results, "saved")
     assert set(state) == set(saved)

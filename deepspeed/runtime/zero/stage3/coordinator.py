@@ -47,8 +47,8 @@ over the EDP group and scaled by the reduce policy's 1/W like every unit, and ea
 expert lives in exactly one shard of its EDP group, so the global norm's sum over all W ranks
 counts every expert once. Every rank has the same units in the same order (distinct EDP groups
 hold the same number of experts), so each group's collectives match across its members. Checkpoints
-gather each unit over its own group (checkpoint/moe_io.py). Not combined yet (refused by engine_moe.py):
-ZeRO++, zero.Init-built experts, Muon; hpZ's node copy is for units on ZeRO's group only.
+gather each unit over its own group (checkpoint/moe_io.py). Not combined yet (refused by engine_moe.py and
+stage3/optimizer.py): ZeRO++, zero.Init-built experts, Muon; hpZ's node copy is for units on ZeRO's group only.
 
 [Note: leaf units complete by module]
 Inside a leaf module the graph may differ by rank (MoE routing: rank 0's tokens reach experts
