@@ -143,6 +143,10 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
     from ..module_inject.auto_tp import broadcast_for_tensor_parallel, shard_model
     from ..module_inject.layers import tensor_parallel_size
 
+    from .tensor_parallel.pipeline import is_pipeline_grid, setup_pipeline_tensor_parallel
+
+    if is_pipeline_grid(mpu):   # [Note: AutoTP in pipeline stages]
+        return setup_pipeline_tensor_parallel(engine, mpu, config_class, sp, tp)
     sp = _sequence_degree_for_tp(mpu, sp, tp)
     previous = mesh_current()
     parallel = mesh_initialize(sequence=sp, tensor=tp)

@@ -74,6 +74,7 @@ class ParallelMesh:
         self._groups: dict[tuple[str, ...], tuple[list[int], Any]] = {}
         self._experts: dict[str, tuple[tuple[list[int], Any], tuple[list[int], Any]]] = {}
         self._hpz: dict[int, tuple[list[int], Any]] = {}
+        self._custom: dict[str, tuple[list[int], Any] | None] = {}
         for axes in self.names.values():   # eagerly, in the same order on every rank
             self._build(axes)
 
@@ -102,6 +103,20 @@ class ParallelMesh:
             replica_entry = _make(replicas, self.global_rank, self.world_size)
             self._experts[name] = (_make(experts, self.global_rank, self.world_size), replica_entry)
         return name
+
+    def rank_groups(self, name: str, lists: list[list[int]]) -> tuple[list[int], Any] | None:
+        """(ranks, group) of this rank among `lists`, groups over ranks that no axis describes (a
+        pipeline's tied-weight stages), built once per `name` (collective: every rank, same lists,
+        same order); None when this rank is in none of them."""
+        if name not in self._custom:
+            handle = None
+            for ranks in lists:
+                ranks = sorted(ranks)
+                group = _self_group() if len(ranks) == 1 else ds_comm.new_group(ranks=ranks)
+                if self.global_rank in ranks:
+                    handle = (ranks, group)
+            self._custom[name] = handle
+        return self._custom[name]
 
     def hpz_group(self, partition_size: int) -> tuple[list[int], Any]:
         """(ranks, group) of this rank's hpZ node ([Note: hpZ node groups]); built once (collective:

@@ -60,6 +60,25 @@ class TensorBlock(nn.Module):
         return x + out + self.row_bias
 
 
+class AutoBlock(nn.Module):
+    """x + down(gelu(up(LayerNorm(x)))) with plain Linear layers: AutoTP's automatic plan makes
+    `mlp.up_proj` column- and `mlp.down_proj` row-parallel ([Note: AutoTP in pipeline stages])."""
+
+    def __init__(self, layer: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.mlp = nn.Module()
+        self.mlp.up_proj, self.mlp.down_proj = nn.Linear(HIDDEN, FFN), nn.Linear(FFN, HIDDEN)
+        with torch.no_grad():
+            self.mlp.up_proj.weight.copy_(_full(layer, "col_w", (FFN, HIDDEN)))
+            self.mlp.up_proj.bias.copy_(_full(layer, "col_b", (FFN,)))
+            self.mlp.down_proj.weight.copy_(_full(layer, "row_w", (HIDDEN, FFN)))
+            self.mlp.down_proj.bias.copy_(_full(layer, "row_b", (HIDDEN,)))
+
+    def forward(self, x):
+        return x + self.mlp.down_proj(nn.functional.gelu(self.mlp.up_proj(self.norm(x))))
+
+
 class Embed(nn.Embedding):
     def __init__(self) -> None:
         super().__init__(VOCAB, HIDDEN)
@@ -92,14 +111,14 @@ class _FullMPU:
         return None
 
 
-def reference_model() -> nn.Sequential:
-    blocks = [TensorBlock(i, _FullMPU()) for i in range(NUM_BLOCKS)]
+def reference_model(autotp: bool = False) -> nn.Sequential:
+    blocks = [AutoBlock(i) if autotp else TensorBlock(i, _FullMPU()) for i in range(NUM_BLOCKS)]
     return nn.Sequential(Embed(), *blocks, Head())
 
 
-def reference(steps: int, micro: int, gas: int, dp: int, clip: float):
+def reference(steps: int, micro: int, gas: int, dp: int, clip: float, autotp: bool = False):
     """Plain PyTorch on the unsharded model and the same global batch: (losses, norms, params)."""
-    model = reference_model()   # tensor size 1: the group is None and f / g do nothing
+    model = reference_model(autotp)   # tensor size 1: the group is None and f / g do nothing
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     losses, norms = [], []
     for step in range(steps):
@@ -125,9 +144,10 @@ def micro_batches(step: int, replica: int, micro: int, gas: int, dp: int):
 
 
 def train(pp: int, mp: int, micro: int, gas: int, zero: int, steps: int, clip: float, ckpt_dir: str | None = None,
-          save_at: int = 0):
+          save_at: int = 0, autotp: bool = False):
     """Train 3-D; returns (losses, norms, this rank's params by reference name, meta). With
-    `ckpt_dir`, save after `save_at` steps, then build a new engine, load and go on."""
+    `ckpt_dir`, save after `save_at` steps, then build a new engine, load and go on. With `autotp`
+    the blocks are plain (AutoBlock) and `tensor_parallel.autotp_size` shards them in each stage."""
     import deepspeed
     from deepspeed import comm as ds_comm
     from deepspeed.pipe import LayerSpec, PipelineModule
@@ -156,9 +176,12 @@ def train(pp: int, mp: int, micro: int, gas: int, zero: int, steps: int, clip: f
            "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 6, "gradient_clipping": clip,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
            "zero_optimization": {"stage": zero}}
+    if autotp:
+        cfg["tensor_parallel"] = {"autotp_size": mp}
 
     def build():
-        specs = [LayerSpec(Embed)] + [LayerSpec(Block, i) for i in range(NUM_BLOCKS)] + [LayerSpec(Head)]
+        block = AutoBlock if autotp else Block
+        specs = [LayerSpec(Embed)] + [LayerSpec(block, i) for i in range(NUM_BLOCKS)] + [LayerSpec(Head)]
         model = holder["module"] = PipelineModule(specs, topology=topo, loss_fn=loss_fn, partition_method="uniform")
         engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,   # upstream: no mpu= with a PipelineModule
                                                model_parameters=[p for p in model.parameters() if p.requires_grad])
@@ -183,3 +206,19 @@ def train(pp: int, mp: int, micro: int, gas: int, zero: int, steps: int, clip: f
     meta = {"stage": engine.stage_id, "tp_rank": tp_rank, "tp": mp, "replica": replica}
     engine.destroy()
     return losses, norms, params, meta
+
+
+def autotp_without_model_axis():
+    """`autotp_size` 2 on a PipelineModule whose topology has no model axis: refused, naming both."""
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    model = PipelineModule([LayerSpec(Embed), LayerSpec(AutoBlock, 0), LayerSpec(Head)], num_stages=1,
+                           loss_fn=loss_fn)
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "tensor_parallel": {"autotp_size": 2},
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    try:
+        deepspeed.initialize(model=model, config=cfg, model_parameters=list(model.parameters()))
+    except ValueError as error:
+        return str(error)
+    return None

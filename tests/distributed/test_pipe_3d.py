@@ -10,18 +10,19 @@ import torch
 import pipe3d_jobs as jobs
 from harness import run_distributed
 
-_TP_SPLIT = {"col_weight": 0, "col_bias": 0, "row_weight": 1}   # the dim each tensor shard splits
+_TP_SPLIT = {"col_weight": 0, "col_bias": 0, "row_weight": 1,   # the dim each tensor shard splits
+             "up_proj.weight": 0, "up_proj.bias": 0, "down_proj.weight": 1}
 
 
-def _check(results, steps, micro, gas, dp, clip):
-    want_losses, want_norms, want = jobs.reference(steps, micro, gas, dp, clip)
+def _check(results, steps, micro, gas, dp, clip, autotp=False):
+    want_losses, want_norms, want = jobs.reference(steps, micro, gas, dp, clip, autotp)
     seen = set()
     for losses, norms, params, meta in results:
         assert losses == pytest.approx(want_losses, rel=1e-5, abs=1e-6), meta
         assert norms == pytest.approx(want_norms, rel=1e-5), meta
         for name, value in params.items():
             full = want[name]
-            dim = _TP_SPLIT.get(name.rsplit(".", 1)[-1])
+            dim = _TP_SPLIT.get(name.rsplit(".", 1)[-1], _TP_SPLIT.get(".".join(name.rsplit(".", 2)[-2:])))
             if dim is not None:
                 full = full.chunk(meta["tp"], dim=dim)[meta["tp_rank"]]
             torch.testing.assert_close(value, full, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {meta}: {m}")
@@ -73,6 +74,30 @@ def test_pipe_tensor_data_2x2x2_matches_one_process():
     steps, micro, gas = 3, 2, 2
     results = run_distributed(8, jobs.train, 2, 2, micro, gas, 1, steps, 0.5)
     _check(results, steps, micro, gas, 2, 0.5)
+
+
+@pytest.mark.parametrize("zero", [1])
+def test_pipe_autotp_matches_one_process(zero):
+    """AutoTP inside pipeline stages ([Note: AutoTP in pipeline stages]): plain blocks sharded by
+    `tensor_parallel.autotp_size` over the grid's slice groups, 2 stages x 2 slices on 4 ranks."""
+    steps, micro, gas = 3, 2, 2
+    results = run_distributed(4, jobs.train, 2, 2, micro, gas, zero, steps, 0.5, autotp=True)
+    assert any(v.shape != jobs.reference_model(True).state_dict()[n].shape for _, _, p, _ in results
+               for n, v in p.items()), "no parameter was sharded"
+    _check(results, steps, micro, gas, 1, 0.5, autotp=True)
+
+
+def test_pipe_autotp_needs_model_axis():
+    for message in run_distributed(2, jobs.autotp_without_model_axis):
+        assert message is not None and "autotp_size=2" in message and "num_mp=2" in message, message
+
+
+@pytest.mark.slow
+def test_pipe_autotp_resume_data_2x2x2(tmp_path):
+    """2 stages x 2 AutoTP slices x 2 replicas on 8 ranks, ZeRO-1, saved and resumed mid-run."""
+    steps, micro, gas = 4, 2, 2
+    results = run_distributed(8, jobs.train, 2, 2, micro, gas, 1, steps, 0.5, str(tmp_path), 2, autotp=True)
+    _check(results, steps, micro, gas, 2, 0.5, autotp=True)
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ stay consistent). A shape mismatch is an error in both modes, as in torch.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ from . import moe_io, tp_reslice, zero3_io
 from .hp_state import HpState
 from .writer import mp_rank, set_rng_state
 
+_LAYER_SLICE = re.compile(r"layer_\d+-model_(\d+)-model_states\.pt$")   # a pipeline's per-slice layer files
 DEEPSPEED_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
                   "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
                   "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
@@ -125,6 +127,8 @@ def tensor_parallel_reader(engine: Any, load_dir: str, tag: str) -> Any:
     if states is None:
         return None   # the reader names what is missing
     saved = int(states.get("mp_world_size", 1) or 1) if states.get("tp_partition_dims") else 1
+    if saved > 1 and hasattr(engine, "grid"):   # a pipeline's mp_world_size is pipe x slice: count its slice files
+        saved = len({m.group(1) for m in map(_LAYER_SLICE.match, os.listdir(path)) if m}) or 1
     have = tensor_parallel_size(engine.module)
     if saved == have:
         return None

@@ -230,19 +230,21 @@ class PipelineModule(nn.Module):
         for key in keys:
             stages = sorted({self.stage_owner(i) for i, s in enumerate(self._layer_specs)
                              if isinstance(s, TiedLayerSpec) and s.key == key})
+            lists = []
             for dp in range(self._grid.data_parallel_size):
                 for mp in range(slices):
                     extra = {"data": dp, "model": mp} if slices > 1 else {"data": dp}
                     if "data" not in self._topo.axes:
                         extra.pop("data")
-                    ranks = [self._grid.stage_to_global(stage_id=s, **extra) for s in stages]
-                    group = ds_comm.new_group(ranks=ranks)
-                    if self.global_rank in ranks:
-                        comms[key] = {"ranks": ranks, "group": group, "weight_attr": self.tied_weight_attrs[key],
-                                      "module": self.tied_modules[key]}
-                        if self.global_rank != ranks[0]:   # counted once by gradient norms
-                            for p in self.tied_modules[key].parameters():
-                                p.ds_pipe_replicated = True
+                    lists.append([self._grid.stage_to_global(stage_id=s, **extra) for s in stages])
+            mine = self._grid.mesh.rank_groups(f"tied:{key}", lists)   # the grid's mesh owns every group
+            if mine is not None:
+                ranks, group = mine
+                comms[key] = {"ranks": ranks, "group": group, "weight_attr": self.tied_weight_attrs[key],
+                              "module": self.tied_modules[key]}
+                if self.global_rank != ranks[0]:   # counted once by gradient norms
+                    for p in self.tied_modules[key].parameters():
+                        p.ds_pipe_replicated = True
         return comms
 
     @staticmethod
