@@ -726,7 +726,8 @@ def _lazy_state_dict(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
           + (f" (written by deepspeed=={ckpt.ds_version})" if ckpt.ds_version else ""))
     parts = [ckpt]
     tp_dims = ckpt.model0.get("tp_partition_dims")
-    if ckpt.mp_world_size > 1 and tp_dims and ckpt.stage in (1, 2, 3):
+    pipeline = ckpt.model0.get("module") is None and bool(_files(ds_dir, "layer_*-model_states.pt"))
+    if ckpt.mp_world_size > 1 and tp_dims and ckpt.stage in (1, 2, 3) and not pipeline:
         return _tp_state_dict(ckpt, tp_dims, exclude_frozen_parameters)
     if ckpt.mp_world_size > 1:
         if ckpt.model0.get("module") is not None or ckpt.stage > 2:
@@ -824,15 +825,19 @@ def _layer_tensor_ranks(ds_dir):
 
 
 def _pipe_tp_state_dict(parts, tp, exclude_frozen_parameters):
-    """3-D (pipeline x your Megatron-style tensor layers) at ZeRO 0-2: model-parallel rank m is stage m // tp's
-    tensor rank m % tp (upstream's order). A parameter the saving model tagged `tensor_model_parallel` with a
-    `partition_dim` (the model states' `tensor_model_parallel_dims`) is its slices joined along it in tensor-rank
-    order; the others must be equal on every tensor rank (tensor rank 0's are taken)."""
+    """3-D (pipeline x tensor) at ZeRO 0-2: model-parallel rank m is stage m // tp's tensor rank m % tp
+    (upstream's order). A parameter AutoTP sharded (`tp_partition_dims`, fused ones block by block) or your
+    Megatron-style layers tagged `tensor_model_parallel` with a `partition_dim` (`tensor_model_parallel_dims`)
+    is its slices joined along that dim in tensor-rank order; the others must be equal on every tensor rank
+    (tensor rank 0's are taken)."""
     _info(f"Pipeline x tensor checkpoint: {len(parts) // tp} stages x {tp} tensor-parallel ranks")
-    dims = {}
+    dims, blocks = {}, {}
     for part in parts:   # a dim the ranks' files disagree on (or one without a dim) is not guessed
         for name, dim in (part.model0.get("tensor_model_parallel_dims") or {}).items():
             dims[name] = dim if dims.get(name, dim) == dim else None
+    for part in parts:   # AutoTP's own record of its layers
+        dims.update(part.model0.get("tp_partition_dims") or {})
+        blocks.update(part.model0.get("tp_sub_param_sizes") or {})
     states = [OrderedDict() for _ in range(tp)]
     for m, part in enumerate(parts):
         state = states[m % tp]
@@ -860,7 +865,7 @@ def _pipe_tp_state_dict(parts, tp, exclude_frozen_parameters):
                                       "slices cannot be joined: set partition_dim on it (Megatron's "
                                       "set_tensor_model_parallel_attributes) and save again")
         else:
-            out[name] = join_tp_slices([v.contiguous() for v in slices], dims[name])
+            out[name] = join_tp_slices([v.contiguous() for v in slices], dims[name], blocks.get(name))
     for part in parts:
         for alias, target in (part.model0.get(SHARED_PARAMS) or {}).items():
             if target in out:

@@ -39,12 +39,14 @@ def test_pipe_tensor_zero1_matches_one_process(clip):
     _check(results, steps, micro, gas, 1, clip)
 
 
-def test_pipe_tensor_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("autotp", [False, True])
+def test_pipe_tensor_resume_equals_uninterrupted(tmp_path, autotp):
     """Saved after 2 steps (a layer file per tensor slice: `layer_XX-model_YY-model_states.pt`),
-    loaded into new engines, 2 more steps: equal to the uninterrupted run; zero_to_fp32 consolidates it."""
+    loaded into new engines, 2 more steps: equal to the uninterrupted run; zero_to_fp32 consolidates it
+    (your tensor layers' slices joined along their tagged partition_dim, AutoTP's along its own record)."""
     steps, micro, gas = 4, 2, 2
-    results = run_distributed(4, jobs.train, 2, 2, micro, gas, 1, steps, 0.5, str(tmp_path), 2)
-    _check(results, steps, micro, gas, 1, 0.5)
+    results = run_distributed(4, jobs.train, 2, 2, micro, gas, 1, steps, 0.5, str(tmp_path), 2, autotp=autotp)
+    _check(results, steps, micro, gas, 1, 0.5, autotp=autotp)
     names = sorted(p.name for p in (tmp_path / "mid").iterdir())
     assert "layer_01-model_01-model_states.pt" in names, names
     from deepspeed.checkpoint.ds_to_universal import convert
@@ -52,14 +54,15 @@ def test_pipe_tensor_resume_equals_uninterrupted(tmp_path):
 
     with pytest.raises(CheckpointError, match="tensor-parallel slices"):   # not a silent half conversion
         convert(str(tmp_path / "mid"), str(tmp_path / "mid_universal"))
-    # zero_to_fp32 joins the tensor slices (tagged partition_dim) of every stage: the whole model at the save
     from deepspeed.utils.zero_to_fp32 import ZeroCheckpointError, get_fp32_state_dict_from_zero_checkpoint
 
-    state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="mid")
-    want = jobs.reference(2, micro, gas, 1, 0.5)[2]
+    state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="mid")   # the whole model at the save
+    want = jobs.reference(2, micro, gas, 1, 0.5, autotp)[2]
     assert set(state) == set(want)
     for name, value in want.items():
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    if autotp:
+        return
     # a slice tagged tensor_model_parallel without partition_dim: refused, not guessed
     first = tmp_path / "mid" / "mp_rank_00_model_states.pt"
     states = torch.load(first, weights_only=False)

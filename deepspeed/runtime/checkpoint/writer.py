@@ -82,7 +82,7 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
     if tp_blocks:
         out["tp_sub_param_sizes"] = tp_blocks   # fused weights: joined block by block
     if getattr(engine, "pipeline_parallelism", False):
-        sliced = _megatron_partition_dims(module)
+        sliced = {n: d for n, d in _megatron_partition_dims(module).items() if n not in tp_dims}   # AutoTP's own
         if sliced:   # zero_to_fp32 joins a 3-D checkpoint's tensor slices along these
             out[MEGATRON_TP_DIMS] = sliced
     if hp is not None:
