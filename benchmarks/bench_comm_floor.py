@@ -22,8 +22,8 @@ loss join, position ids) are listed apart as bookkeeping. The floors, per rank p
   excess (every parameter partitioned here: stage3_param_persistence_threshold 0);
 * tensor (T ranks, t tokens on this rank): the row layers' outputs all-reduced in the forward (o_proj,
   down_proj) and the block inputs' gradients in the backward (attention and MLP) = 4 L t H 2(T-1)/T;
-  with a vocab-sliced LM head also its logits gathered, t V (T-1)/T... of the full message, and its
-  input's gradient all-reduced, t H 2(T-1)/T;
+  with a vocab-sliced LM head also its logits gathered, t V (T-1)/T, and its input's gradient
+  all-reduced, t H 2(T-1)/T;
 * sequence (P ranks): Ulysses' all-to-alls of q, k, v and the attention output, forward and backward =
   2 L t d (2 h + 2 k) (P-1)/P with h, k this rank's query / key-value heads (after TP) and d the head size,
   plus the position ids gathered once per forward (int64).
@@ -78,6 +78,8 @@ def dim_groups(dp: int, sp: int, tp: int, pipe: bool = False) -> dict[tuple[int,
     `pipe`: the slowest axis is the pipeline (PipeModelDataParallelTopology, data 1), not data."""
     coords = {r: (r // (sp * tp), (r // tp) % sp, r % tp) for r in range(dp * sp * tp)}
     spans = {"tensor": (2,), "sequence": (1,), "data": (0,), "data x sequence": (0, 1), "world": (0, 1, 2)}
+    if sp == 1:   # ZeRO's group is the data group
+        del spans["data x sequence"]
     if pipe:
         spans = {"tensor": (2,), "pipeline": (0,), "world": (0, 1, 2)}
     names: dict[tuple[int, ...], list[str]] = {}
@@ -122,8 +124,8 @@ def _wrap_upstream_backend() -> None:
                 return fn(self, *args, **kwargs)
             finally:
                 _COUNTING["depth"] -= 1
-                if outer:
-                    group = kwargs.get("group")
+                if outer:   # the group: by keyword, or positional (its backend passes it either way)
+                    group = kwargs.get("group", next((a for a in args if isinstance(a, tdist.ProcessGroup)), None))
                     ranks = tuple(tdist.get_process_group_ranks(group if group is not None else tdist.group.WORLD))
                     numel, nbytes = message(name, args, kwargs)
                     _RECORDS.append((name, numel, nbytes, ranks))
@@ -348,7 +350,7 @@ def floors(layout: str, cfg: dict, numel_local: int, lm_head_sharded: bool) -> d
         ring = (tp - 1) / tp
         out["tensor"] = 4 * L * t * H * 4 * 2 * ring
         if lm_head_sharded:   # a vocab-sliced head: its logits gathered, its input's gradient all-reduced
-            out["tensor"] += t * V * tp * 4 * ring + t * H * 4 * 2 * ring
+            out["tensor"] += t * V * 4 * ring + t * H * 4 * 2 * ring
     if sp > 1:
         h = k = nh // tp
         # the all-to-alls, and the sequence's position ids gathered once per forward (int64)
@@ -428,6 +430,8 @@ def main(argv=None) -> int:
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--records", action="store_true", help="print rank 0's counted collectives one by one")
+    p.add_argument("--save", help="append each case's raw result (JSON lines) here; --load reports them again")
+    p.add_argument("--load", help="report the results saved by --save instead of running")
     add_impl_args(p)
     p.add_argument("--child-layout", choices=list(LAYOUTS), help=argparse.SUPPRESS)
     p.add_argument("--child-cfg", help=argparse.SUPPRESS)
@@ -445,10 +449,20 @@ def main(argv=None) -> int:
           f"{args.warmup + 1} counted on rank 0; KiB of ring wire bytes per rank")
     print("| layout | impl | dimension | measured KiB | floor KiB | measured / floor | collectives (calls, KiB) |")
     print("|---|---|---|---|---|---|---|")
+    if args.load:
+        with open(args.load) as f:
+            for line in f:
+                saved = json.loads(line)
+                for row in report(saved["layout"], saved["impl"], saved["result"], saved["cfg"], args.records):
+                    print(row, flush=True)
+        return 0
     for layout in args.layouts.split(","):
         for impl in impls:
             argv = ["--child-layout", layout, "--child-cfg", json.dumps(cfg), "--job-timeout", str(args.job_timeout)]
             result = run_child(impl, __file__, argv, args.ds_venv, args.job_timeout)
+            if args.save:
+                with open(args.save, "a") as f:
+                    f.write(json.dumps({"layout": layout, "impl": impl, "cfg": cfg, "result": result}) + "\n")
             for line in report(layout, impl, result, cfg, args.records):
                 print(line, flush=True)
     return 0
