@@ -396,8 +396,9 @@ def report(layout: str, impl: str, result: dict, cfg: dict, verbose: bool = Fals
     r0 = result["ranks"][0]
     got = tally(layout, r0["records"])
     floor: dict[str, float] = {}
-    for dims, value in floors(layout, cfg, r0["numel_local"], r0["lm_head_sharded"]).items():   # under the name its group carries
-        groups = dim_groups(*LAYOUTS[layout][:3], layout.startswith("pp"))
+    groups = dim_groups(*LAYOUTS[layout][:3], layout.startswith("pp"))
+    for dims, value in floors(layout, cfg, r0["numel_local"], r0["lm_head_sharded"]).items():
+        # under the name its group carries (sp 2 x tp 2: "sequence = data x sequence")
         joined = next((n for n in groups.values() if dims in n.split(" = ")), dims)
         floor[joined] = floor.get(joined, 0.0) + value
     if verbose:

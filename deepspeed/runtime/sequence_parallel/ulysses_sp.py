@@ -287,7 +287,8 @@ class UlyssesSPDataLoaderAdapter:
         from .. import mesh as _mesh
 
         made = _mesh.current()   # ALST's mesh when sp_group is its sequence group: followed if refined
-        self._mesh = made if made is not None and made.group("sequence") is sp_group else None
+        self._mesh = made if made is not None and "sequence" in made.names and made.group("sequence") is sp_group \
+            else None
 
     def _follow_refined_mesh(self) -> None:
         """[Note: SP x TP] An adapter made before `deepspeed.initialize` (Accelerate's `_prepare_deepspeed`
@@ -296,7 +297,8 @@ class UlyssesSPDataLoaderAdapter:
         from .. import mesh as _mesh
 
         now = _mesh.current()
-        if self._mesh is None or now is None or now is self._mesh or now.size("sequence") != self.sp_world_size:
+        if self._mesh is None or now is None or now is self._mesh or "sequence" not in now.names \
+                or now.size("sequence") != self.sp_world_size:
             return
         self.sp_group, self.sp_rank, self._mesh = now.group("sequence"), now.rank("sequence"), now
 
