@@ -1,4 +1,4 @@
-"""Communication of composed layouts against each dimension's floor (issue 38 item 6), 4 ranks on CPU.
+"""Communication of composed layouts against each dimension's floor (issue 38 item 6), 4 or 8 ranks on CPU.
 
     python benchmarks/bench_comm_floor.py [--layouts dp2tp2-z1,...] [--impls ours,ds] [--ds-venv /tmp/ds-venv]
 
@@ -49,13 +49,14 @@ sys.path.insert(0, HERE)
 from _ds_child import add_impl_args, chosen_impls, run_case_and_report, run_child  # noqa: E402
 from _ranks import rank_environment  # noqa: E402
 
-LAYOUTS = {   # name: (dp, sp, tp, ZeRO stage); 4 ranks, tensor fastest
+LAYOUTS = {   # name: (dp, sp, tp, ZeRO stage); dp x sp x tp ranks, tensor fastest
     "dp2tp2-z1": (2, 1, 2, 1),
     "dp2tp2-z2": (2, 1, 2, 2),
     "dp2tp2-z3": (2, 1, 2, 3),
     "dp2sp2-z1": (2, 2, 1, 1),
     "sp2tp2-z1": (1, 2, 2, 1),
     "pp2tp2-z1": (2, 1, 2, 1),   # pipeline 2 (in the data slot) x tensor 2: examples/megatron_3d
+    "dp2sp2tp2-z1": (2, 2, 2, 1),   # 8 ranks
 }
 PIPE = {"micro": 4, "gas": 4}   # the 3-D example's defaults
 BOOKKEEPING = 16   # elements: a collective this small is bookkeeping, not a dimension's payload
@@ -379,7 +380,8 @@ def tally(layout: str, records: list) -> dict[tuple[str, str], list[float]]:
 
 def child(args) -> None:
     cfg = json.loads(args.child_cfg)
-    run_case_and_report(_rank, 4, args.child_layout, cfg, timeout=args.job_timeout)
+    dp, sp, tp, _ = LAYOUTS[args.child_layout]
+    run_case_and_report(_rank, dp * sp * tp, args.child_layout, cfg, timeout=args.job_timeout)
 
 
 def kib(b: float) -> str:
@@ -446,7 +448,8 @@ def main(argv=None) -> int:
                hf_site=sysconfig.get_paths()["purelib"])
     impls = chosen_impls(args)
     print(f"tiny Llama: hidden {args.hidden}, {args.heads} heads (= key/value heads), {args.layers} layers, vocab "
-          f"{args.vocab}, seq {args.seq}, micro-batch {args.micro}; fp32 SGD; 4 ranks x 1 thread, gloo; step "
+          f"{args.vocab}, seq {args.seq}, micro-batch {args.micro}; fp32 SGD; dp x sp x tp ranks x 1 thread, gloo; "
+          f"step "
           f"{args.warmup + 1} counted on rank 0; KiB of ring wire bytes per rank")
     print("| layout | impl | dimension | measured KiB | floor KiB | measured / floor | collectives (calls, KiB) |")
     print("|---|---|---|---|---|---|---|")
