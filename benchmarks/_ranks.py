@@ -22,3 +22,11 @@ def run_ranks(target: Callable, ranks: int, *args: Any, timeout: float = 1800) -
     for p in procs:
         p.join()
     return results
+
+
+def rank_environment(rank: int, world: int, port: int) -> None:
+    """Inside a spawned rank: the variables `deepspeed.init_distributed` reads (and DS_ACCELERATOR=cpu)."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")

@@ -49,6 +49,13 @@ def _group_size(group: Any) -> int:
     return _tdist.get_world_size(group) if _tdist.is_initialized() else 1
 
 
+def _group_ranks(group: Any) -> tuple[int, ...] | None:
+    """The group's global ranks, for records that split traffic by group (None without a process group)."""
+    if not _tdist.is_initialized():
+        return None
+    return tuple(_tdist.get_process_group_ranks(group if group is not None else _tdist.group.WORLD))
+
+
 def _timed(op: str, tensor: torch.Tensor | None, group: Any, fn: Callable[[], Any], nbytes: int | None = None,
            label: Any = None) -> Any:
     """Run one collective, count it, and log it when the comms logger asks for it. Every collective
@@ -71,7 +78,7 @@ def _timed(op: str, tensor: torch.Tensor | None, group: Any, fn: Callable[[], An
     numel = tensor.numel() if tensor is not None else 0
     size = nbytes if nbytes is not None else (numel * tensor.element_size() if tensor is not None else 0)
     comms_counter.record(op, numel, size, str(tensor.dtype) if tensor is not None else "-", _group_size(group),
-                         elapsed)
+                         elapsed, _group_ranks(group) if comms_counter.keep_records else None)
     if logged:
         comms_logger.append(op, op, elapsed * 1e3, size, _group_size(group))
     return _exit.track(result)  # an asynchronous Work is settled at exit if still pending (exit.py)

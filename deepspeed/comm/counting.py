@@ -40,6 +40,7 @@ class CommRecord:
     nbytes: int
     dtype: str
     world_size: int
+    ranks: tuple[int, ...] | None = None   # the group's global ranks (benchmarks split traffic by mesh dim)
 
 
 @dataclass
@@ -52,7 +53,8 @@ class CommsCounter:
     records: list[CommRecord] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record(self, op: str, numel: int, nbytes: int, dtype: str, world_size: int, elapsed_s: float) -> None:
+    def record(self, op: str, numel: int, nbytes: int, dtype: str, world_size: int, elapsed_s: float,
+               ranks: tuple[int, ...] | None = None) -> None:
         if not self.enabled:
             return
         factor = WIRE_FACTOR.get(op, lambda n: 1.0)(max(world_size, 1))
@@ -64,7 +66,7 @@ class CommsCounter:
             s.wire_bytes += nbytes * factor
             s.time_s += elapsed_s
             if self.keep_records:
-                self.records.append(CommRecord(op, numel, nbytes, dtype, world_size))
+                self.records.append(CommRecord(op, numel, nbytes, dtype, world_size, ranks))
 
     def reset(self) -> None:
         with self._lock:

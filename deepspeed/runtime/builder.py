@@ -146,9 +146,14 @@ def _mesh_param_sequence(mesh_param: Any) -> int | None:
 def _data_parallel_size(raw: dict, mpu: Any, world_size: int, model: Any = None) -> int:
     """Replicas for batch arithmetic: the mpu's data-parallel size, else world / (sequence_parallel_size x
     tensor-parallel size) (upstream's rule: sequence- and tensor-parallel ranks share one micro-batch)."""
-    from .engine_parallel import engine_tensor_parallel_size
+    from .engine_parallel import _alst_mpu, engine_tensor_parallel_size
 
     if mpu is not None:
+        if _alst_mpu(mpu) and model is not None:
+            # ALST's mpu may read an SP-only mesh that initialize refines with AutoTP's tensor dim ([Note: SP
+            # x TP]): its data size would count the tensor ranks as replicas. Divisibility is the engine's check.
+            return max(world_size // (int(mpu.get_sequence_parallel_world_size())
+                                      * engine_tensor_parallel_size(model, raw)), 1)
         if hasattr(mpu, "get_data_parallel_world_size"):
             return int(mpu.get_data_parallel_world_size())
         if hasattr(mpu, "get_sequence_data_parallel_world_size"):   # upstream's parallel_state_sp

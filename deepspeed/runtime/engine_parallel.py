@@ -160,7 +160,8 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
         if previous is not None and previous.ranks("sequence") != parallel.ranks("sequence"):
             log_dist(f"sequence parallelism x AutoTP: the sequence groups now span {parallel.ranks('sequence')} "
                      f"(tensor is the fastest mesh axis; were {previous.ranks('sequence')}): take sequence groups "
-                     "(e.g. for UlyssesSPDataLoaderAdapter) from the mpu after deepspeed.initialize", ranks=[0],
+                     "from the mpu after deepspeed.initialize (a UlyssesSPDataLoaderAdapter made before follows "
+                     "the new ones itself)", ranks=[0],
                      level=logging.WARNING)
     tensor_group = parallel.group("tensor")
     if tensor_parallel_size(engine.module) == 1:   # not yet sharded by tp_model_init: the config asks for it

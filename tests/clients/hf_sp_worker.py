@@ -11,15 +11,23 @@ Variants
   compute_params)` in LlamaMLP.forward; 8 local tokens in 3 uneven tiles).
 - accelerate-z1: `Accelerator(deepspeed_plugin=DeepSpeedPlugin(...), parallelism_config=...)` with a
   hand-written loop: `prepare(model, optimizer, dl)` then the shard losses joined by token count.
+- trainer-z2-tp2 / trainer-z3-tp2 / accelerate-z1-tp2 (launch with --num_gpus 4 = sp 2 x tp 2): the same
+  with `tensor_parallel: {autotp_size: 2}` in the DeepSpeed config. Trainer calls `deepspeed.tp_model_init`
+  in `deepspeed_init`, then accelerate registers ALST; Accelerate registers ALST and wraps the loader
+  before `deepspeed.initialize` adds the tensor dim (the adapter follows the refined sequence groups).
+  The model is built before TrainingArguments there: Trainer's ZeRO-3 `zero.Init` model is refused by
+  tp_model_init (docs/parallelism.md).
 
 Every variant: each step's loss equals the mean full-sequence loss of the same model on the same
 samples, and the logged gradient norms and the weights after STEPS of SGD (scale-sensitive, clipped)
 equal one plain process training on the full sequences (fp32, ~1e-5); the loss falls.
 
-World 2 = SP 2 on purpose: transformers' loss join uses torch.distributed.nn.functional.all_gather,
+World 2 = SP 2 for the SP-only variants: transformers' loss join uses torch.distributed.nn.functional.all_gather,
 whose backward on gloo passes group ranks where torch wants global ones (`dist.scatter(src=...)`), so
-it fails for every SP group but the first when sp < world. That is torch's, not DeepSpeed's; the
-engine-level tests (tests/distributed) cover SP x DP with a differentiable gather of their own.
+it fails in every SP group that is not ranks 0..sp-1. That is torch's, not DeepSpeed's (NCCL takes another
+path); the engine-level tests (tests/distributed) cover SP x DP with a differentiable gather of their own,
+and the TP variants (whose SP groups are {0, 2} and {1, 3}) patch torch's gloo fallback
+(sp_common.fix_gloo_autograd_all_gather).
 """
 
 from __future__ import annotations
@@ -46,12 +54,18 @@ VARIANTS = {
     "trainer-z3": dict(stage=3, tiled=False),
     "trainer-z3-tiled": dict(stage=3, tiled=True),
     "accelerate-z1": dict(stage=1, tiled=False),
+    # world 4 = sp 2 x tp 2: `tensor_parallel.autotp_size` in the DeepSpeed config beside ParallelismConfig's SP
+    "trainer-z2-tp2": dict(stage=2, tiled=False, tp=2),
+    "trainer-z3-tp2": dict(stage=3, tiled=False, tp=2),
+    "accelerate-z1-tp2": dict(stage=1, tiled=False, tp=2),
 }
 
 
-def ds_config(stage: int, trainer: bool) -> dict:
+def ds_config(stage: int, trainer: bool, tp: int = 1) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1 if not trainer else "auto",
            "gradient_clipping": CLIP, "zero_optimization": {"stage": stage}, "steps_per_print": 10**6}
+    if tp > 1:
+        cfg["tensor_parallel"] = {"autotp_size": tp}
     if trainer:   # DeepSpeed's SGD, lr filled by Trainer
         cfg["train_batch_size"] = "auto"
         cfg["optimizer"] = {"type": "SGD", "params": {"lr": "auto"}}
@@ -107,6 +121,17 @@ class TiledLlamaMLP:
 
     def __exit__(self, *exc):
         self.cls.forward = self.orig
+
+
+def check_tensor_parallel(engine, tp: int) -> None:
+    """AutoTP really sharded the model: q_proj is a slice on a tensor group of `tp` ranks."""
+    from deepspeed.module_inject.layers import is_tensor_parallel
+    from deepspeed.utils import groups
+
+    assert groups.get_tensor_model_parallel_world_size() == tp
+    q = engine.module.model.layers[0].self_attn.q_proj.weight
+    rows = getattr(q, "ds_shape", q.shape)[0]   # ZeRO-3: the (TP-local) shape before partitioning
+    assert is_tensor_parallel(q) == (tp > 1) and rows * tp == C.tiny_config().hidden_size, (tp, rows)
 
 
 def restore_sdpa(original) -> None:
@@ -169,14 +194,20 @@ def run_trainer(name: str, root: str, data) -> dict:
 
     AcceleratorState._reset_state()
     GradientState._reset_state()
+    model = None
+    if v.get("tp", 1) > 1:
+        # built before TrainingArguments, so not under zero.Init: Trainer's tp_model_init shards a whole model
+        # (a zero.Init-partitioned one is refused: docs/parallelism.md, SP x TP through Hugging Face)
+        transformers.integrations.deepspeed.unset_hf_deepspeed_config()
+        model = new_model()
     args = TrainingArguments(
         output_dir=os.path.join(root, name), per_device_train_batch_size=MICRO, gradient_accumulation_steps=1,
         max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=CLIP,
-        logging_steps=1, save_strategy="no", report_to=[], deepspeed=ds_config(v["stage"], trainer=True),
+        logging_steps=1, save_strategy="no", report_to=[], deepspeed=ds_config(v["stage"], True, v.get("tp", 1)),
         parallelism_config=parallelism_config(), accelerator_config={"use_configured_state": True}, seed=0,
         disable_tqdm=True, dataloader_num_workers=0)
     assert transformers.integrations.is_deepspeed_zero3_enabled() == (v["stage"] == 3)
-    model = new_model()
+    model = model or new_model()
     init = S.gathered_state(model)
     trainer = SPTrainer(model=model, args=args, train_dataset=data, callbacks=[Log()])
     if v["tiled"]:
@@ -188,6 +219,7 @@ def run_trainer(name: str, root: str, data) -> dict:
     engine = trainer.model_wrapped
     assert engine.zero_optimization_stage() == v["stage"]
     assert engine.seq_dp_world_size == 2 and engine.dp_world_size == 1
+    check_tensor_parallel(engine, v.get("tp", 1))
     assert engine._sp_alst_seen and engine._sp_whole_checked   # the loss taken whole, checked once: no value test
     final = S.engine_params(engine)
     return check_against_reference(name, data, seen, losses, norms, init, final, logged)
@@ -201,7 +233,7 @@ def run_accelerate(name: str, data) -> dict:
     v = VARIANTS[name]
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    plugin = DeepSpeedPlugin(hf_ds_config=ds_config(v["stage"], trainer=False))
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config(v["stage"], False, v.get("tp", 1)))
     acc = Accelerator(deepspeed_plugin=plugin, parallelism_config=parallelism_config(),
                       kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
     model = new_model()
@@ -229,6 +261,7 @@ def run_accelerate(name: str, data) -> dict:
         losses.append(float(loss.detach()))
         norms.append(float(model.get_global_grad_norm()))
     assert model._sp_alst_seen and model._sp_whole_checked   # ALST's attention: a whole loss, checked once
+    check_tensor_parallel(model, v.get("tp", 1))
     return check_against_reference(name, data, seen, losses, norms, init, S.engine_params(model))
 
 
@@ -242,6 +275,10 @@ def main() -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     PartialState(backend="gloo")   # HF_SURFACE 2.1
+    tp = {VARIANTS[name].get("tp", 1) for name in a.variants.split(",")}
+    assert len(tp) == 1 and torch.distributed.get_world_size() == SP * tp.pop(), "one world per launch: sp x tp"
+    if torch.distributed.get_world_size() > SP:
+        S.fix_gloo_autograd_all_gather()
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     data = S.SPTokenData(N)
     results = {}

@@ -76,10 +76,40 @@ def gathered_state(model) -> dict:
 
 
 def engine_params(engine) -> dict:
-    """The engine's fp32 master weights, whole, for every stage."""
+    """The engine's fp32 master weights, whole, for every stage; AutoTP's slices joined over the
+    tensor group (fp32 training: the module's weights are the masters)."""
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams, is_tensor_parallel
     from deepspeed.utils import safe_get_full_fp32_param
 
+    params = list(engine.module.parameters())
+    if any(is_tensor_parallel(p) for p in params):
+        with GatherReplacedLayerParams(params, engine.module, enabled=True):
+            return {n: p.detach().clone().float() for n, p in engine.module.named_parameters()}
     return {n: safe_get_full_fp32_param(p).detach().clone().float() for n, p in engine.module.named_parameters()}
+
+
+def fix_gloo_autograd_all_gather() -> None:
+    """torch's differentiable all_gather (torch.distributed.nn.functional, what transformers'
+    `deepspeed_sp_compute_loss` joins the shard losses with) falls back on gloo to scatters whose
+    `src` is the group rank where torch wants the global one, so its backward fails in every
+    sequence group that is not ranks 0..sp-1 (with tensor parallelism: every one). A CPU-only torch
+    bug (NCCL takes a reduce-scatter): pass `group_src` instead, as HF_SURFACE's other CPU fixes."""
+    import torch.distributed as dist
+    from torch.distributed.nn import functional as F
+
+    def forward(ctx, group, out_tensor_list, *tensors):
+        ctx.group = group
+        ctx.input_tensor_size_list = [t.size() for t in tensors]
+        me = dist.get_rank(group=group)
+        tensors = tuple(t.contiguous() for t in tensors)
+        if dist.get_backend(group=group) != dist.Backend.GLOO:
+            dist.all_to_all(out_tensor_list, list(tensors), group=group)
+            return tuple(out_tensor_list)
+        for i in range(dist.get_world_size(group=group)):
+            dist.scatter(out_tensor_list[i], list(tensors) if i == me else None, group=group, group_src=i)
+        return tuple(out_tensor_list)
+
+    F._AlltoAll.forward = staticmethod(forward)
 
 
 def plain_model(state: dict):

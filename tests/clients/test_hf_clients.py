@@ -50,10 +50,10 @@ def _run(cmd: list[str]) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def run_under_deepspeed_launcher(worker: str, out, variants: list[str]) -> dict:
-    """`deepspeed --num_gpus 2 worker --out OUT --variants a,b,...`: the worker's RESULT dict."""
+def run_under_deepspeed_launcher(worker: str, out, variants: list[str], ranks: int = 2) -> dict:
+    """`deepspeed --num_gpus RANKS worker --out OUT --variants a,b,...`: the worker's RESULT dict."""
     cmd = _command("deepspeed", ["-m", "deepspeed.launcher.runner"]) + [
-        "--num_gpus", "2", "--master_port", str(_free_port()),
+        "--num_gpus", str(ranks), "--master_port", str(_free_port()),
         os.path.join(HERE, worker), "--out", str(out), "--variants", ",".join(variants)]
     result = _run(cmd)
     assert sorted(result) == sorted(variants)

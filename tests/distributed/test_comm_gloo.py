@@ -125,6 +125,25 @@ def test_each_call_is_counted_once_as_what_it_implements() -> None:
     assert run_distributed(4, _counted_once) == [{"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1}] * 4
 
 
+def _records_name_the_group() -> list:
+    odd = dist.new_group([1, 3])
+    ds_comm.comms_counter.keep_records = True
+    ds_comm.comms_counter.reset()
+    try:
+        ds_comm.all_reduce(torch.ones(4))
+        if dist.get_rank() in (1, 3):
+            ds_comm.all_reduce(torch.ones(4), group=odd)
+        return [(r.op, list(r.ranks)) for r in ds_comm.comms_counter.records]
+    finally:
+        ds_comm.comms_counter.keep_records = False
+
+
+def test_records_carry_the_groups_global_ranks() -> None:
+    """What benchmarks/bench_comm_floor.py splits traffic by mesh dimension with."""
+    world = [("all_reduce", [0, 1, 2, 3])]
+    assert run_distributed(4, _records_name_the_group) == [world, world + [("all_reduce", [1, 3])]] * 2
+
+
 def _loopback_tx() -> int:
     with open("/proc/net/dev") as f:
         for line in f:

@@ -284,6 +284,23 @@ class UlyssesSPDataLoaderAdapter:
         self.device = device
         self.iter = iter(dl)
         self.micro_batches: deque = deque()
+        from .. import mesh as _mesh
+
+        made = _mesh.current()   # ALST's mesh when sp_group is its sequence group: followed if refined
+        self._mesh = made if made is not None and "sequence" in made.names and made.group("sequence") is sp_group \
+            else None
+
+    def _follow_refined_mesh(self) -> None:
+        """[Note: SP x TP] An adapter made before `deepspeed.initialize` (Accelerate's `_prepare_deepspeed`
+        wraps the loader first) holds the SP-only mesh's sequence group; with AutoTP the engine refines the
+        mesh (tensor fastest) and the sequence groups move: take the refined mesh's group and rank."""
+        from .. import mesh as _mesh
+
+        now = _mesh.current()
+        if self._mesh is None or now is None or now is self._mesh or "sequence" not in now.names \
+                or now.size("sequence") != self.sp_world_size:
+            return
+        self.sp_group, self.sp_rank, self._mesh = now.group("sequence"), now.rank("sequence"), now
 
     def __len__(self) -> int:
         return len(self.dl) * self.sp_world_size
@@ -303,6 +320,7 @@ class UlyssesSPDataLoaderAdapter:
         return getattr(self.dl, name)
 
     def refill(self) -> None:
+        self._follow_refined_mesh()
         try:
             batch = next(self.iter)
         except StopIteration:
