@@ -101,3 +101,20 @@ def test_short_write_raises_naming_path_size_and_cause(tmp_path):
                          timeout=60, env=env).stdout
     assert "RAISED" in out, out
     assert "limited.bin" in out and "File too large" in out and "write of " in out, out
+
+
+def test_ds_io_and_ds_nvme_tune(tmp_path, capsys):
+    """The commands measure through the handle, leave no file behind, and suggest an `aio` section
+    the config accepts."""
+    from deepspeed.nvme import ds_io_main, tune_main
+    from deepspeed.runtime.config.sections.misc import AioConfig
+
+    result = ds_io_main(["--folder", str(tmp_path), "--io_size", "256K", "--read", "--io_parallel", "2",
+                         "--loops", "1", "--validate"])
+    assert result["read"] and result["GBps"] > 0 and "E2E Read GB/sec" in capsys.readouterr().out
+    suggestion = tune_main(["--nvme_dir", str(tmp_path), "--io_size", "128K", "--block_sizes", "64K,128K",
+                            "--threads", "1,2", "--loops", "1", "--log_dir", str(tmp_path / "log")])
+    aio = AioConfig(**suggestion["aio"])
+    assert aio.block_size in (65536, 131072) and aio.threads in (1, 2)
+    assert sorted(os.listdir(tmp_path)) == ["log"]
+    assert sorted(os.listdir(tmp_path / "log")) == ["aio_config.json", "results.json"]
