@@ -31,11 +31,13 @@ def parse_size(text: str | int) -> int:
 
 def measure(folder: str, io_size: int, block_size: int, threads: int, read: bool, loops: int = 3,
             queue_depth: int = 32, single_submit: bool = False, overlap_events: bool = True,
-            validate: bool = False) -> dict[str, Any]:
-    """Best-of-`loops` bandwidth (GB/s, 1e9 bytes) of one `io_size` transfer with these settings."""
+            validate: bool = False, direct: bool = True) -> dict[str, Any]:
+    """Best-of-`loops` bandwidth (GB/s, 1e9 bytes) of one `io_size` transfer with these settings
+    (`direct=False`: buffered I/O only; reads then start from a dropped page cache where allowed)."""
     from ..ops.aio import aio_handle
 
     handle = aio_handle(block_size, queue_depth, single_submit, overlap_events, threads)
+    handle.use_direct = direct
     buffer = handle.new_cpu_locked_tensor(io_size, torch.empty(0, dtype=torch.uint8))
     buffer.random_(0, 256)
     path = os.path.join(folder, f".ds_io_{os.getpid()}.bin")
@@ -43,6 +45,8 @@ def measure(folder: str, io_size: int, block_size: int, threads: int, read: bool
     try:
         handle.sync_pwrite(buffer, path)
         for _ in range(loops):
+            if read and not direct:
+                _drop_page_cache(path)
             start = time.perf_counter()
             if read:
                 handle.sync_pread(buffer, path, 0) if not validate else handle.pread(buffer, path, True, False, 0)
@@ -58,6 +62,17 @@ def measure(folder: str, io_size: int, block_size: int, threads: int, read: bool
             os.remove(path)
     return {"read": read, "io_size": io_size, "block_size": block_size, "threads": threads,
             "seconds": best, "GBps": io_size / best / 1e9}
+
+
+def _drop_page_cache(path: str) -> None:
+    """Evict `path` from the page cache (fsync, then POSIX_FADV_DONTNEED) so a buffered read
+    reaches the device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def ds_io_main(argv: list[str] | None = None) -> dict[str, Any]:
