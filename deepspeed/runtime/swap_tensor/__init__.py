@@ -19,7 +19,8 @@ def attach_optimizer_swapper(wrapper: Any, config: Any, global_rank: int) -> Any
                               'supported in this build; use offload_optimizer.device "cpu"')
     shards = wrapper.units if hasattr(wrapper, "units") else wrapper.buckets
     offload = config.zero_optimization.offload_optimizer
-    wrapper.swapper = OptimizerStateSwapper(wrapper, shards, config.aio, offload.nvme_path, global_rank)
+    wrapper.swapper = OptimizerStateSwapper(wrapper, shards, config.aio, offload.nvme_path, global_rank,
+                                            offload.buffer_count)
     return wrapper.swapper
 
 

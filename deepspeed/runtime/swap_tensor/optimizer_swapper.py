@@ -56,13 +56,17 @@ class _Entry:
 class OptimizerStateSwapper:
     """Keeps a ZeRO optimizer's masters and optimizer state in files ([Note: optimizer state swapping])."""
 
-    def __init__(self, wrapper: Any, shards: list[Any], aio: Any, nvme_path: str, rank: int) -> None:
+    def __init__(self, wrapper: Any, shards: list[Any], aio: Any, nvme_path: str, rank: int,
+                 buffer_count: int = 4) -> None:
         self.optimizer: torch.optim.Optimizer = wrapper.optimizer
         self.shards, self.group = shards, wrapper.group
         self.dir = SwapDir(nvme_path, "optimizer", rank)
         self.reader, self.writer = aio_handle(*aio.handle_args()), aio_handle(*aio.handle_args())
         self._layouts: list[list[_Entry]] = [[] for _ in shards]
         self._buffers: dict[int, torch.Tensor] = {}   # shard index -> its resident buffer
+        # freed buffers kept for reuse (`buffer_count` at most): no allocation, no page faults per read
+        self._spare: list[torch.Tensor] = []
+        self._spare_count = max(0, int(buffer_count))
         self._params_of: list[list[list[torch.Tensor]]] = []   # per shard, per param group: its fragments
         for shard in shards:
             mine = {id(m) for m, _ in shard.fragment_masters}
@@ -112,17 +116,28 @@ class OptimizerStateSwapper:
         """Start reading shard i into a fresh aligned buffer its tensors are rebound to."""
         layout = self._layouts[i]
         total = layout[-1].offset + layout[-1].nbytes
-        buffer = aligned_host_tensor(total, torch.uint8)
+        buffer = self._take_buffer(total)
         for entry in layout:
             self._bind(i, entry, buffer[entry.offset:entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape))
         self._buffers[i] = buffer
         if total:
-            self.reader.async_pread(buffer, self._path(i), 0)
+            self.reader.async_pread(buffer[:total], self._path(i), 0)
+
+    def _take_buffer(self, nbytes: int) -> torch.Tensor:
+        """An aligned host buffer of at least `nbytes`: the smallest spare one that fits, else a new one."""
+        fits = [k for k, b in enumerate(self._spare) if b.numel() >= nbytes]
+        if fits:
+            return self._spare.pop(min(fits, key=lambda k: self._spare[k].numel()))
+        return aligned_host_tensor(nbytes, torch.uint8)
 
     def _free(self, i: int) -> None:
         for entry in self._layouts[i]:
             self._bind(i, entry, _placeholder(entry.shape, entry.dtype))
-        self._buffers.pop(i, None)
+        buffer = self._buffers.pop(i, None)
+        if buffer is not None and buffer.dtype == torch.uint8 and self._spare_count:
+            self._spare.append(buffer)
+            if len(self._spare) > self._spare_count:   # keep the largest ones
+                self._spare.pop(min(range(len(self._spare)), key=lambda k: self._spare[k].numel()))
 
     def _wait(self, handle: aio_handle) -> None:
         start = time.perf_counter()
