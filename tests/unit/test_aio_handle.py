@@ -118,3 +118,23 @@ def test_ds_io_and_ds_nvme_tune(tmp_path, capsys):
     assert aio.block_size in (65536, 131072) and aio.threads in (1, 2)
     assert sorted(os.listdir(tmp_path)) == ["log"]
     assert sorted(os.listdir(tmp_path / "log")) == ["aio_config.json", "results.json"]
+
+
+def test_async_pwrite_to_an_open_direct_descriptor(tmp_path):
+    """Upstream's `async_pwrite(buffer=, fd=, file_offset=)` overload, the descriptor opened O_DIRECT
+    by the caller (as upstream's offset test does): pieces at 1 KiB offsets land exactly, the
+    caller's descriptor stays open."""
+    h = _handle(threads=2, block=1024)
+    data = h.new_cpu_locked_tensor(4 * 1024 + 100, torch.empty(0, dtype=torch.uint8))
+    data.random_(0, 256)
+    path = str(tmp_path / "fd.bin")
+    fd = os.open(path, os.O_DIRECT | os.O_CREAT | os.O_WRONLY)
+    try:
+        for lo, hi in ((0, 1024), (1024, 3072), (3072, data.numel())):
+            assert h.async_pwrite(buffer=torch.narrow(data, 0, lo, hi - lo), fd=fd, file_offset=lo) == 0
+            assert h.wait() == 1
+        os.fstat(fd)   # still open
+    finally:
+        os.close(fd)
+    with open(path, "rb") as f:
+        assert f.read() == bytes(data.numpy())

@@ -58,11 +58,31 @@ class _Files:
             except OSError:   # EINVAL: this file system has no direct I/O; buffered it is
                 self.direct = -1
 
+    @classmethod
+    def borrowed(cls, fd: int) -> "_Files":
+        """The caller's open descriptor (upstream's `async_pwrite(buffer, fd, file_offset)`): used as
+        the direct one if opened O_DIRECT, with a buffered one of the same file for unaligned parts;
+        the caller's descriptor is never closed here."""
+        files = cls.__new__(cls)
+        files.path = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else f"fd {fd}"
+        direct = bool(_DIRECT) and bool(_fcntl_flags(fd) & _DIRECT)
+        files.buffered = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY) if direct else os.dup(fd)
+        files.direct, files._owned_direct = (fd, False) if direct else (-1, True)
+        return files
+
+    _owned_direct = True
+
     def close(self) -> None:
-        for fd in (self.buffered, self.direct):
+        for fd in (self.buffered, self.direct if self._owned_direct else -1):
             if fd >= 0:
                 os.close(fd)
         self.buffered = self.direct = -1
+
+
+def _fcntl_flags(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
 
 
 def _move(fd: int, view: memoryview, offset: int, write: bool, block: int, path: str) -> None:
@@ -163,12 +183,13 @@ class aio_handle:  # noqa: N801 (upstream's name)
         return self._threads * ALIGNMENT
 
     # --- requests -------------------------------------------------------------------------------
-    def _submit(self, buffer: torch.Tensor, path: str, write: bool, file_offset: int) -> _Request:
+    def _submit(self, buffer: torch.Tensor, path: Any, write: bool, file_offset: int) -> _Request:
         if not isinstance(buffer, torch.Tensor):
             raise TypeError(f"aio: buffer must be a torch.Tensor, got {type(buffer).__name__}")
         if not buffer.is_contiguous():
             raise ValueError(f"aio: buffer for {path!r} must be contiguous")
-        path, file_offset = os.fspath(path), int(file_offset)
+        fd = path if isinstance(path, int) else None
+        path, file_offset = (f"fd {fd}" if fd is not None else os.fspath(path)), int(file_offset)
         if file_offset < 0:
             raise ValueError(f"aio: file_offset={file_offset} for {path!r} must be >= 0")
         host, finish = buffer, None
@@ -186,7 +207,7 @@ class aio_handle:  # noqa: N801 (upstream's name)
                 raise OSError(errno_mod.EINVAL if size >= 0 else errno_mod.ENOENT,
                               f"aio: read of {nbytes} bytes at offset {file_offset} of {path!r}: "
                               + ("no such file" if size < 0 else f"the file has only {size} bytes"))
-        files = _Files(path, write, self.use_direct)
+        files = _Files.borrowed(fd) if fd is not None else _Files(path, write, self.use_direct)
         view, address = _byte_view(host), host.data_ptr()
         bounds = self._chunks(nbytes)
         futures = [self._pool.submit(_chunk_job, files, view[a:b], address + a, file_offset + a, write,
@@ -265,8 +286,12 @@ class aio_handle:  # noqa: N801 (upstream's name)
     def async_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
         return self._run(buffer, filename, False, True, file_offset)
 
-    def async_pwrite(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
-        return self._run(buffer, filename, True, True, file_offset)
+    def async_pwrite(self, buffer: torch.Tensor, filename: str | None = None, file_offset: int = 0,
+                     fd: int | None = None) -> int:
+        """Upstream's two overloads: to `filename`, or to an open descriptor `fd` (not closed)."""
+        if (filename is None) == (fd is None):
+            raise TypeError("aio: async_pwrite takes exactly one of filename= and fd=")
+        return self._run(buffer, filename if fd is None else int(fd), True, True, file_offset)
 
     # --- page-locked buffers ---------------------------------------------------------------------
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
