@@ -171,3 +171,24 @@ def test_leftovers_of_dead_runs_are_removed_and_nothing_else(tmp_path):
     assert live.exists() and stranger.exists() and (tmp_path / "user_file.bin").exists()
     swap.remove()
     assert not os.path.exists(swap.path)
+
+
+def _modify_job(config: dict, steps: int) -> dict:
+    """Training with a GatheredParameters(modifier_rank=0) write between steps: the unit's master
+    must take it although it lives on disk (read in, changed, written back)."""
+    import deepspeed
+
+    def edit(engine, step):
+        if step == 1:
+            weight = next(engine.module.parameters())
+            with deepspeed.zero.GatheredParameters(weight, modifier_rank=0):
+                weight.data.mul_(0.5)
+
+    return train_engine(config, steps, edit=edit)
+
+
+def test_gathered_parameters_modifier_reaches_the_swapped_master(tmp_path):
+    base = _config(micro=2, gas=1)
+    nvme = run_distributed(1, _modify_job, _nvme(base, 3, str(tmp_path)), 4)[0]
+    cpu = run_distributed(1, _modify_job, _nvme(base, 3, str(tmp_path), "cpu"), 4)[0]
+    assert nvme["losses"] == cpu["losses"]

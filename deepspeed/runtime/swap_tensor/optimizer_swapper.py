@@ -24,6 +24,7 @@ they have its layout. Gradients stay in host memory.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Any, Iterator
 
@@ -71,6 +72,8 @@ class OptimizerStateSwapper:
         for shard in shards:
             mine = {id(m) for m, _ in shard.fragment_masters}
             self._params_of.append([[p for p in g["params"] if id(p) in mine] for g in self.optimizer.param_groups])
+        for i, shard in enumerate(shards):   # a write into one master outside the step (GatheredParameters)
+            shard.resident = functools.partial(self.shard_resident, i)
         self.wait_s = 0.0          # seconds the optimizer waited on reads/writes (last step)
         self.everything_resident = False
         for i in range(len(shards)):   # the masters start on disk

@@ -10,6 +10,7 @@ which the step refreshes with one all-gather per bucket.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -132,6 +133,11 @@ class MasterShard:
     _master_grad: torch.Tensor | None
     pinned: bool = False   # master and gradient copy in pinned host memory ([Note: pinned optimizer offload])
     published: bool = False   # the step wrote the new master values to the model side already (NVMe offload)
+
+    def resident(self, dirty: bool) -> Any:
+        """A context with the master in memory: NVMe offload's swapper replaces this (held in memory
+        otherwise: nothing to do)."""
+        return contextlib.nullcontext()
 
     def _make_master(self, source: torch.Tensor, dtype: torch.dtype, device: torch.device, same: bool,
                      pin_memory: bool) -> None:

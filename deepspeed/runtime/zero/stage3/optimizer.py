@@ -68,8 +68,9 @@ class _UnitMaster(MasterShard):
 
     def _take_changed(self, changed: torch.Tensor) -> None:
         """Copy the shard elements flagged in `changed` into the master (the others keep fp32)."""
-        changed = changed.to(self.master.device)
-        self.master[changed] = self.unit.shard.to(self.master.device, self.master.dtype)[changed]
+        with self.resident(True):   # NVMe offload: the master is read in and written back
+            changed = changed.to(self.master.device)
+            self.master[changed] = self.unit.shard.to(self.master.device, self.master.dtype)[changed]
 
 
 class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
