@@ -581,6 +581,8 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         finally:
             self._remove_hooks()
             self._obs.close()
+            if getattr(self.optimizer, "swapper", None) is not None:   # NVMe offload: its swap files go
+                self.optimizer.swapper.close()
 
     def _remove_hooks(self) -> None:
         if self._reducer is not None:

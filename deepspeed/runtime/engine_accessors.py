@@ -43,7 +43,7 @@ _ACCESSORS: dict[str, Callable[[Any], Any]] = {
     "zero_ignore_unused_parameters": lambda c: c.model.zero_optimization.ignore_unused_parameters,
     "zero_offload_optimizer": lambda c: _offload_device(c.model.zero_optimization.offload_optimizer),
     "zero_offload_param": lambda c: _offload_device(c.model.zero_optimization.offload_param),
-    "zero_cpu_offload": lambda c: _offload_device(c.model.zero_optimization.offload_optimizer) == "cpu",
+    "zero_cpu_offload": lambda c: _offload_device(c.model.zero_optimization.offload_optimizer) in ("cpu", "nvme"),
     "zero_hpz_partition_size": lambda c: c.model.zero_optimization.zero_hpz_partition_size,
     "zero_quantized_weights": lambda c: c.model.zero_optimization.zero_quantized_weights,
     "zero_quantized_nontrainable_weights": lambda c: c.model.zero_optimization.zero_quantized_nontrainable_weights,

@@ -200,7 +200,7 @@ def wrap_optimizer(engine: Any) -> Any:
     if engine.basic_optimizer is not None and engine.stage.shard_optimizer_state:
         offload = engine._config.model.zero_optimization.offload_optimizer
         device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
-        master_device = torch.device("cpu") if device == "cpu" else None  # host: offload_optimizer
+        master_device = torch.device("cpu") if device in ("cpu", "nvme") else None  # host: offload_optimizer
         pin = master_device is not None and bool(offload.pin_memory)   # honoured on CUDA (zero/host_buffers.py)
         if engine.stage.shard_parameters:
             from .zero.stage3.optimizer import Stage3Optimizer
@@ -213,6 +213,10 @@ def wrap_optimizer(engine: Any) -> Any:
                                     names, group=engine.seq_data_parallel_group, master_device=master_device,
                                     pin_memory=pin)
         wrapper._engine_ref = weakref.ref(engine)   # state_dict() is built like the checkpoint's
+        if device == "nvme":
+            from .swap_tensor import attach_optimizer_swapper
+
+            attach_optimizer_swapper(wrapper, engine._config.model, engine.global_rank)
         wrapper.split = getattr(engine, "_split", None)   # tensor parallelism (engine_parallel.py)
         wrapper.tp_replicated = getattr(engine, "_tp_replicated", None)
         wrapper.optimizer_route = _optimizer_route(engine)

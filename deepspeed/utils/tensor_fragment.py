@@ -32,6 +32,7 @@ as upstream does for parameters without a mapping.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
@@ -223,7 +224,24 @@ def _missing_key(key: str) -> ValueError:
     return ValueError(f"{key} not found in optimizer state fragment")
 
 
+def _swapped_in(dirty: bool) -> Callable:
+    """With NVMe offload, the parameter's shard is read in around the call (and written back if
+    `dirty`): [Note: optimizer state swapping] in runtime/swap_tensor/optimizer_swapper.py."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def inner(param: torch.nn.Parameter, *args: Any, **kwargs: Any) -> Any:
+            link, optimizer = _lookup(param)
+            swapper = getattr(optimizer, "swapper", None)
+            if swapper is None or not link.sharded:
+                return fn(param, *args, **kwargs)
+            with swapper.shard_resident(link.bucket, dirty):
+                return fn(param, *args, **kwargs)
+        return inner
+    return wrap
+
+
 # --- full API ---------------------------------------------------------------------------------
+@_swapped_in(dirty=False)
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """The parameter's fp32 master weights, full shape, as a new tensor (collective under ZeRO:
     every data-parallel rank must call it). None for a parameter no engine optimizer trains."""
@@ -237,6 +255,7 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor
     return _master(link, param).detach().to(dtype=torch.float32, copy=True).reshape(param.shape)
 
 
+@_swapped_in(dirty=True)
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set the parameter's fp32 master weights (and its visible weights) to `value` (full shape).
 
@@ -270,6 +289,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
         param.data.copy_(value.reshape(param.shape))
 
 
+@_swapped_in(dirty=False)
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
     """The fp32 optimizer state `optim_state_key` (e.g. "exp_avg") of the parameter, full shape,
     as a new tensor (collective under ZeRO). ValueError, on every rank, where the base optimizer
@@ -288,6 +308,7 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: st
     return value.detach().to(dtype=torch.float32, copy=True).reshape(param.shape)
 
 
+@_swapped_in(dirty=True)
 def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Set the optimizer state `optim_state_key` of the parameter from a full-shape `value`."""
     link, optimizer = _lookup(param)
@@ -399,6 +420,7 @@ def _set_local_slice(param: torch.nn.Parameter, value: torch.Tensor, flat_of: Ca
         target.copy_(value.reshape(-1))
 
 
+@_swapped_in(dirty=False)
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """This rank's part of the fp32 master weights: a flat copy (empty where this rank holds none
     of the parameter; later steps do not change it; None for a frozen one). Concatenating every
@@ -407,6 +429,7 @@ def safe_get_local_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tenso
         frag.shard_start:frag.shard_start + frag.numel].to(param.device, copy=True))
 
 
+@_swapped_in(dirty=True)
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Overwrite this rank's part of the fp32 master weights; the model parameter follows at the
     next step's all-gather (as upstream)."""
@@ -424,6 +447,7 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     _set_local_slice(param, value, lambda sb: sb.grad_source)
 
 
+@_swapped_in(dirty=False)
 def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
     """This rank's part of the optimizer state `optim_state_key`, flat, a copy (KeyError if the
     base optimizer keeps no such state, as upstream)."""
@@ -436,6 +460,7 @@ def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: s
     return _get_local(param, lambda sb: sb.master.dtype, read)
 
 
+@_swapped_in(dirty=True)
 def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Overwrite this rank's part of the optimizer state `optim_state_key`."""
     _, optimizer, sb, frag = _local(param)

@@ -417,7 +417,7 @@ def test_zero3_linear_function_matches_linear_and_works_with_torch_func():
     assert LinearModuleForZeroStage3(8, 4).half()(xs.half()).dtype == torch.float16
 
 
-def test_checkpoint_engine_round_trip_and_no_nvme_ops(tmp_path):
+def test_checkpoint_engine_round_trip_and_the_aio_op(tmp_path):
     import deepspeed
     from deepspeed.ops.aio import AsyncIOBuilder
     from deepspeed.runtime.checkpoint_engine import CheckpointEngine, TorchCheckpointEngine
@@ -432,9 +432,8 @@ def test_checkpoint_engine_round_trip_and_no_nvme_ops(tmp_path):
     assert loaded["step"] == 3 and torch.equal(loaded["w"], state["w"])
     with pytest.raises(NotImplementedError):
         CheckpointEngine().save(state, str(tmp_path / "y.pt"))
-    assert not deepspeed.ops.__compatible_ops__[AsyncIOBuilder.NAME]   # no NVMe: tests gating on it skip
-    with pytest.raises(RuntimeError, match="async_io"):
-        AsyncIOBuilder().load()
+    assert deepspeed.ops.__compatible_ops__[AsyncIOBuilder.NAME]   # the Python handle: tests gating on it run
+    assert AsyncIOBuilder().is_compatible() and hasattr(AsyncIOBuilder().load(), "aio_handle")
     assert MIN_SWAPPABLE_BYTES == 1 << 20
 
 

@@ -292,8 +292,6 @@ NOT_SUPPORTED_ZERO = [  # (zero_optimization keys when enabled, when disabled, e
     ({"mics_hierarchical_params_gather": True}, {}, "zero_optimization.mics_hierarchical_params_gather"),
     ({"zeropp_loco_param": {"err_beta": 0.8}}, {"zeropp_loco_param": None}, "zero_optimization.zeropp_loco_param"),
     ({"zenflow": {"topk_ratio": 0.1}}, {"zenflow": None}, "zero_optimization.zenflow"),
-    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}, {"offload_optimizer": {"device": "cpu"}},
-     "zero_optimization.offload_optimizer.device"),
     ({"offload_param": {"device": "nvme"}}, {"offload_param": {"device": "none"}},
      "zero_optimization.offload_param.device"),
     ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, {"offload_optimizer": {"device": "cpu", "ratio": 1}},
@@ -348,3 +346,15 @@ def test_allgather_bucket_size_odd_at_stage_1_2_is_rejected_as_upstream():
                     world_size=1)
     DeepSpeedConfig({"train_batch_size": 2, "zero_optimization": {"stage": 3, "allgather_bucket_size": 1001}},
                     world_size=1)
+
+
+def test_nvme_offload_config_errors(tmp_path):
+    """offload_optimizer nvme needs an existing writable nvme_path; aio use_gds is refused by name."""
+    ok = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2}}
+    DeepSpeedConfig({**BASE, "zero_optimization": ok, "aio": {"thread_count": 4}}, world_size=1)
+    missing = str(errors_of({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}))
+    assert "zero_optimization.offload_optimizer.nvme_path: is required" in missing
+    absent = str(errors_of({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": str(tmp_path / "absent")}}}))
+    assert "offload_optimizer.nvme_path:" in absent and "absent' is not an existing directory" in absent
+    assert "aio.use_gds: " in str(errors_of({"aio": {"use_gds": True}}))

@@ -1,7 +1,8 @@
-"""Upstream's asynchronous NVMe I/O op. This build has none (NVMe offload is not supported): its
-builder reports itself incompatible, so code that gates on it (``__compatible_ops__["async_io"]``)
-takes its no-NVMe path, and ``load()`` raises saying so."""
+"""Upstream's asynchronous NVMe I/O op (`async_io`): `AsyncIOBuilder().load()` returns this module,
+whose `aio_handle` is the DeepNVMe handle in Python over the OS ([Note: the pure-Python I/O engine]
+in handle.py). No build, no libaio."""
 
 from ..op_builder import AsyncIOBuilder  # noqa: F401
+from .handle import aio_handle  # noqa: F401
 
-__all__ = ["AsyncIOBuilder"]
+__all__ = ["AsyncIOBuilder", "aio_handle"]

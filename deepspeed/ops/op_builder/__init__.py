@@ -59,7 +59,7 @@ _OPS = {  # class name: (op name, module of the PyTorch equivalent here)
     "FusedAdamBuilder": ("fused_adam", "deepspeed.ops.adam (FusedAdam)"),
     "FusedLambBuilder": ("fused_lamb", "deepspeed.ops.lamb (FusedLamb)"),
     "FusedLionBuilder": ("fused_lion", "deepspeed.ops.lion (FusedLion)"),
-    "AsyncIOBuilder": ("async_io", ""),
+    "AsyncIOBuilder": ("async_io", "deepspeed.ops.aio (aio_handle, in Python over the OS)"),
     "GDSBuilder": ("gds", ""),
     "PinMemoryBuilder": ("pin_memory", ""),
     "UtilsBuilder": ("utils", ""),
@@ -83,6 +83,20 @@ _OPS = {  # class name: (op name, module of the PyTorch equivalent here)
 }
 for _class_name, (_name, _equivalent) in _OPS.items():
     globals()[_class_name] = _builder(_class_name, _name, _equivalent)
+
+
+
+class AsyncIOBuilder(globals()["AsyncIOBuilder"]):
+    """Upstream's 'async_io' op: `load()` returns deepspeed.ops.aio, whose `aio_handle` is the
+    DeepNVMe handle implemented over the OS (deepspeed/ops/aio/handle.py), with no build."""
+
+    def load(self, verbose: bool = True) -> Any:
+        from .. import aio
+
+        return aio
+
+    jit_load = load
+
 
 ALL_OPS = {name: globals()[cls]() for cls, (name, _) in _OPS.items()}
 __all__ = ["OpBuilder", "ALL_OPS", *_OPS]

@@ -12,8 +12,9 @@ of both is agreed across ranks before the next collective ([Note: agreed errors]
 from __future__ import annotations
 
 import copy
+import functools
 import os
-from typing import Any
+from typing import Any, Callable
 
 from ... import comm as ds_comm
 from ...checkpoint import files
@@ -28,6 +29,20 @@ from .writer import dp_rank, model_states, mp_rank, partitioned_optimizer_state,
 
 _ALL_RANKS = ("all ranks must call save_checkpoint/load_checkpoint (not only rank 0): every rank saves its "
               "own optimizer partition.")
+
+
+def _state_resident(dirty: bool) -> Callable:
+    """Run with NVMe-offloaded optimizer state read in ([Note: optimizer state swapping]; written
+    back after if `dirty`), so checkpoints read and write it as with CPU offload."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def inner(engine: Any, *args: Any, **kwargs: Any) -> Any:
+            from ..swap_tensor.optimizer_swapper import resident
+
+            with resident(getattr(engine, "optimizer", None), dirty):
+                return fn(engine, *args, **kwargs)
+        return inner
+    return wrap
 
 
 def _partitioned(engine: Any) -> bool:
@@ -51,6 +66,7 @@ def _validate_tag(engine: Any, tags: list[str]) -> str:
     return tags[0]
 
 
+@_state_resident(dirty=False)
 def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     ds_comm.arrive_and_wait("save_checkpoint", hint=_ALL_RANKS)
@@ -145,6 +161,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     return True
 
 
+@_state_resident(dirty=False)
 def optimizer_partition_state(engine: Any) -> dict:
     """This rank's `optimizer_state_dict` as save_checkpoint writes it (ZeRO; collective)."""
     if moe_io.is_moe_engine(engine):   # [Note: MoE checkpoint layout]: named pieces, not DeepSpeed's flat groups
@@ -197,6 +214,7 @@ def state_version() -> str:
 
 
 # --- load -------------------------------------------------------------------------------------
+@_state_resident(dirty=True)
 def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:

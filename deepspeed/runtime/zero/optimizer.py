@@ -10,6 +10,7 @@ which the step refreshes with one all-gather per bucket.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -109,6 +110,8 @@ def step_on_shards(wrapper: Any, shards: list[Any], culprit: str, comm_device: t
                                                                wrapper.dp_world)
             if wrapper.muon is not None:   # [Note: Muon under ZeRO]: whole-matrix Newton-Schulz
                 wrapper.muon.step()
+            elif wrapper.swapper is not None:   # [Note: optimizer state swapping] (NVMe offload)
+                wrapper.swapper.step()
             else:
                 wrapper.optimizer.step()
             applied = True
@@ -129,6 +132,12 @@ class MasterShard:
     pointed_grad: torch.Tensor | None
     _master_grad: torch.Tensor | None
     pinned: bool = False   # master and gradient copy in pinned host memory ([Note: pinned optimizer offload])
+    published: bool = False   # the step wrote the new master values to the model side already (NVMe offload)
+
+    def resident(self, dirty: bool) -> Any:
+        """A context with the master in memory: NVMe offload's swapper replaces this (held in memory
+        otherwise: nothing to do)."""
+        return contextlib.nullcontext()
 
     def _make_master(self, source: torch.Tensor, dtype: torch.dtype, device: torch.device, same: bool,
                      pin_memory: bool) -> None:
@@ -187,6 +196,21 @@ class _ShardedBucket(MasterShard):
         self.fragment_masters: list[tuple[torch.Tensor, Any]] = []
         self.pointed_grad: torch.Tensor | None = None
 
+    def publish(self) -> None:
+        """Cast the updated master into this rank's slice of the parameter buffer, which the
+        all-gather then sends ([Note: optimizer state swapping]: the master goes back to disk)."""
+        lo = self.rank * self.partition.shard_numel
+        self.param_flat[lo:lo + self.partition.shard_numel].copy_(self.master)
+        self.published = True
+
+    def gather_source(self) -> torch.Tensor:
+        """What this rank sends in the parameter all-gather after a step."""
+        if self.published:
+            self.published = False
+            lo = self.rank * self.partition.shard_numel
+            return self.param_flat[lo:lo + self.partition.shard_numel].clone()
+        return self.master.to(device=self.param_flat.device, dtype=self.param_flat.dtype)
+
     def rebind_param_flat(self, flat: torch.Tensor) -> None:
         """Make `flat` the bucket's parameter buffer; the parameters become views of it again."""
         self.param_flat = flat
@@ -215,6 +239,7 @@ class PartitionedStateDict:
     them there (OpenRLHF: `engine.optimizer.offload_states(...)`, then `engine.reload_states()`)."""
 
     step_consumes_grads = True   # step() ends with zero_grad() (see step_on_shards); the engine skips its own
+    swapper: Any = None   # offload_optimizer nvme: runtime/swap_tensor/optimizer_swapper.py
     # (`_engine` / `_live_engine`: the weak link to the engine, from base_optimizer.EngineOptimizer)
 
     def state_dict(self) -> dict:
@@ -289,7 +314,7 @@ class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
     def _all_gather_params(self) -> None:
         works = []
         for sb in self.buckets:
-            shard = sb.master.to(device=sb.param_flat.device, dtype=sb.param_flat.dtype)
+            shard = sb.gather_source()
             if sb.world > 1:
                 works.append(ds_comm.all_gather_into_tensor(sb.param_flat, shard, group=sb.group, async_op=True))
             else:

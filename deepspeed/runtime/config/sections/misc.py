@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 from pydantic import Field
 
-from .base import DSModel, Float, Int
+from .base import DSModel, Float, Int, Problem, not_supported
 
 
 class ThroughputTimerConfig(DSModel):
@@ -48,21 +48,37 @@ class FlopsProfilerConfig(DSModel):
 
 
 class AioConfig(DSModel):
-    """`aio`: async-I/O knobs of NVMe offload. Parsed for compatibility; NVMe offload itself is
-    rejected (see offload.py), so these values have no effect here."""
+    """`aio`: the I/O handle NVMe offload swaps through (deepspeed/ops/aio/handle.py); tune it with
+    `ds_nvme_tune` (docs/offload.md)."""
 
     block_size: Int = Field(1_048_576, gt=0)
     """Bytes per I/O request."""
     queue_depth: Int = Field(8, gt=0)
     """I/O queue depth."""
     intra_op_parallelism: Int = Field(1, gt=0)
-    """Threads per I/O operation."""
+    """Threads per I/O operation: each request is cut into this many parallel chunks."""
     single_submit: bool = False
     """Submit requests one at a time."""
     overlap_events: bool = True
     """Overlap submission and completion."""
     use_gds: bool = False
-    """Use GPUDirect Storage."""
+    """Use GPUDirect Storage. Not available in this build: true is an error naming the key."""
     thread_count: Optional[Int] = Field(None, gt=0)
-    """Pre-0.15 name of `intra_op_parallelism`. DeepSpeed 0.19.8 reads the aio section key by key
-    and ignores this one; Lightning's DeepSpeedStrategy still writes it. Accepted and ignored."""
+    """Pre-0.15 name of `intra_op_parallelism` (Lightning's DeepSpeedStrategy still writes it).
+    DeepSpeed 0.19.8 ignores it; here it is used when `intra_op_parallelism` is not given."""
+
+    @property
+    def threads(self) -> int:
+        """The handle's intra_op_parallelism: the explicit key, else `thread_count`, else 1."""
+        if "intra_op_parallelism" in self.model_fields_set or self.thread_count is None:
+            return self.intra_op_parallelism
+        return self.thread_count
+
+    def handle_args(self) -> tuple[int, int, bool, bool, int]:
+        """The arguments of `aio_handle(...)`, in upstream's order."""
+        return self.block_size, self.queue_depth, self.single_submit, self.overlap_events, self.threads
+
+    def _problems(self) -> Iterator[Problem]:
+        if self.use_gds:
+            yield "use_gds", not_supported("GPUDirect Storage (use_gds: true): this build has no GDS; NVMe "
+                                           "offload reads and writes through host memory", "set use_gds: false")

@@ -1,12 +1,14 @@
 """`zero_optimization.offload_param` / `offload_optimizer`: where ZeRO keeps parameters and
 optimizer state. Defaults are DeepSpeed 0.19.8's (runtime/zero/offload_config.py).
 
-Only `device: "none"` and `device: "cpu"` are provided here; NVMe offload needs the native
-async-I/O library and is rejected with a clear error.
+`offload_optimizer.device: "nvme"` swaps the fp32 masters and optimizer states to files under
+`nvme_path` (runtime/swap_tensor/, docs/offload.md), at ZeRO stages 1-3 (upstream: stage 3 only).
+`offload_param.device: "nvme"` is not provided yet and is rejected with a clear error.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Iterator, Literal, Optional
 
 from pydantic import Field, field_validator
@@ -33,13 +35,25 @@ class _OffloadCommon(DSModel):
     def enabled(self) -> bool:
         return self.device != "none"
 
-    def _problems(self) -> Iterator[Problem]:
-        if self.device == "nvme":
-            yield "device", not_supported('NVMe offload (device: "nvme")', 'use device "cpu" or "none"')
+    def _nvme_path_problems(self) -> Iterator[Problem]:
+        """`nvme_path` must name a writable directory when the device is nvme."""
+        if self.device != "nvme":
+            return
+        if not self.nvme_path:
+            yield "nvme_path", 'is required with device: "nvme": a directory on the fast local disk to swap to'
+        elif not os.path.isdir(self.nvme_path):
+            yield "nvme_path", f"{self.nvme_path!r} is not an existing directory (create it, or name another)"
+        elif not os.access(self.nvme_path, os.W_OK | os.X_OK):
+            yield "nvme_path", f"{self.nvme_path!r} is not writable by this process"
 
 
 class OffloadParamConfig(_OffloadCommon):
     """Parameter offload; valid only with ZeRO stage 3."""
+
+    def _problems(self) -> Iterator[Problem]:
+        if self.device == "nvme":
+            yield "device", not_supported('parameter offload to NVMe (offload_param.device: "nvme")',
+                                          'use offload_param.device "cpu" (offload_optimizer.device "nvme" works)')
 
     buffer_count: Int = Field(5, ge=0)
     """NVMe only: buffers in the parameter swap pool."""
@@ -72,7 +86,7 @@ class OffloadOptimizerConfig(_OffloadCommon):
         return self.pipeline_read or self.pipeline_write
 
     def _problems(self) -> Iterator[Problem]:
-        yield from super()._problems()
+        yield from self._nvme_path_problems()
         if self.ratio < 1.0:
             yield "ratio", not_supported(f"partial optimizer offload (ratio {self.ratio})", "set ratio to 1.0")
         if self.super_offload:

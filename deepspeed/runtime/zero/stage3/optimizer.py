@@ -61,10 +61,16 @@ class _UnitMaster(MasterShard):
     def grad(self) -> torch.Tensor:
         return self.grad_source if self._master_grad is None else self._master_grad
 
+    def publish(self) -> None:
+        """The updated master into the unit's shard ([Note: optimizer state swapping])."""
+        self.unit.shard.copy_(self.master)
+        self.published = True
+
     def _take_changed(self, changed: torch.Tensor) -> None:
         """Copy the shard elements flagged in `changed` into the master (the others keep fp32)."""
-        changed = changed.to(self.master.device)
-        self.master[changed] = self.unit.shard.to(self.master.device, self.master.dtype)[changed]
+        with self.resident(True):   # NVMe offload: the master is read in and written back
+            changed = changed.to(self.master.device)
+            self.master[changed] = self.unit.shard.to(self.master.device, self.master.dtype)[changed]
 
 
 class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
@@ -122,7 +128,9 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
         """Copy the fp32 masters into the units' shards (the model side), e.g. after a step or a
         checkpoint load; persistent units are re-gathered."""
         for um in self.units:
-            um.unit.shard.copy_(um.master)   # casts to the parameters' dtype and device
+            if not um.published:   # NVMe offload published each unit during the step
+                um.unit.shard.copy_(um.master)   # casts to the parameters' dtype and device
+            um.published = False
         self.coordinator.after_shard_update()
 
     @property

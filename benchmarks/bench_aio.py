@@ -1,0 +1,108 @@
+"""NVMe I/O bandwidth on one path: `dd` with direct I/O (one 1 MiB stream), our DeepNVMe handle
+(deepspeed.ops.aio, Python over the OS) at several thread counts, direct and buffered, and DeepSpeed
+0.19.8's `async_io` op (libaio, JIT-built in /tmp/ds-venv) when it builds here.
+
+    python benchmarks/bench_aio.py --dir /tmp/ds_aio_bench --size_mb 512 --threads 1,2,4,8
+
+Writes are timed to durability (dd conv=fsync; fsync after ours and upstream's), reads with O_DIRECT
+(buffered reads start from an evicted page cache). Each figure is the best of --loops runs, the
+configurations interleaved, since the disk is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+UPSTREAM_PY = "/tmp/ds-venv/bin/python"
+_UPSTREAM = r"""
+import json, os, sys, time, torch
+from deepspeed.ops.op_builder import AsyncIOBuilder
+path, size, threads, loops = sys.argv[1], int(sys.argv[2]), [int(t) for t in sys.argv[3].split(",")], int(sys.argv[4])
+if not AsyncIOBuilder().is_compatible():
+    print(json.dumps({"error": "AsyncIOBuilder().is_compatible() is False (libaio missing?)"})); sys.exit()
+op = AsyncIOBuilder().load(verbose=False)
+out = {}
+for t in threads:
+    h = op.aio_handle(1 << 20, 32, False, True, t)
+    buf = h.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8)); buf.random_(0, 256)
+    w = r = float("inf")
+    for _ in range(loops):
+        s = time.perf_counter(); h.sync_pwrite(buf, path); fd = os.open(path, os.O_RDONLY); os.fsync(fd); os.close(fd)
+        w = min(w, time.perf_counter() - s)
+        s = time.perf_counter(); h.sync_pread(buf, path); r = min(r, time.perf_counter() - s)
+    out[t] = {"write": size / w / 1e9, "read": size / r / 1e9}
+    h.free_cpu_locked_tensor(buf)
+os.remove(path)
+print(json.dumps(out))
+"""
+
+
+def dd(path: str, size_mb: int, read: bool) -> float:
+    """GB/s of one dd stream of 1 MiB blocks with direct I/O."""
+    cmd = (["dd", f"if={path}", "of=/dev/null", "bs=1M", "iflag=direct"] if read else
+           ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={size_mb}", "oflag=direct", "conv=fsync"])
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    seconds = float(re.search(r"copied, ([0-9.e+-]+) s", text).group(1))
+    return size_mb * (1 << 20) / seconds / 1e9
+
+
+def upstream(path: str, size: int, threads: list[int], loops: int) -> dict:
+    if not os.path.exists(UPSTREAM_PY):
+        return {"error": f"{UPSTREAM_PY} not found"}
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": "/tmp/ds-ext"}
+    proc = subprocess.run([UPSTREAM_PY, "-c", _UPSTREAM, path, str(size), ",".join(map(str, threads)), str(loops)],
+                          capture_output=True, text=True, cwd="/tmp", env=env, timeout=1800)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"error": (proc.stderr or proc.stdout)[-800:]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", default="/tmp/ds_aio_bench")
+    p.add_argument("--size_mb", type=int, default=512)
+    p.add_argument("--threads", default="1,2,4,8")
+    p.add_argument("--loops", type=int, default=3)
+    p.add_argument("--no_upstream", action="store_true")
+    args = p.parse_args()
+    from deepspeed.nvme.io_bench import measure
+
+    os.makedirs(args.dir, exist_ok=True)
+    size, threads = args.size_mb << 20, [int(t) for t in args.threads.split(",")]
+    path = os.path.join(args.dir, "dd.bin")
+    best: dict[str, float] = {}
+
+    def keep(name: str, value: float) -> None:
+        best[name] = max(best.get(name, 0.0), value)
+
+    for _ in range(args.loops):   # interleaved: a shared disk's noise hits every configuration alike
+        keep("dd write (1 MiB, direct)", dd(path, args.size_mb, False))
+        keep("dd read (1 MiB, direct)", dd(path, args.size_mb, True))
+        for t in threads:
+            for direct in (True, False):
+                mode = "direct" if direct else "buffered"
+                keep(f"ours write ({t} thr, {mode})", measure(args.dir, size, 1 << 20, t, False, 1, direct=direct)["GBps"])
+                keep(f"ours read ({t} thr, {mode})", measure(args.dir, size, 1 << 20, t, True, 1, direct=direct)["GBps"])
+    os.remove(path)
+    theirs = {} if args.no_upstream else upstream(os.path.join(args.dir, "up.bin"), size, threads, args.loops)
+    print(f"# {args.size_mb} MiB per transfer, {args.dir}, best of {args.loops}")
+    print(f"{'what':<34}{'GB/s':>8}")
+    for name, value in best.items():
+        print(f"{name:<34}{value:>8.2f}")
+    if "error" in theirs:
+        print(f"upstream async_io: {theirs['error']}")
+    for t, v in theirs.items() if "error" not in theirs else ():
+        print(f"{f'upstream write ({t} thr)':<34}{v['write']:>8.2f}")
+        print(f"{f'upstream read ({t} thr)':<34}{v['read']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
