@@ -38,7 +38,7 @@ def measure(folder: str, io_size: int, block_size: int, threads: int, read: bool
 
     handle = aio_handle(block_size, queue_depth, single_submit, overlap_events, threads)
     handle.use_direct = direct
-    buffer = handle.new_cpu_locked_tensor(io_size, torch.empty(0, dtype=torch.uint8))
+    buffer = handle.new_cpu_locked_tensor(io_size, torch.empty(0, dtype=torch.uint8))  # host: an I/O buffer
     buffer.random_(0, 256)
     path = os.path.join(folder, f".ds_io_{os.getpid()}.bin")
     best = float("inf")
