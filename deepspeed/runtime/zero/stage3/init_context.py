@@ -322,15 +322,17 @@ def _check_nvme_config(config: Any) -> None:
     Slices made under zero.Init(remote_device="nvme") (Lightning passes it with offload_parameters and
     nvme_path) stay in host memory, 1/N of the model per rank, until deepspeed.initialize puts each
     unit's shard in its swap file ([Note: parameter swapping]); upstream swaps them during Init. The
-    config must say where: zero_optimization.offload_param with device "nvme" and nvme_path."""
+    config must say where: zero_optimization.offload_param.nvme_path (as upstream's swapper reads it);
+    where the shards live after initialize is offload_param.device's choice (Lightning writes
+    device "cpu" unless offload_params_device="nvme")."""
     offload = {}
     if config is not None:
         from ...config.loader import load_config_dict
 
         offload = (load_config_dict(config).get("zero_optimization") or {}).get("offload_param") or {}
-    if str(offload.get("device", "")).lower() != "nvme" or not offload.get("nvme_path"):
+    if not offload.get("nvme_path"):
         raise ValueError("deepspeed.zero.Init(remote_device=\"nvme\") needs config_dict_or_path with "
-                         "zero_optimization.offload_param {\"device\": \"nvme\", \"nvme_path\": ...}; got "
+                         "zero_optimization.offload_param.nvme_path (and device \"nvme\"); got "
                          f"offload_param={offload or None}")
 
 
