@@ -352,9 +352,12 @@ def test_nvme_offload_config_errors(tmp_path):
     DeepSpeedConfig({**BASE, "zero_optimization": ok, "aio": {"thread_count": 4}}, world_size=1)
     missing = str(errors_of({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}))
     assert "zero_optimization.offload_optimizer.nvme_path: is required" in missing
-    absent = str(errors_of({"zero_optimization": {"stage": 3, "offload_optimizer": {
-        "device": "nvme", "nvme_path": str(tmp_path / "absent")}}}))
-    assert "offload_optimizer.nvme_path:" in absent and "absent' is not an existing directory" in absent
+    (tmp_path / "file").write_text("")
+    below_file = str(errors_of({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": str(tmp_path / "file" / "swap")}}}))
+    assert "offload_optimizer.nvme_path:" in below_file and "swap' is not a directory and cannot be made" in below_file
+    missing_ok = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "new" / "swap")}}
+    DeepSpeedConfig({**BASE, "zero_optimization": missing_ok}, world_size=1)   # made at initialize, as upstream
     assert "aio.use_gds: " in str(errors_of({"aio": {"use_gds": True}}))
     # offload_param nvme: the same nvme_path rules; stage 3 only (as upstream), named by key
     param = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 10}

@@ -37,15 +37,21 @@ class _OffloadCommon(DSModel):
         return self.device != "none"
 
     def _nvme_path_problems(self) -> Iterator[Problem]:
-        """`nvme_path` must name a writable directory when the device is nvme."""
+        """`nvme_path` must name a writable directory when the device is nvme, or one that can be
+        made (created at initialize, as upstream's swappers do): its nearest existing ancestor is a
+        writable directory."""
         if self.device != "nvme":
             return
         if not self.nvme_path:
             yield "nvme_path", 'is required with device: "nvme": a directory on the fast local disk to swap to'
-        elif not os.path.isdir(self.nvme_path):
-            yield "nvme_path", f"{self.nvme_path!r} is not an existing directory (create it, or name another)"
-        elif not os.access(self.nvme_path, os.W_OK | os.X_OK):
-            yield "nvme_path", f"{self.nvme_path!r} is not writable by this process"
+            return
+        existing = os.path.abspath(self.nvme_path)
+        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            yield "nvme_path", f"{self.nvme_path!r} is not a directory and cannot be made one ({existing!r} is a file)"
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            yield "nvme_path", f"{self.nvme_path!r} is not writable by this process ({existing!r})"
 
 
 class OffloadParamConfig(_OffloadCommon):
