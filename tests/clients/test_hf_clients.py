@@ -89,6 +89,15 @@ def test_accelerate_plugin_zero2_zero3_under_accelerate_launch(tmp_path):
         assert len(r["losses"]) == 20 and r["losses"][-1] < r["losses"][0], name
 
 
+@pytest.mark.slow   # another launch of the Trainer worker
+def test_trainer_zero3_nvme_offload_under_deepspeed_launcher(tmp_path):
+    """Trainer with a json config carrying the transformers docs' ZeRO-Infinity sections
+    (offload_param and offload_optimizer to "nvme", the aio section): the z2/z3 checks, resume included."""
+    result = run_under_deepspeed_launcher("hf_trainer_worker.py", tmp_path, ["z3nvme"])
+    assert len(result["z3nvme"]["losses"]) == 20
+    assert os.listdir(os.path.join(tmp_path, "nvme")) == []
+
+
 @pytest.mark.slow   # a third launch of the Accelerate worker
 def test_accelerate_plugin_zero3_nvme_offload(tmp_path):
     """`DeepSpeedPlugin(zero_stage=3, offload_optimizer_device="nvme", offload_param_device="nvme",
