@@ -59,9 +59,11 @@ def _safe_globals() -> list[Any]:
 
     from ..runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from ..runtime.zero.config import ZeroStageEnum
+    from ..runtime.zero.offload_config import OffloadDeviceEnum   # in a saved ds_config written with enum values
     from ..utils.tensor_fragment import fragment_address
 
-    return [OrderedDict, LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, torch.Size]
+    return [OrderedDict, LossScaler, DynamicLossScaler, ZeroStageEnum, OffloadDeviceEnum, fragment_address,
+            torch.Size]
 
 
 def load_file(path: str, mmap: bool = True) -> Any:

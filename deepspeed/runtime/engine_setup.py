@@ -334,8 +334,8 @@ def build_stage3_coordinator(engine: Any) -> Any:
         logger.warning(f"ZeRO-3 accumulates gradient shards in fp32: data_types.grad_accum_dtype="
                        f"{engine.precision.grad_accum_dtype} is ignored at stage 3 (docs/zero.md)")
     offload = zero.offload_param
-    offloaded = offload is not None and offload.device == "cpu"
-    return Stage3Coordinator(engine.module, persistence_threshold=zero.param_persistence_threshold,
+    offloaded = offload is not None and offload.device in ("cpu", "nvme")
+    coordinator = Stage3Coordinator(engine.module, persistence_threshold=zero.param_persistence_threshold,
                              model_persistence_threshold=zero.model_persistence_threshold,
                              group=engine.seq_data_parallel_group,
                              shard_device=torch.device("cpu") if offloaded else None,  # host: offload_param
@@ -352,6 +352,12 @@ def build_stage3_coordinator(engine: Any) -> Any:
                              param_groups={pid: c.group for pid, c in (getattr(engine, "_expert_comm", None)
                                                                         or {}).items()   # engine_moe.py
                                            if c.world < engine.seq_dp_world_size})
+    if offloaded and offload.device == "nvme":   # [Note: parameter swapping]
+        from .swap_tensor.param_swapper import attach_param_swapper
+
+        attach_param_swapper(coordinator, offload, engine._config.model.aio, engine.global_rank,
+                             engine.seq_data_parallel_group)
+    return coordinator
 
 
 def _hpz_group(engine: Any, size: int) -> Any:

@@ -3,7 +3,8 @@ in a second Trainer, then check losses, learning rates, saved weights and zero_t
 
     deepspeed --num_gpus 2 tests/clients/hf_trainer_worker.py --out DIR --variants z2,z3,z3bf16hf
 
-Variants: z2 / z3 = json config with DeepSpeed's AdamW + WarmupDecayLR (fp32); z3bf16hf = bf16,
+Variants: z2 / z3 = json config with DeepSpeed's AdamW + WarmupDecayLR (fp32); z3nvme = z3 with the
+transformers docs' ZeRO-Infinity sections (offload_param / offload_optimizer "nvme"); z3bf16hf = bf16,
 the optimizer and scheduler made by Trainer (torch AdamW, a callable `lr_scheduler`).
 """
 
@@ -26,7 +27,20 @@ VARIANTS = {
     "z2": dict(stage=2, bf16=False, ds_optim=True),
     "z3": dict(stage=3, bf16=False, ds_optim=True),
     "z3bf16hf": dict(stage=3, bf16=True, ds_optim=False),
+    "z3nvme": dict(stage=3, bf16=False, ds_optim=True),   # + ZeRO-Infinity: params and optimizer on NVMe
 }
+
+
+def nvme_offload(cfg: dict, path: str) -> dict:
+    """The transformers docs' ZeRO-Infinity sections: parameters and optimizer state to NVMe."""
+    cfg["zero_optimization"].update(
+        offload_optimizer={"device": "nvme", "nvme_path": path, "pin_memory": True, "buffer_count": 4,
+                           "fast_init": False},
+        offload_param={"device": "nvme", "nvme_path": path, "pin_memory": True, "buffer_count": 5,
+                       "buffer_size": 1e8, "max_in_cpu": 1e9})
+    cfg["aio"] = {"block_size": 262144, "queue_depth": 32, "thread_count": 1, "single_submit": False,
+                  "overlap_events": True}
+    return cfg
 
 
 def ds_config(stage: int, bf16: bool, ds_optim: bool) -> dict:
@@ -96,8 +110,11 @@ def run_variant(name: str, root: str, train, evald, script_check: bool) -> dict:
     cfg_path = os.path.join(root, name, "ds_config.json")
     if C.rank() == 0:
         os.makedirs(os.path.dirname(cfg_path), exist_ok=True)
+        cfg = ds_config(**v)
+        if name == "z3nvme":
+            cfg = nvme_offload(cfg, os.path.join(root, "nvme"))
         with open(cfg_path, "w") as f:
-            json.dump(ds_config(**v), f)
+            json.dump(cfg, f)
     torch.distributed.barrier()
 
     if name == "z3":   # inference only: initialize without an optimizer (Trainer drops those sections)
@@ -112,6 +129,8 @@ def run_variant(name: str, root: str, train, evald, script_check: bool) -> dict:
     trainer.train()
     engine = trainer.model_wrapped
     assert engine.config.get("zero_optimization", {}).get("stage") == v["stage"]
+    if name == "z3nvme":   # parameter shards and optimizer state really in swap files
+        assert engine._stage3.swapper is not None and engine.optimizer.swapper is not None
     del trainer, engine
 
     rec2 = Record()

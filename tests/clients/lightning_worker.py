@@ -46,7 +46,7 @@ def lr_lambda(step):
     return 1.0 / (1.0 + 0.1 * step)
 
 
-def cpu_strategy(module, stage):
+def cpu_strategy(module, stage, **extra):
     """Lightning's DeepSpeedStrategy, allowed on CPU: the lines a user writes."""
     from lightning.fabric.strategies.ddp import DDPStrategy as FabricDDP
     from lightning.pytorch.strategies.ddp import DDPStrategy as TrainerDDP
@@ -60,7 +60,7 @@ def cpu_strategy(module, stage):
 
     # indexed CPU devices satisfy Lightning's device-index check (tensors on cpu:i live on the CPU)
     return CPUDeepSpeedStrategy(stage=stage, parallel_devices=[torch.device("cpu", i) for i in range(WORLD)],
-                                process_group_backend="gloo")
+                                process_group_backend="gloo", **extra)
 
 
 def full_weights(engine):
@@ -136,11 +136,21 @@ def run_trainer(stage, out):
 # --------------------------------------------------------------------------------------------- Fabric
 
 
-def run_fabric(stage, out):
+def nvme_options(out):
+    """ZeRO-Infinity as Lightning spells it (its "deepspeed_stage_3_offload_nvme" preset): parameters
+    and optimizer state on NVMe, the model built under zero.Init(remote_device="nvme")."""
+    path = os.path.join(out, "nvme")
+    os.makedirs(path, exist_ok=True)
+    return {"offload_optimizer": True, "offload_optimizer_device": "nvme", "offload_parameters": True,
+            "offload_params_device": "nvme", "remote_device": "nvme", "nvme_path": path}
+
+
+def run_fabric(stage, out, nvme=False):
     import lightning.fabric.strategies.deepspeed as fab_ds
     from lightning.fabric import Fabric
 
-    fabric = Fabric(strategy=cpu_strategy(fab_ds, stage), accelerator="cpu", devices=WORLD)
+    extra = nvme_options(out) if nvme else {}
+    fabric = Fabric(strategy=cpu_strategy(fab_ds, stage, **extra), accelerator="cpu", devices=WORLD)
     fabric.launch()
     # train_micro_batch_size_per_gpu is only known to the user here (Fabric defaults it to 1)
     fabric.strategy.config["train_micro_batch_size_per_gpu"] = MICRO
@@ -174,6 +184,9 @@ def run_fabric(stage, out):
         return rows
 
     net, opt, sched, loader = setup()
+    engine = net._forward_module
+    swapping = [getattr(engine._stage3, "swapper", None) is not None, getattr(engine.optimizer, "swapper", None)
+                is not None]   # NVMe: parameter shards and optimizer state in swap files
     full = train(net, opt, sched, loader, 0, STEPS)
     weights = full_weights(net._forward_module)
     final = os.path.join(out, "final")
@@ -186,7 +199,7 @@ def run_fabric(stage, out):
     weights2 = full_weights(net._forward_module)
     if fabric.is_global_zero:
         torch.save({"full": weights, "resumed": weights2}, os.path.join(out, "weights.pt"))
-        _write(out, full=full, resumed=resumed, final=final, step10=os.path.join(out, "step10"))
+        _write(out, full=full, resumed=resumed, final=final, step10=os.path.join(out, "step10"), swapping=swapping)
 
 
 def _write(out, **result):
@@ -196,4 +209,5 @@ def _write(out, **result):
 
 if __name__ == "__main__":
     mode, stage, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    {"trainer": run_trainer, "fabric": run_fabric}[mode](stage, out)
+    {"trainer": run_trainer, "fabric": run_fabric,
+     "fabric-nvme": lambda stage, out: run_fabric(stage, out, nvme=True)}[mode](stage, out)

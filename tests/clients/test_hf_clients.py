@@ -60,6 +60,19 @@ def run_under_deepspeed_launcher(worker: str, out, variants: list[str], ranks: i
     return result
 
 
+def _accelerate_launch(out, variants: list[str]) -> dict:
+    """`accelerate launch --use_deepspeed ... hf_accelerate_worker.py --variants ...`: its RESULT dict."""
+    cmd = _command("accelerate", ["-m", "accelerate.commands.launch"])
+    if cmd[0] != sys.executable:
+        cmd.append("launch")
+    cmd += ["--use_deepspeed", "--num_processes", "2", "--num_machines", "1", "--machine_rank", "0",
+            "--main_process_port", str(_free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
+            os.path.join(HERE, "hf_accelerate_worker.py"), "--out", str(out), "--variants", ",".join(variants)]
+    result = _run(cmd)
+    assert set(result) == set(variants)
+    return result
+
+
 def test_trainer_zero2_zero3_under_deepspeed_launcher(tmp_path):
     """`deepspeed --num_gpus 2 worker.py`: Trainer with a json config; ZeRO-2 and ZeRO-3 with
     DeepSpeed's AdamW + WarmupDecayLR (fp32), ZeRO-3 bf16 with Trainer's optimizer and scheduler."""
@@ -71,13 +84,25 @@ def test_trainer_zero2_zero3_under_deepspeed_launcher(tmp_path):
 def test_accelerate_plugin_zero2_zero3_under_accelerate_launch(tmp_path):
     """`accelerate launch --use_deepspeed`: manual loop with save_state/load_state; ZeRO-2 with a
     torch optimizer and HF scheduler, ZeRO-3 with DummyOptim/DummyScheduler and zero3_init_flag."""
-    cmd = _command("accelerate", ["-m", "accelerate.commands.launch"])
-    if cmd[0] != sys.executable:
-        cmd.append("launch")
-    cmd += ["--use_deepspeed", "--num_processes", "2", "--num_machines", "1", "--machine_rank", "0",
-            "--main_process_port", str(_free_port()), "--mixed_precision", "no", "--dynamo_backend", "no",
-            os.path.join(HERE, "hf_accelerate_worker.py"), "--out", str(tmp_path), "--variants", "z2,z3"]
-    result = _run(cmd)
-    assert set(result) == {"z2", "z3"}
+    result = _accelerate_launch(tmp_path, ["z2", "z3"])
     for name, r in result.items():
         assert len(r["losses"]) == 20 and r["losses"][-1] < r["losses"][0], name
+
+
+@pytest.mark.slow   # another launch of the Trainer worker
+def test_trainer_zero3_nvme_offload_under_deepspeed_launcher(tmp_path):
+    """Trainer with a json config carrying the transformers docs' ZeRO-Infinity sections
+    (offload_param and offload_optimizer to "nvme", the aio section): the z2/z3 checks, resume included."""
+    result = run_under_deepspeed_launcher("hf_trainer_worker.py", tmp_path, ["z3nvme"])
+    assert len(result["z3nvme"]["losses"]) == 20
+    assert os.listdir(os.path.join(tmp_path, "nvme")) == []
+
+
+@pytest.mark.slow   # a third launch of the Accelerate worker
+def test_accelerate_plugin_zero3_nvme_offload(tmp_path):
+    """`DeepSpeedPlugin(zero_stage=3, offload_optimizer_device="nvme", offload_param_device="nvme",
+    offload_optimizer_nvme_path=..., offload_param_nvme_path=...)`: the same checks as z2/z3, and
+    the swap directories are gone at the end."""
+    result = _accelerate_launch(tmp_path, ["z3nvme"])
+    assert len(result["z3nvme"]["losses"]) == 20
+    assert os.listdir(os.path.join(tmp_path, "nvme")) == []

@@ -91,3 +91,15 @@ def test_lightning_fabric_deepspeed_stage3(tmp_path):
     under `fabric.init_module()` (zero.Init), `fabric.save` / `fabric.load`."""
     out = str(tmp_path)
     _check(_launch("fabric", 3, out), out)
+
+
+@pytest.mark.slow   # ~55 s on 2 shared cores
+def test_lightning_fabric_deepspeed_stage3_nvme(tmp_path):
+    """ZeRO-Infinity through Fabric: `DeepSpeedStrategy(offload_optimizer_device="nvme",
+    offload_parameters=True, offload_params_device="nvme", remote_device="nvme", nvme_path=...)`;
+    the same checks, and the swap directories are gone when the run ends."""
+    out = str(tmp_path)
+    result = _launch("fabric-nvme", 3, out)
+    assert result["swapping"] == [True, True]   # parameter shards and optimizer state in swap files
+    _check(result, out)
+    assert os.listdir(os.path.join(out, "nvme")) == []

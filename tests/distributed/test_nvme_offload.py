@@ -58,7 +58,18 @@ def test_nvme_equals_cpu_offload_and_plain_pytorch(tmp_path, stage, world):
     base = _config(micro=2, gas=2)
     nvme = run_distributed(world, _swapped_job, _nvme(base, stage, str(tmp_path)), STEPS)
     cpu = run_distributed(world, train_engine, _nvme(base, stage, str(tmp_path), "cpu"), STEPS)
-    for a, b in zip(nvme, cpu):   # the same order of operations: bit-equal
+    assert_equal_cpu_offload_and_reference(nvme, cpu, base, world)
+    for rank_result in nvme:
+        for seen in rank_result["seen"]:
+            assert seen["resident"] == [], seen   # nothing of the masters and moments left in memory
+            assert seen["on_disk"] >= seen["needed"] > 0, seen   # master + exp_avg + exp_avg_sq, in files
+        assert min(rank_result["seen"][-1]["sizes"]) < 1024, "small pieces swapped too (no 1 MiB floor)"
+
+
+def assert_equal_cpu_offload_and_reference(nvme: list, cpu: list, base: dict, world: int) -> None:
+    """NVMe results equal CPU offload's bit for bit (the same order of operations) and plain
+    PyTorch's on the same global batch (`base`: the config without offload) to 1e-6."""
+    for a, b in zip(nvme, cpu):
         assert a["losses"] == b["losses"]
         for name in b["state"]:
             assert torch.equal(a["state"][name], b["state"][name]), name
@@ -66,11 +77,6 @@ def test_nvme_equals_cpu_offload_and_plain_pytorch(tmp_path, stage, world):
     torch.testing.assert_close(torch.tensor(nvme[0]["losses"]), torch.tensor(ref_losses), rtol=1e-6, atol=1e-6)
     for name, ref in ref_state.items():
         torch.testing.assert_close(nvme[0]["state"][name], ref, rtol=1e-6, atol=1e-6, msg=name)
-    for rank_result in nvme:
-        for seen in rank_result["seen"]:
-            assert seen["resident"] == [], seen   # nothing of the masters and moments left in memory
-            assert seen["on_disk"] >= seen["needed"] > 0, seen   # master + exp_avg + exp_avg_sq, in files
-        assert min(rank_result["seen"][-1]["sizes"]) < 1024, "small pieces swapped too (no 1 MiB floor)"
 
 
 def _resume_config(world: int, path: str) -> dict:
@@ -80,12 +86,18 @@ def _resume_config(world: int, path: str) -> dict:
 
 
 def test_nvme_checkpoint_resumes_on_another_world_size_and_consolidates(tmp_path):
+    check_resume_2_to_1_and_consolidate(tmp_path, _resume_config)
+
+
+def check_resume_2_to_1_and_consolidate(tmp_path, resume_config) -> None:
+    """Saved at 2 ranks, resumed at 1 (`resume_config(world, swap_path)`), consolidated by
+    zero_to_fp32 and loaded by a CPU-offload run: the NVMe checkpoint has the CPU-offload layout."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
     swap.mkdir()
-    saved = run_distributed(2, J.save_job, _resume_config(2, str(swap)), str(ckpt))[0]
-    loaded = run_distributed(1, J.load_job, _resume_config(1, str(swap)), str(ckpt))[0]
+    saved = run_distributed(2, J.save_job, resume_config(2, str(swap)), str(ckpt))[0]
+    loaded = run_distributed(1, J.load_job, resume_config(1, str(swap)), str(ckpt))[0]
     J.assert_snap_equal(saved["snap"], loaded["snap"])
     assert J._snap_equal(saved["snap"], saved["snap_after_save"])   # saving left the state as it was
     torch.testing.assert_close(torch.tensor(loaded["post_losses"]), torch.tensor(saved["post_losses"]),
@@ -99,7 +111,7 @@ def test_nvme_checkpoint_resumes_on_another_world_size_and_consolidates(tmp_path
     J.assert_snap_equal(saved["snap"], cpu["snap"])
 
 
-def _fault_job(config: dict, fault: str) -> dict:
+def fault_job(config: dict, fault: str, swapper: str = "optimizer") -> dict:
     """Two steps, then a fault on rank 1 only (a 4 KiB file-size limit: writes cut short as on a full
     device; or its swap files deleted), then a step: every rank must raise, none may hang."""
     import resource
@@ -112,6 +124,7 @@ def _fault_job(config: dict, fault: str) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     engine, *_ = deepspeed.initialize(model=make_model(), config=copy.deepcopy(config))
+    swap_dir = (engine.optimizer if swapper == "optimizer" else engine._stage3).swapper.dir.path
     batches = list(global_batches(3, 2 * world))
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     handler = signal.getsignal(signal.SIGXFSZ)
@@ -119,7 +132,6 @@ def _fault_job(config: dict, fault: str) -> dict:
     try:
         for step, (x, y) in enumerate(batches):
             if step == 2 and rank == 1:
-                swap_dir = engine.optimizer.swapper.dir.path
                 if fault == "full":
                     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # EFBIG, as ENOSPC on a full device
                     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))   # no write past 4 KiB
@@ -135,14 +147,14 @@ def _fault_job(config: dict, fault: str) -> dict:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
         signal.signal(signal.SIGXFSZ, handler)
         engine.destroy()
-    return {"error": error, "removed": not os.path.exists(engine.optimizer.swapper.dir.path)}
+    return {"error": error, "removed": not os.path.exists(swap_dir)}
 
 
 @pytest.mark.parametrize("fault, cause", [("full", "File too large"), ("removed", "no such file")])
 def test_swap_faults_raise_on_every_rank(tmp_path, fault, cause):
     config = _nvme(_config(micro=2, gas=1), 3, str(tmp_path))
     config["zero_optimization"]["reduce_bucket_size"] = 100   # several units: large files
-    results = run_distributed(2, _fault_job, config, fault)
+    results = run_distributed(2, fault_job, config, fault)
     for rank, r in enumerate(results):
         assert r["error"] is not None, (rank, r)
         assert r["removed"], r   # engine.destroy() removed the swap directory

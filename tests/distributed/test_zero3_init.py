@@ -124,9 +124,11 @@ def test_init_module_form_and_rejected_options() -> None:
     assert all(p.numel() == 0 for p in model.parameters())
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(_full(p), q.detach(), rtol=0, atol=0, msg=name)
-    for kwargs in ({"remote_device": "nvme"}, {"zero_quantized_nontrainable_weights": True}, {"param_swapper": object()}):
+    for kwargs in ({"remote_device": "disk"}, {"zero_quantized_nontrainable_weights": True}, {"param_swapper": object()}):
         with pytest.raises(NotSupportedYet, match="zero.Init"):
             deepspeed.zero.Init(**kwargs)
+    with pytest.raises(ValueError, match=r"remote_device=\"nvme\"\) needs config_dict_or_path with zero_optimization"):
+        deepspeed.zero.Init(remote_device="nvme")   # where to swap comes from the config's offload_param
 
 
 # --- deepspeed.initialize on a model built under Init ----------------------------------------------

@@ -292,8 +292,6 @@ NOT_SUPPORTED_ZERO = [  # (zero_optimization keys when enabled, when disabled, e
     ({"mics_hierarchical_params_gather": True}, {}, "zero_optimization.mics_hierarchical_params_gather"),
     ({"zeropp_loco_param": {"err_beta": 0.8}}, {"zeropp_loco_param": None}, "zero_optimization.zeropp_loco_param"),
     ({"zenflow": {"topk_ratio": 0.1}}, {"zenflow": None}, "zero_optimization.zenflow"),
-    ({"offload_param": {"device": "nvme"}}, {"offload_param": {"device": "none"}},
-     "zero_optimization.offload_param.device"),
     ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, {"offload_optimizer": {"device": "cpu", "ratio": 1}},
      "zero_optimization.offload_optimizer.ratio"),
     ({"offload_optimizer": {"device": "cpu", "super_offload": True}}, {"offload_optimizer": {"super_offload": False}},
@@ -354,7 +352,17 @@ def test_nvme_offload_config_errors(tmp_path):
     DeepSpeedConfig({**BASE, "zero_optimization": ok, "aio": {"thread_count": 4}}, world_size=1)
     missing = str(errors_of({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}))
     assert "zero_optimization.offload_optimizer.nvme_path: is required" in missing
-    absent = str(errors_of({"zero_optimization": {"stage": 3, "offload_optimizer": {
-        "device": "nvme", "nvme_path": str(tmp_path / "absent")}}}))
-    assert "offload_optimizer.nvme_path:" in absent and "absent' is not an existing directory" in absent
+    (tmp_path / "file").write_text("")
+    below_file = str(errors_of({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": str(tmp_path / "file" / "swap")}}}))
+    assert "offload_optimizer.nvme_path:" in below_file and "swap' is not a directory and cannot be made" in below_file
+    missing_ok = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "new" / "swap")}}
+    DeepSpeedConfig({**BASE, "zero_optimization": missing_ok}, world_size=1)   # made at initialize, as upstream
     assert "aio.use_gds: " in str(errors_of({"aio": {"use_gds": True}}))
+    # offload_param nvme: the same nvme_path rules; stage 3 only (as upstream), named by key
+    param = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 10}
+    DeepSpeedConfig({**BASE, "zero_optimization": {"stage": 3, "offload_param": param}}, world_size=1)
+    missing = str(errors_of({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}))
+    assert "zero_optimization.offload_param.nvme_path: is required" in missing
+    staged = str(errors_of({"zero_optimization": {"stage": 2, "offload_param": param}}))
+    assert "zero_optimization.offload_param: parameter offload needs stage 3, got stage 2" in staged

@@ -33,12 +33,16 @@ _ALL_RANKS = ("all ranks must call save_checkpoint/load_checkpoint (not only ran
 
 def _state_resident(dirty: bool) -> Callable:
     """Run with NVMe-offloaded optimizer state read in ([Note: optimizer state swapping]; written
-    back after if `dirty`), so checkpoints read and write it as with CPU offload."""
+    back after if `dirty`), so checkpoints read and write it as with CPU offload. NVMe parameter
+    shards stream: each is read in when the writer touches it ([Note: parameter swapping])."""
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def inner(engine: Any, *args: Any, **kwargs: Any) -> Any:
             from ..swap_tensor.optimizer_swapper import resident
 
+            params = getattr(getattr(engine, "_stage3", None), "swapper", None)
+            if params is not None:   # offload_param nvme: a failed shard read/write raises on every rank first
+                params.check(f"{fn.__name__} with offload_param.device nvme")
             with resident(getattr(engine, "optimizer", None), dirty):
                 return fn(engine, *args, **kwargs)
         return inner

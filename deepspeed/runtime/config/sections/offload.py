@@ -3,7 +3,8 @@ optimizer state. Defaults are DeepSpeed 0.19.8's (runtime/zero/offload_config.py
 
 `offload_optimizer.device: "nvme"` swaps the fp32 masters and optimizer states to files under
 `nvme_path` (runtime/swap_tensor/, docs/offload.md), at ZeRO stages 1-3 (upstream: stage 3 only).
-`offload_param.device: "nvme"` is not provided yet and is rejected with a clear error.
+`offload_param.device: "nvme"` keeps ZeRO-3 parameter shards in files under `nvme_path`, at most
+`max_in_cpu` elements of them in memory (runtime/swap_tensor/param_swapper.py); stage 3 only, as upstream.
 """
 
 from __future__ import annotations
@@ -36,31 +37,35 @@ class _OffloadCommon(DSModel):
         return self.device != "none"
 
     def _nvme_path_problems(self) -> Iterator[Problem]:
-        """`nvme_path` must name a writable directory when the device is nvme."""
+        """`nvme_path` must name a writable directory when the device is nvme, or one that can be
+        made (created at initialize, as upstream's swappers do): its nearest existing ancestor is a
+        writable directory."""
         if self.device != "nvme":
             return
         if not self.nvme_path:
             yield "nvme_path", 'is required with device: "nvme": a directory on the fast local disk to swap to'
-        elif not os.path.isdir(self.nvme_path):
-            yield "nvme_path", f"{self.nvme_path!r} is not an existing directory (create it, or name another)"
-        elif not os.access(self.nvme_path, os.W_OK | os.X_OK):
-            yield "nvme_path", f"{self.nvme_path!r} is not writable by this process"
+            return
+        existing = os.path.abspath(self.nvme_path)
+        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            yield "nvme_path", f"{self.nvme_path!r} is not a directory and cannot be made one ({existing!r} is a file)"
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            yield "nvme_path", f"{self.nvme_path!r} is not writable by this process ({existing!r})"
 
 
 class OffloadParamConfig(_OffloadCommon):
     """Parameter offload; valid only with ZeRO stage 3."""
 
     def _problems(self) -> Iterator[Problem]:
-        if self.device == "nvme":
-            yield "device", not_supported('parameter offload to NVMe (offload_param.device: "nvme")',
-                                          'use offload_param.device "cpu" (offload_optimizer.device "nvme" works)')
+        yield from self._nvme_path_problems()
 
     buffer_count: Int = Field(5, ge=0)
-    """NVMe only: buffers in the parameter swap pool."""
+    """NVMe only: buffers in upstream's parameter swap pool (accepted; `max_in_cpu` bounds memory here)."""
     buffer_size: Int = Field(100_000_000, ge=0)
-    """NVMe only: elements per swap buffer."""
+    """NVMe only: elements per upstream swap buffer (accepted; shards of any size are swapped here)."""
     max_in_cpu: Int = Field(1_000_000_000, ge=0)
-    """NVMe only: parameter elements kept in CPU memory."""
+    """NVMe only: at most this many elements of parameter shards in CPU memory (at least one unit's)."""
 
 
 class OffloadOptimizerConfig(_OffloadCommon):

@@ -154,6 +154,7 @@ class Stage3Coordinator:
             unit.configure_zeropp(quantized_weights, hpz_group if unit.group is group else None)
         self._unit_set = set(self.units)
         self.prefetcher = Prefetcher(self.units, prefetch_bucket_size, max_live_parameters)
+        self.swapper: Any = None   # offload_param nvme: swap_tensor/param_swapper.py
         largest = max((u.partition.padded_numel for u in self.units if u.trainable), default=0)
         self.reducer = UnitGradReducer(group, bucket_cap(reduce_bucket_size, largest), reduce_policy, comm_dtype,
                                        quantized_gradients)
@@ -252,6 +253,8 @@ class Stage3Coordinator:
                 self._detector.__exit__(None, None, None)
                 self._accumulators = []   # the graph holds those it uses
             self.prefetcher.end(FORWARD)
+            if self.swapper is not None:   # a failed shard read gave NaN on some rank: every rank raises
+                self.swapper.check("the forward with offload_param.device nvme")
             if self._found_external:   # from the next forward, the reading modules gather them
                 self._found_external = False
                 self.replan(hooks=False)
@@ -531,6 +534,8 @@ class Stage3Coordinator:
             unit.disown()
             for name, p in zip(unit.spec.param_names, unit.params):
                 p.data = full[name]
+        if self.swapper is not None:   # its swap files go with the hooks
+            self.swapper.close()
 
 
 

@@ -317,6 +317,25 @@ def _config_settings(config: Any) -> tuple[torch.dtype | None, str | None, bool 
     return dtype, device.lower() if isinstance(device, str) else None, offload.get("pin_memory")
 
 
+def _check_nvme_config(config: Any) -> None:
+    """[Note: zero.Init with remote_device nvme]
+    Slices made under zero.Init(remote_device="nvme") (Lightning passes it with offload_parameters and
+    nvme_path) stay in host memory, 1/N of the model per rank, until deepspeed.initialize puts each
+    unit's shard in its swap file ([Note: parameter swapping]); upstream swaps them during Init. The
+    config must say where: zero_optimization.offload_param.nvme_path (as upstream's swapper reads it);
+    where the shards live after initialize is offload_param.device's choice (Lightning writes
+    device "cpu" unless offload_params_device="nvme")."""
+    offload = {}
+    if config is not None:
+        from ...config.loader import load_config_dict
+
+        offload = (load_config_dict(config).get("zero_optimization") or {}).get("offload_param") or {}
+    if not offload.get("nvme_path"):
+        raise ValueError("deepspeed.zero.Init(remote_device=\"nvme\") needs config_dict_or_path with "
+                         "zero_optimization.offload_param.nvme_path (and device \"nvme\"); got "
+                         f"offload_param={offload or None}")
+
+
 def _settings(config: Any, remote_device: Any, dtype: torch.dtype | None,
               group: Any) -> tuple[torch.dtype | None, str | None, bool | None]:
     """(config dtype, offload device, config pin_memory) from the config and the arguments. With a
@@ -364,12 +383,12 @@ class Init:
 
     Honoured: `module`, `data_parallel_group` / `mpu` / `sequence_data_parallel_group` (the
     group the parameters are split over), `remote_device` "cpu" or None (where the slices
-    live), `pin_memory` (only with CUDA), `dtype` (floating parameters cast before being
+    live; "nvme": see [Note: zero.Init with remote_device nvme]), `pin_memory` (only with CUDA), `dtype` (floating parameters cast before being
     split; else fp16/bf16 from `config_dict_or_path`, else left as built), `enabled`. Ignored:
     `mem_efficient_linear`, `zero_param_parallel_group` (hpZ's groups come from the config's
     `zero_hpz_partition_size` at initialize), `zero_quantized_weights` (qwZ quantises the engine's
-    gathers, set by the config; zero.Init's own gathers stay exact). Rejected: NVMe
-    (`remote_device="nvme"`, `param_swapper`) and `zero_quantized_nontrainable_weights`.
+    gathers, set by the config; zero.Init's own gathers stay exact). Rejected: `param_swapper`
+    (upstream's swapper object) and `zero_quantized_nontrainable_weights`.
     """
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
@@ -401,8 +420,11 @@ class Init:
         if message is not None:
             raise RuntimeError(message)
         config_dtype, device, config_pin = _settings(config, remote_device, dtype, self.group)
-        if device not in (None, "none", "cpu"):
-            raise _not_supported(f"remote_device={device!r} (only None or \"cpu\")")
+        if device not in (None, "none", "cpu", "nvme"):
+            raise _not_supported(f"remote_device={device!r} (only None, \"cpu\" or \"nvme\")")
+        if device == "nvme":   # [Note: zero.Init with remote_device nvme]
+            _check_nvme_config(config)
+            device = "cpu"
         from ....accelerator import get_accelerator
 
         self.device = torch.device(get_accelerator().current_device_name())

@@ -63,7 +63,7 @@ class _UnitMaster(MasterShard):
 
     def publish(self) -> None:
         """The updated master into the unit's shard ([Note: optimizer state swapping])."""
-        self.unit.shard.copy_(self.master)
+        self.unit.overwrite_shard(self.master)
         self.published = True
 
     def _take_changed(self, changed: torch.Tensor) -> None:
@@ -115,6 +115,8 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
     # --- the step ---------------------------------------------------------------------------
     def step(self, closure: Any = None) -> bool:
         self._refuse_step_if_offloaded()
+        if self.coordinator.swapper is not None:   # a shard read or write failed on some rank: all raise
+            self.coordinator.swapper.check("the optimizer step with offload_param.device nvme")
         with timed(self, OPTIMIZER_STEP_TIMER):   # wall_clock_breakdown (engine observer)
             applied = step_on_shards(self, self.units, "a ZeRO-3 gradient shard", self._comm_device)
         if not applied:
@@ -129,7 +131,7 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
         checkpoint load; persistent units are re-gathered."""
         for um in self.units:
             if not um.published:   # NVMe offload published each unit during the step
-                um.unit.shard.copy_(um.master)   # casts to the parameters' dtype and device
+                um.unit.overwrite_shard(um.master)   # casts to the parameters' dtype and device
             um.published = False
         self.coordinator.after_shard_update()
 

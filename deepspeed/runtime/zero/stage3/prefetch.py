@@ -26,6 +26,7 @@ the same deadline (watchdog.all_gather with start=True).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .sharded_param import ShardedUnit, ZeroParamStatus
 
@@ -51,6 +52,7 @@ class Prefetcher:
         self.units, self.bucket, self.max_live = units, prefetch_bucket_size, max_live_parameters
         self.passes = {FORWARD: _Pass(), BACKWARD: _Pass()}
         self.invalidations = 0
+        self.swapper: Any = None   # offload_param nvme: reads shards ahead along the trace (swap_tensor/)
 
     @property
     def enabled(self) -> bool:
@@ -73,6 +75,8 @@ class Prefetcher:
         p = self.passes[kind]
         p.active, p.cursor, p.ahead = True, 0, 0
         p.order, p.seen = [], set()
+        if self.swapper is not None and p.trace is not None:
+            self.swapper.read_ahead(self.units[i] for i in p.trace)
 
     def end(self, kind: str) -> None:
         """The pass ended: release unused prefetches; keep the trace only if the pass followed it."""
@@ -99,6 +103,8 @@ class Prefetcher:
         if p.cursor >= len(p.trace) or p.trace[p.cursor] != index:
             return self._invalidate(p)
         p.cursor += 1
+        if self.swapper is not None:   # shards first: the all-gathers issued next read them
+            self.swapper.read_ahead(self.units[i] for i in p.trace[p.cursor:])
         self._prefetch(p, kind)
 
     def _invalidate(self, p: _Pass) -> None:

@@ -109,6 +109,7 @@ class ShardedUnit:
         `stats`: shared with the coordinator's other units (a private one by default)."""
         self.stats = stats if stats is not None else GatherStats()
         self._pending: watchdog.PendingGather | None = None
+        self._swap: Any = None            # offload_param nvme: [Note: parameter swapping] (swap_tensor/)
         self._received: torch.Tensor | None = None   # a rank-major all-gather buffer not yet unpacked
         self.quantize_weights = False     # qwZ: [Note: qwZ quantized weight all-gather] (zero/qwz.py)
         self.secondary: SecondaryShard | None = None   # hpZ: [Note: hpZ secondary partition] (hpz.py)
@@ -166,6 +167,42 @@ class ShardedUnit:
             self._free()
         elif adopted:   # the zero.Init pieces are in the shard only
             self.refresh()
+
+    # --- the shard (in a swap file with offload_param nvme) ----------------------------------
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's slice; with NVMe offload read in first ([Note: parameter swapping])."""
+        if self._swap is not None:
+            self._swap.ensure(self)
+        return self._shard
+
+    @shard.setter
+    def shard(self, value: torch.Tensor) -> None:
+        if self._swap is not None:
+            raise RuntimeError(f"ZeRO-3: {self}'s shard lives in a swap file (offload_param nvme); it cannot be "
+                               f"replaced (offload_states is not supported with NVMe parameter offload)")
+        self._shard = value
+
+    @property
+    def raw_shard(self) -> torch.Tensor:
+        """The shard tensor as it is now (a placeholder when swapped out): for the swapper."""
+        return self._shard
+
+    def attach_swapper(self, swapper: Any) -> None:
+        self._swap = swapper
+
+    def bind_shard_storage(self, tensor: torch.Tensor) -> None:
+        """The swapper moved the shard: `shard` (the same object) and `ds_tensor` now view `tensor`."""
+        self._shard.set_(tensor)
+        for i, p in enumerate(self.params):
+            if "ds_tensor" in p.__dict__:
+                p.ds_tensor.data = self.layout.piece(self._shard, i)
+
+    def overwrite_shard(self, values: torch.Tensor) -> None:
+        """`shard` := `values` (cast), all of it: swapped-out shards are not read first."""
+        if self._swap is not None:
+            self._swap.fresh(self)
+        self._shard.copy_(values)
 
     # --- compat attributes ------------------------------------------------------------------
     def _publish_compat_attrs(self) -> None:
@@ -263,7 +300,7 @@ class ShardedUnit:
             self._received = None
             self._exact, self._primary = secondary.exact, False
             return secondary.gather_into(self.flat, self.spec, phase, start)
-        shard = self.shard.to(self.flat.device)
+        shard = self.shard.detach().to(self.flat.device)   # its own reference: a swap may rebind `shard`
         quantize = self.quantize_weights and not exact and ds_comm.is_initialized() and shard.numel() > 0
         self._exact, self._primary = not quantize, True
         gather = watchdog.quantized_all_gather if quantize else watchdog.gather_or_copy
