@@ -134,7 +134,9 @@ def faulty_save_job(cfg: dict, save_dir: str, fault: str, victim: int) -> dict:
     tag = "bad"
     if fault == "tag" and mine:
         tag = "bad/tag"
-    with patched(files, "_write", disk_full, mine and fault == "write"):
+    real_optim_file = files.optim_file
+    with patched(files, "_write", disk_full, mine and fault == "write"), \
+            patched(files, "optim_file", lambda dp, **kw: real_optim_file(0, **kw), fault == "clash"):  # one name
         def save():
             engine.save_checkpoint(save_dir, tag=tag)
             engine.wait_for_checkpoint()  # a background save reports here

@@ -117,6 +117,19 @@ def test_tag_bad_on_one_rank_raises_on_every_rank(tmp_path):
     assert all(r["listing"] == ["good", "latest", "zero_to_fp32.py"] for r in results)
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
+def test_ranks_writing_the_same_file_are_refused_by_name(tmp_path, background):
+    """A layout that gives two ranks the same file names (as SP x TP once did with mp_rank_00) is
+    refused on every rank, naming the file and the ranks, before anything is written."""
+    cfg = _cfg(2, checkpoint={"async_save": background})
+    results = run_distributed(2, F.faulty_save_job, cfg, str(tmp_path), "clash", 0, timeout=BOUND_S * 2)
+    for r in results:
+        assert r["type"] == "CheckpointError", r
+        assert "several ranks would write the same file" in r["message"], r
+        assert "zero_pp_rank_0_mp_rank_00_optim_states.pt by ranks [0, 1]" in r["message"], r
+        assert r["listing"] == ["good", "latest", "zero_to_fp32.py"] and r["latest_after"] == "after", r
+
+
 def test_write_failure_on_one_of_four_ranks_raises_on_every_rank(tmp_path):
     results = run_distributed(4, F.faulty_save_job, _cfg(2, 4), str(tmp_path), "write", 2, timeout=BOUND_S * 3)
     _assert_agreed(results, 2, "No space left on device")

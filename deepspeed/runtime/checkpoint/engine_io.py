@@ -135,8 +135,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         entries.append((f"rng_state_{rank}.pt", rng_state()))
         return SaveJob(save_dir, tag, rank, ds_comm.get_world_size(), entries, save_latest, prepare=later)
 
-    def written() -> SaveJob:
-        job = snapshot()
+    def written(job: SaveJob) -> SaveJob:
         try:
             job.write(durable=False)  # [Note: durable later]
         except BaseException:
@@ -145,12 +144,14 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         return job
 
     discard = lambda: files.discard_staging(save_dir, tag)  # noqa: E731
+    job, names = agreed_gather(f"{what}: snapshot of {save_dir}/{tag}",
+                               lambda: (lambda j: (j, [n for n, _ in j.entries]))(snapshot()), cleanup=discard)
+    _refuse_clashing_names(job, names, discard)
     if background:  # [Note: background save]
-        job = agreed(f"{what}: snapshot of {save_dir}/{tag}", snapshot, cleanup=discard)
         engine._pending_checkpoint = PendingSave(job)
         log_dist(f"Saving checkpoint {os.path.join(save_dir, tag)} in the background", ranks=[0])
         return True
-    job = agreed(f"{what}: writing {save_dir}/{tag}", written, cleanup=discard)
+    job = agreed(f"{what}: writing {save_dir}/{tag}", lambda: written(job), cleanup=discard)
     try:
         agreed(f"{what}: publishing {save_dir}/{tag}",   # flushed by make_durable below
                lambda: job.publish(durable=not files.FSYNC) if rank == 0 else None)
@@ -163,6 +164,23 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         job.close()
     log_dist(f"Saved checkpoint {os.path.join(save_dir, tag)}", ranks=[0])
     return True
+
+
+def _refuse_clashing_names(job: SaveJob, names: list[list[str]], discard: Callable[[], Any]) -> None:
+    """Two ranks about to write the same file would overwrite each other's (and the staging rename
+    then fails with an unrelated error): refuse by name, on every rank alike (all see `names`)."""
+    owners: dict[str, list[int]] = {}
+    for rank, mine in enumerate(names):
+        for name in mine:
+            owners.setdefault(name, []).append(rank)
+    clashes = {name: ranks for name, ranks in owners.items() if len(ranks) > 1}
+    if clashes:
+        job.close()
+        if job.rank == 0:
+            discard()
+        shown = "; ".join(f"{name} by ranks {ranks}" for name, ranks in sorted(clashes.items())[:4])
+        raise files.CheckpointError(f"save_checkpoint: several ranks would write the same file ({shown}): their "
+                                    "layout gives them the same mp_rank / dp_rank; nothing was written")
 
 
 @_state_resident(dirty=False)
