@@ -74,10 +74,14 @@ def setup_moe(engine: Any) -> None:
     stage = int(engine._config.model.zero_optimization.stage)
     if stage == 3 and max(sizes.values()) > 1:
         _check_zero3(engine, max(sizes.values()), experts)
-    if engine._split is not None or engine.sequence_parallel_size > 1 or engine.mpu is not None:
+    folded = [m for m in engine.moe_layers if getattr(m, "tensor_fold", None) is not None]
+    if folded and len(folded) != len(engine.moe_layers):
+        raise NotSupportedYet("MoE layers of your own next to AutoEP's under tensor_parallel.autotp_size: only "
+                              "AutoEP's layers split their tokens over the tensor peers ([Note: EP x TP folding])")
+    if not folded and (engine._split is not None or engine.sequence_parallel_size > 1 or engine.mpu is not None):
         raise NotSupportedYet(f"MoE layers (ep_size {sorted(sizes.values())}) with tensor, sequence or pipeline "
-                              "parallelism or a client mpu: expert parallelism combines with data parallelism and "
-                              "ZeRO 0-3 only in this build")
+                              "parallelism or a client mpu: expert parallelism combines with data parallelism, "
+                              "ZeRO 0-3 and (AutoEP) tensor_parallel.autotp_size only in this build")
     use_data_before = bool(engine.config.get("use_data_before_expert_parallelism", False))
     for layer in engine.moe_layers:
         try:
@@ -89,10 +93,13 @@ def setup_moe(engine: Any) -> None:
             groups._create_expert_and_data_parallel(sizes[name], use_data_before_expert_parallel_=use_data_before)
     from .grad_reducer import CommGroup
 
-    comm = {name: CommGroup(name, groups._get_expert_data_parallel_group(name),
-                            groups._get_expert_data_parallel_world_size(name),
-                            groups._get_expert_data_parallel_rank(name)) for name in names}
+    holders = {name: groups._get_expert_holders_group(name) for name in names}   # [Note: EP x TP folding]
+    comm = {name: CommGroup(name, group, len(ranks), ranks.index(ds_comm.get_rank()))
+            for name, (ranks, group) in holders.items()}
     engine._expert_comm = {id(p): comm[str(p.group_name)] for p in experts}
+    if folded:
+        _split_for_tensor_experts(engine, stage, [comm[name].rank for name in names])
+        return
     parallel = {s for s in sizes.values() if s > 1}
     if stage == 0 and parallel:   # whole gradients on every rank: [Note: expert gradients]
         if len(parallel) > 1 and engine._config.model.gradient_clipping > 0:
@@ -103,6 +110,24 @@ def setup_moe(engine: Any) -> None:
         name = f"ep_size_{max(parallel)}"
         engine._split = SplitModel(groups._get_expert_parallel_group(name),
                                    expert_rank=groups._get_expert_parallel_rank(name))
+
+
+def _split_for_tensor_experts(engine: Any, stage: int, holder_ranks: list[int]) -> None:
+    """The norm under EP x TP ([Note: EP x TP folding]): at ZeRO 1/2 each expert element lives on one
+    of its holders, so every rank counts its expert shards (the dense ones as AutoTP counts them);
+    without ZeRO every holder has the whole expert, so the norm sums over the world and only the first
+    holder counts an expert, only data rank 0 a dense parameter."""
+    from dataclasses import replace
+
+    split = engine._split
+    if stage >= 1:
+        engine._split = replace(split, expert_counted=True)
+        return
+    if len(set(holder_ranks)) > 1:
+        raise NotSupportedYet("AutoEP layers of several autoep_size under tensor_parallel.autotp_size at "
+                              "zero_optimization.stage 0: use one autoep_size, or ZeRO stage 1 or 2")
+    data_rank = ds_comm.get_rank(engine.seq_data_parallel_group) if engine.seq_dp_world_size > 1 else 0
+    engine._split = replace(split, model_group=None, data_rank=data_rank, expert_counted=holder_ranks[0] == 0)
 
 
 def _check_zero3(engine: Any, ep: int, experts: list[nn.Parameter]) -> None:

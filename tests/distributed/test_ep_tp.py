@@ -1,0 +1,54 @@
+"""Expert parallelism x tensor parallelism ([Note: EP x TP folding] in deepspeed/moe/tp_tokens.py): AutoEP
+(`expert_parallel.autoep_size`) with AutoTP (`tensor_parallel.autotp_size`) on 4 gloo ranks (tp 2 x ep 2,
+dp 2) against one process on the unsharded model and the same global batch (eptp_jobs.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eptp_jobs import reference, refused, train_autoep_autotp
+from harness import run_distributed
+
+STEPS, LR, CLIP = 3, 0.1, 0.5   # every step clips (the norms are 1.5-2.7): a norm off by any factor moves the weights
+
+
+def _check(kind: str, stage: int) -> None:
+    ref = reference(kind, STEPS, 2, LR, CLIP)
+    results = run_distributed(4, train_autoep_autotp, kind, STEPS, 2, 2, stage, LR, CLIP)
+    # the folded layout (upstream's): expert groups = runs of 2 consecutive ranks (here the tensor pairs)
+    assert [r["ep_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["edp_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["dp_rank"] for r in results] == [0, 0, 1, 1]
+    for step in range(STEPS):   # the global loss: the mean of the data shards' (equal token counts)
+        loss = (results[0]["losses"][step] + results[2]["losses"][step]) / 2
+        assert loss == pytest.approx(ref["losses"][step], rel=1e-5)
+        for r in results:
+            assert r["norms"][step] == pytest.approx(ref["norms"][step], rel=1e-5), (step, r["norms"], ref["norms"])
+    assert min(ref["norms"]) > CLIP
+    for r in results:
+        assert sorted(r["state"]) == sorted(ref["state"])
+        for name, want in ref["state"].items():
+            torch.testing.assert_close(r["state"][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kind,stage", [("mixtral", 2), ("qwen3_moe", 0)])
+def test_autoep_autotp_matches_one_process(kind: str, stage: int) -> None:
+    """Losses per step, the clipped global norm (experts, TP shards and TP-replicated parameters each
+    counted once) and the final whole weights equal one process's, fp32, at rel 1e-5."""
+    _check(kind, stage)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,stage", [("mixtral", 0), ("mixtral", 1), ("qwen3_moe", 2)])
+def test_autoep_autotp_matches_one_process_more(kind: str, stage: int) -> None:
+    _check(kind, stage)
+
+
+def test_autoep_autotp_refusals() -> None:
+    """What does not combine is refused on every rank, at initialize, naming both dims."""
+    for errors in (run_distributed(4, refused, "mixtral", 2, 2, 3, {}),):
+        assert len(set(errors)) == 1 and "NotSupportedYet" in errors[0], errors
+        assert all(k in errors[0] for k in ("autoep_size=2", "autotp_size=2", "stage 3")), errors[0]
+    errors = run_distributed(4, refused, "mixtral", 2, 2, 1, {"sequence_parallel_size": 2})
+    assert len(set(errors)) == 1 and "sequence_parallel_size=2" in errors[0] and "autoep_size=2" in errors[0], errors
