@@ -37,6 +37,7 @@ class SplitModel:
     expert_rank: int = 0
     data_rank: int = 0   # `model_group` spans the data replicas too: dense parameters count on data rank 0
     expert_counted: Optional[bool] = None   # experts under tensor parallelism ([Note: EP x TP folding])
+    experts_see_all_tokens: bool = False   # MoE's tensor-parallel experts: as dense parameters over the tensor group
 
 
 def counted_in_norm(param: torch.Tensor, split: "SplitModel | None" = None) -> bool:
@@ -44,7 +45,8 @@ def counted_in_norm(param: torch.Tensor, split: "SplitModel | None" = None) -> b
         return False
     expert = hasattr(param, "allreduce") and not param.allreduce   # deepspeed.moe.utils.is_moe_param
     if split is not None and split.expert_counted is not None and expert:
-        return split.expert_counted
+        return split.expert_counted and (not split.experts_see_all_tokens or split.tensor_rank == 0 or
+                                         is_model_parallel_parameter(param))
     if split is not None and split.data_rank != 0:
         return False
     if split is not None and split.expert_rank != 0:

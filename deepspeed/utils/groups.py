@@ -259,6 +259,7 @@ def _create_expert_and_data_parallel(expert_parallel_size_: int, mp_size: int | 
 def _create_expert_data_and_model_parallel(expert_parallel_size_: int, mpu: Any,
                                            use_data_before_expert_parallel_: bool = False) -> None:
     """Expert groups for a Megatron-style `mpu`: its tensor (and pipeline) degrees lay out the mesh."""
+    global expert_tensor_parallel_world_size
     globals()["mpu"] = mpu
     tensor = int(mpu.get_tensor_model_parallel_world_size()) if hasattr(
         mpu, "get_tensor_model_parallel_world_size") else int(mpu.get_model_parallel_world_size())
@@ -266,6 +267,16 @@ def _create_expert_data_and_model_parallel(expert_parallel_size_: int, mpu: Any,
         mpu, "get_pipeline_model_parallel_world_size") else 1
     mesh = _expert_mesh(tensor=tensor, pipe=pipe)
     mesh.expert_groups(int(expert_parallel_size_), use_data_before_expert_parallel_)
+    expert_tensor_parallel_world_size = tensor
+
+
+expert_tensor_parallel_world_size = 1   # upstream's: the experts' own tensor-parallel size (MoE with an mpu)
+
+
+def _get_expert_model_parallel_world_size() -> int:
+    """The tensor-parallel size of the experts themselves: the mpu's with
+    `enable_expert_tensor_parallelism`, else 1 (upstream's accessor)."""
+    return expert_tensor_parallel_world_size
 
 
 def _expert(group_name: str, data: bool = False) -> tuple[list[int], Any]:
