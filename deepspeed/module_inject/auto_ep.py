@@ -94,9 +94,26 @@ def apply_autoep(model: nn.Module, section: dict, ep_size: int, *, broadcast_gro
             same_experts(original, (plan.w1, plan.w2))
             _set_child(model, plan.experts_name,
                        ExpertParallelExperts(original, plan.w1, plan.w2, plan.num_experts, ep_size, rank, group))
+    handles = _folding_handles(spec, name, tensor_fold) if tensor_fold is not None else None
     for layer in autoep_layers(model):
-        layer.tensor_fold = tensor_fold
+        layer.tensor_fold, layer.folding_group_handles = tensor_fold, handles
+        layer.tp_group = tensor_fold[0] if tensor_fold is not None else None
     return plans
+
+
+def _folding_handles(spec: Any, name: str, tensor_fold: tuple) -> Any:
+    """This rank's groups of the folded layout, as upstream's FoldingGroupHandles."""
+    from ..runtime import mesh
+    from ..utils import groups
+    from .auto_ep_folding import FoldingGroupHandles
+
+    parallel = mesh.current()
+    return FoldingGroupHandles(spec=spec, tp_group=tensor_fold[0], dense_dp_group=parallel.group("data"),
+                               ep_group=groups._get_expert_parallel_group(name),
+                               edp_group=groups._get_expert_data_parallel_group(name), ep_group_name=name,
+                               tp_ranks=tuple(parallel.ranks("tensor")), dense_dp_ranks=tuple(parallel.ranks("data")),
+                               ep_ranks=tuple(groups._get_expert_parallel_group_ranks(name)),
+                               edp_ranks=tuple(groups._get_expert_data_parallel_group_ranks(name)))
 
 
 def _replace_blocks(model: nn.Module, section: dict, ep_size: int, rank: int, group: Any, same_experts: Any,

@@ -129,6 +129,8 @@ class _WholeExpertState:
     num_experts, num_local_experts, first_expert, ep_size, ep_group; call _whole_expert_state()."""
 
     tensor_fold: Optional[tuple] = None   # (tensor group, size, rank) under AutoTP: [Note: EP x TP folding]
+    folding_group_handles: Any = None   # auto_ep_folding.FoldingGroupHandles under AutoTP (upstream's attribute)
+    tp_group: Any = None
 
     def _whole_expert_state(self) -> None:
         self._register_state_dict_hook(_WholeExpertState._gather_hook)
@@ -348,10 +350,20 @@ class AutoEPMoELayer(_WholeExpertState, nn.Module):
             if dense is not None:
                 _mark(dense.parameters(), "replicated")
 
-    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """Build (or find) the `ep_size_<ep>` expert groups and take this rank's EP group."""
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False,
+                                  folding_group_handles: Any = None) -> None:
+        """Build (or find) the `ep_size_<ep>` expert groups and take this rank's EP group; with
+        `folding_group_handles` (auto_ep_folding.FoldingGroupHandles) take its groups, and under
+        tp > 1 split the tokens over its tensor group ([Note: EP x TP folding])."""
         from ..utils import groups
 
+        if folding_group_handles is not None:
+            handles = folding_group_handles
+            self.folding_group_handles, self.ep_group, self.tp_group = handles, handles.ep_group, handles.tp_group
+            self.ep_group_name = self.expert_group_name = handles.ep_group_name
+            tp = int(handles.spec.tp_size)
+            self.tensor_fold = (handles.tp_group, tp, ds_comm.get_rank(group=handles.tp_group)) if tp > 1 else None
+            return
         if self.ep_group_name not in groups._get_expert_parallel_group_dict():
             groups._create_expert_and_data_parallel(self.ep_size,
                                                     use_data_before_expert_parallel_=use_data_before_expert_parallel_)
