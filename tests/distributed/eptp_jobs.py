@@ -202,31 +202,17 @@ def train_moe_mpu(steps: int, tp: int, ep: int, stage: int, lr: float, clip: flo
     return result
 
 
-def autoep_autotp_resume(kind: str, save_dir: str, stage: int) -> dict:
-    """Train 2 steps, save_checkpoint, train 1 more; a fresh engine loads the checkpoint and trains the same
-    step: the losses and whole weights of the two third steps."""
+
+def autoep_autotp_save_refused(kind: str, save_dir: str) -> str:
+    """save_checkpoint under AutoEP x AutoTP: the error on this rank (refused alike on every rank)."""
     import deepspeed
-    from deepspeed.module_inject.layers import GatherReplacedLayerParams
 
-    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6, "zero_optimization": {"stage": stage},
-              "gradient_clipping": 0.5, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
-              "tensor_parallel": {"autotp_size": 2},
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "tensor_parallel": {"autotp_size": 2},
               "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": kind}}
-
-    def third(engine) -> tuple:
-        ids = batch(2, engine.get_data_parallel_rank())
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        with GatherReplacedLayerParams(list(engine.module.parameters()), engine.module, enabled=True):
-            return loss.item(), {k: v.clone() for k, v in engine.module.state_dict().items()}
-
     engine, *_ = deepspeed.initialize(model=_model(kind), config=config)
-    train_steps(engine, 2, engine.get_data_parallel_rank())
-    engine.save_checkpoint(save_dir)
-    want = third(engine)
-    fresh, *_ = deepspeed.initialize(model=_model(kind), config=config)
-    fresh.load_checkpoint(save_dir)
-    got = third(fresh)
-    worst = max(((got[1][k] - v).abs().max() / v.abs().max().clamp(min=1e-12)).item() for k, v in want[1].items())
-    return {"loss": (want[0], got[0]), "worst": worst}
+    try:
+        engine.save_checkpoint(save_dir)
+    except Exception as exc:   # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return ""
