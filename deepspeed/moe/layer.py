@@ -74,14 +74,14 @@ class MoE(nn.Module):
                                   f"autotp_size={groups.get_tensor_model_parallel_world_size()}): AutoTP would slice "
                                   "the experts' Linear layers; use AutoEP (expert_parallel) for MoE models under "
                                   "AutoTP, or pass your Megatron-style mpu")
-        if self.expert_group_name not in groups._expert_names():
-            if tensor_parallel > 1 and self.enable_expert_tensor_parallelism:
-                groups._create_expert_data_and_model_parallel(
-                    self.ep_size, mpu, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
-            else:
-                groups._create_expert_and_data_parallel(
-                    self.ep_size, mp_size=tensor_parallel,
-                    use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        # every call (idempotent for one layout): another engine may have left another layout (runtime/mesh.py)
+        if tensor_parallel > 1 and self.enable_expert_tensor_parallelism:
+            groups._create_expert_data_and_model_parallel(
+                self.ep_size, mpu, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        else:
+            groups._create_expert_and_data_parallel(
+                self.ep_size, mp_size=tensor_parallel,
+                use_data_before_expert_parallel_=use_data_before_expert_parallel_)
         self.deepspeed_moe._set_ep_group(groups._get_expert_parallel_group(self.expert_group_name))
         if tensor_parallel > 1 and not self.enable_expert_tensor_parallelism:
             self.deepspeed_moe.tensor_fold = (groups._get_model_parallel_group(), tensor_parallel,

@@ -76,6 +76,7 @@ class ParallelMesh:
         self._experts: dict[str, tuple[tuple[list[int], Any], tuple[list[int], Any]]] = {}
         self._hpz: dict[int, tuple[list[int], Any]] = {}
         self._expert_holders: dict[str, tuple[list[int], Any]] = {}
+        self._expert_layouts: dict[str, str] = {}
         for axes in self.names.values():   # eagerly, in the same order on every rank
             self._build(axes)
 
@@ -99,6 +100,10 @@ class ParallelMesh:
         upstream's `ep_size_<n>`. `folded`: AutoEP+AutoTP's layout, expert groups folded over the
         tensor dim too ([Note: EP x TP folding] in moe/tp_tokens.py)."""
         name = f"ep_size_{expert_size}"
+        layout = "folded" if folded else "data_before_expert" if data_before_expert else "expert_before_data"
+        if self._expert_layouts.get(name, layout) != layout:   # another engine's layout: build this one anew
+            self._experts.pop(name)
+        self._expert_layouts[name] = layout
         if name not in self._experts:
             experts, replicas = (folded_expert_rank_groups(self.topology, expert_size) if folded else
                                  expert_rank_groups(self.topology, expert_size, data_before_expert))

@@ -46,7 +46,7 @@ def test_autoep_autotp_matches_one_process(kind: str, stage: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,stage", [("mixtral", 0), ("mixtral", 1), ("qwen3_moe", 2)])
+@pytest.mark.parametrize("kind,stage", [("mixtral", 1)])
 def test_autoep_autotp_matches_one_process_more(kind: str, stage: int) -> None:
     _check(kind, stage)
 
