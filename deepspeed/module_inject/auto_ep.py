@@ -19,7 +19,7 @@ from torch import nn
 from .. import comm as ds_comm
 from ..moe.fused_expert_layout import classify_fused_gate_up_layout
 from .auto_ep_layer import AutoEPMoELayer, ExpertParallelExperts, autoep_layers
-from .auto_ep_plan import BlockPlan, NeedsBlockReplacement, build_plan
+from .auto_ep_plan import NeedsBlockReplacement, build_plan
 from .auto_ep_presets.base import MoELayerSpec
 from .auto_ep_presets.registry import get_preset_adapter, resolve_preset_candidates
 
@@ -43,12 +43,14 @@ def _broadcast(t: torch.Tensor, src: int, group: Any) -> None:
 
 
 def apply_autoep(model: nn.Module, section: dict, ep_size: int, *, broadcast_group: Any = None,
-                 use_data_before_expert_parallel: bool = False) -> list[BlockPlan]:
+                 use_data_before_expert_parallel: bool = False, tensor_fold: Optional[tuple] = None) -> list:
     """Shard `model`'s MoE experts over `ep_size` ranks in place ([Note: the AutoEP plan]); returns
     the plan. Collective (every rank, same arguments): builds the `ep_size_<ep>` expert groups and
     first broadcasts each fused expert tensor from the first rank of `broadcast_group` (the whole
     world when None), so every EP rank cuts its slice from the same experts, as AutoTP does. A model
-    already swapped for this `ep_size` is left as it is."""
+    already swapped for this `ep_size` is left as it is. `tensor_fold` = (tensor group, size, rank)
+    under AutoTP: the expert groups fold over the tensor dim and each tensor peer routes its share of
+    the tokens ([Note: EP x TP folding] in moe/tp_tokens.py)."""
     done = autoep_layers(model)
     if done:
         if any(layer.ep_size != ep_size for layer in done):
@@ -66,7 +68,14 @@ def apply_autoep(model: nn.Module, section: dict, ep_size: int, *, broadcast_gro
     world = ds_comm.get_world_size()
     if world % ep_size:
         raise ValueError(f"expert_parallel.autoep_size={ep_size} must divide the world size {world}")
-    groups._create_expert_and_data_parallel(ep_size, use_data_before_expert_parallel_=use_data_before_expert_parallel)
+    if tensor_fold is not None:
+        from .auto_ep_folding import build_folding_spec
+
+        spec = build_folding_spec(world_size=world, pp_size=1, tp_size=int(tensor_fold[1]), ep_size=ep_size)
+        groups._create_expert_and_data_parallel(ep_size, folding_spec=spec)
+    else:
+        groups._create_expert_and_data_parallel(ep_size,
+                                                use_data_before_expert_parallel_=use_data_before_expert_parallel)
     name = f"ep_size_{ep_size}"
     group, rank = groups._get_expert_parallel_group(name), groups._get_expert_parallel_rank(name)
     src = ds_comm.get_global_rank(broadcast_group, 0) if broadcast_group is not None else 0
@@ -78,13 +87,33 @@ def apply_autoep(model: nn.Module, section: dict, ep_size: int, *, broadcast_gro
                 _broadcast(getattr(experts, w).data, src, broadcast_group)
 
     if swap_error is not None:
-        return _replace_blocks(model, section, ep_size, rank, group, same_experts, swap_error)
-    for plan in plans:
-        original = model.get_submodule(plan.experts_name)
-        same_experts(original, (plan.w1, plan.w2))
-        _set_child(model, plan.experts_name,
-                   ExpertParallelExperts(original, plan.w1, plan.w2, plan.num_experts, ep_size, rank, group))
+        plans = _replace_blocks(model, section, ep_size, rank, group, same_experts, swap_error)
+    else:
+        for plan in plans:
+            original = model.get_submodule(plan.experts_name)
+            same_experts(original, (plan.w1, plan.w2))
+            _set_child(model, plan.experts_name,
+                       ExpertParallelExperts(original, plan.w1, plan.w2, plan.num_experts, ep_size, rank, group))
+    handles = _folding_handles(spec, name, tensor_fold) if tensor_fold is not None else None
+    for layer in autoep_layers(model):
+        layer.tensor_fold, layer.folding_group_handles = tensor_fold, handles
+        layer.tp_group = tensor_fold[0] if tensor_fold is not None else None
     return plans
+
+
+def _folding_handles(spec: Any, name: str, tensor_fold: tuple) -> Any:
+    """This rank's groups of the folded layout, as upstream's FoldingGroupHandles."""
+    from ..runtime import mesh
+    from ..utils import groups
+    from .auto_ep_folding import FoldingGroupHandles
+
+    parallel = mesh.current()
+    return FoldingGroupHandles(spec=spec, tp_group=tensor_fold[0], dense_dp_group=parallel.group("data"),
+                               ep_group=groups._get_expert_parallel_group(name),
+                               edp_group=groups._get_expert_data_parallel_group(name), ep_group_name=name,
+                               tp_ranks=tuple(parallel.ranks("tensor")), dense_dp_ranks=tuple(parallel.ranks("data")),
+                               ep_ranks=tuple(groups._get_expert_parallel_group_ranks(name)),
+                               edp_ranks=tuple(groups._get_expert_data_parallel_group_ranks(name)))
 
 
 def _replace_blocks(model: nn.Module, section: dict, ep_size: int, rank: int, group: Any, same_experts: Any,

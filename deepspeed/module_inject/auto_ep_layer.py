@@ -35,6 +35,7 @@ from torch import nn
 from .. import comm as ds_comm
 from ..moe.ep_count import count_tokens_per_expert
 from ..moe.ep_kernels import group_by_expert, inverse_permutation, local_ids_by_source
+from ..moe.tp_tokens import join_over_tensor, share_of, split_over_tensor
 
 # Upstream's name for deepspeed.comm in this module (its tests reach `auto_ep_layer.dist`): the same module object.
 dist = ds_comm
@@ -127,6 +128,10 @@ class _WholeExpertState:
     tensors (keeping this rank's experts) or this rank's slice. Needs expert_param_names(),
     num_experts, num_local_experts, first_expert, ep_size, ep_group; call _whole_expert_state()."""
 
+    tensor_fold: Optional[tuple] = None   # (tensor group, size, rank) under AutoTP: [Note: EP x TP folding]
+    folding_group_handles: Any = None   # auto_ep_folding.FoldingGroupHandles under AutoTP (upstream's attribute)
+    tp_group: Any = None
+
     def _whole_expert_state(self) -> None:
         self._register_state_dict_hook(_WholeExpertState._gather_hook)
         self._register_load_state_dict_pre_hook(self._slice_hook)
@@ -205,6 +210,15 @@ class ExpertParallelExperts(_WholeExpertState, nn.Module):
         return ordered[torch.argsort(order)]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.tensor_fold is not None:   # [Note: EP x TP folding]: this tensor peer's share of the tokens
+            fold, total = self.tensor_fold, hidden_states.shape[0]
+            out = self._routed(split_over_tensor(hidden_states, *fold), share_of(top_k_index, *fold[1:]),
+                               split_over_tensor(top_k_weights, *fold))
+            return join_over_tensor(out, *fold, total)
+        return self._routed(hidden_states, top_k_index, top_k_weights)
+
+    def _routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
@@ -336,10 +350,20 @@ class AutoEPMoELayer(_WholeExpertState, nn.Module):
             if dense is not None:
                 _mark(dense.parameters(), "replicated")
 
-    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """Build (or find) the `ep_size_<ep>` expert groups and take this rank's EP group."""
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False,
+                                  folding_group_handles: Any = None) -> None:
+        """Build (or find) the `ep_size_<ep>` expert groups and take this rank's EP group; with
+        `folding_group_handles` (auto_ep_folding.FoldingGroupHandles) take its groups, and under
+        tp > 1 split the tokens over its tensor group ([Note: EP x TP folding])."""
         from ..utils import groups
 
+        if folding_group_handles is not None:
+            handles = folding_group_handles
+            self.folding_group_handles, self.ep_group, self.tp_group = handles, handles.ep_group, handles.tp_group
+            self.ep_group_name = self.expert_group_name = handles.ep_group_name
+            tp = int(handles.spec.tp_size)
+            self.tensor_fold = (handles.tp_group, tp, ds_comm.get_rank(group=handles.tp_group)) if tp > 1 else None
+            return
         if self.ep_group_name not in groups._get_expert_parallel_group_dict():
             groups._create_expert_and_data_parallel(self.ep_size,
                                                     use_data_before_expert_parallel_=use_data_before_expert_parallel_)
@@ -357,8 +381,12 @@ class AutoEPMoELayer(_WholeExpertState, nn.Module):
         if self.ep_size > 1 and self.ep_group is None:
             raise RuntimeError(f"AutoEPMoELayer (autoep_size={self.ep_size}): call set_deepspeed_parallelism() "
                                "(deepspeed.initialize does) before the forward")
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        top_scores, selected, counts = self.router(x)
+        full = hidden_states.reshape(-1, hidden_states.shape[-1])
+        top_scores, selected, counts = self.router(full)
+        x, fold = full, self.tensor_fold
+        if fold is not None:   # [Note: EP x TP folding]: this tensor peer's share of the tokens
+            x, top_scores = split_over_tensor(full, *fold), split_over_tensor(top_scores, *fold)
+            selected, counts = share_of(selected, *fold[1:]), None
         flat = selected.reshape(-1)
         order = torch.argsort(flat, stable=True)
         rows = apply_scores_before_experts_if_enabled(x[order // self.top_k], top_scores.reshape(-1)[order],
@@ -367,9 +395,11 @@ class AutoEPMoELayer(_WholeExpertState, nn.Module):
                                   counts)
         out = run_on_owners(rows, flat[order], plan, self._compute, self.ep_group, self.ep_size)
         out = combine_from_routed(out, top_scores, order, self.top_k, self.score_apply, self.combine_impl, x.shape)
+        if fold is not None:
+            out = join_over_tensor(out, *fold, full.shape[0])
         if self.shared_experts is not None:
-            shared = self.shared_experts(x)
+            shared = self.shared_experts(full)
             if self.shared_experts_gate is not None:
-                shared = torch.sigmoid(self.shared_experts_gate(x)) * shared
+                shared = torch.sigmoid(self.shared_experts_gate(full)) * shared
             out = out + shared
         return out.reshape(hidden_states.shape)

@@ -150,7 +150,27 @@ def plan_specs(model: nn.Module, tp_config: dict | None) -> tuple[list[TPLayerSp
     specs = specs_from_config(dict(tp_config or {}))
     if specs is not None:
         return specs, "layer_specs"
-    return TPPlanConverter.convert(hf_tp_plan(model)), "tp_plan"
+    return TPPlanConverter.convert(_outside_autoep(model, hf_tp_plan(model))), "tp_plan"
+
+
+def _autoep_names(model: nn.Module) -> list[str]:
+    """The names of the model's AutoEP layers (experts swapped or blocks replaced by AutoEP)."""
+    from .auto_ep_layer import autoep_layers
+
+    found = {id(m) for m in autoep_layers(model)}
+    return [name for name, m in model.named_modules() if id(m) in found]
+
+
+def _outside_autoep(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The plan without the entries addressing an AutoEP layer or anything inside it: AutoEP owns
+    those experts ([Note: EP x TP folding] in moe/tp_tokens.py), as upstream's AutoTP skips them."""
+    owned = [name.split(".") for name in _autoep_names(model)]
+
+    def inside(key: str) -> bool:
+        parts = key.split(".")
+        return any(len(parts) >= len(o) and all(p in ("*", q) for p, q in zip(parts, o)) for o in owned)
+
+    return {k: v for k, v in plan.items() if not inside(k)} if owned else plan
 
 
 def grad_allreduce_modules(model: nn.Module, tp_config: dict | None) -> list[str]:
@@ -187,6 +207,9 @@ def build_plan(model: nn.Module, tp_size: int, tp_config: dict | None = None) ->
     layer when a sharded dimension does not divide by `tp_size`."""
     specs, source = plan_specs(model, tp_config)
     plan = _automatic(model) if specs is None else _from_specs(model, specs, source)
+    for owner in _autoep_names(model):   # AutoEP's routers and experts stay whole
+        for name in [n for n in plan if n.startswith(owner + ".")]:
+            plan[name] = LayerPlan(SKIP, False, "inside an AutoEP layer")
     for name in _tied_to_embedding(model):   # a vocabulary-parallel embedding is not provided: keep both whole
         plan[name] = LayerPlan(SKIP, False, "tied to an embedding")
     check_plan(model, plan, tp_size)

@@ -63,17 +63,34 @@ class MoE(nn.Module):
         self._create_process_groups(use_data_before_expert_parallel_=use_data_before_expert_parallel_)
 
     def _create_process_groups(self, use_data_before_expert_parallel_: bool = False) -> None:
-        tensor_parallel = groups.get_tensor_model_parallel_world_size()
-        if groups.mpu is not None and not groups._sp_only(groups.mpu):
-            tensor_parallel = max(tensor_parallel, groups._get_model_parallel_world_size())
-        if tensor_parallel > 1:
-            raise NotSupportedYet(f"deepspeed.moe.layer.MoE with tensor/model parallelism (size {tensor_parallel}, "
-                                  f"enable_expert_tensor_parallelism={self.enable_expert_tensor_parallelism}) is not "
-                                  f"supported: use MoE layers with data and expert parallelism only")
-        if self.expert_group_name not in groups._expert_names():
-            groups._create_expert_and_data_parallel(self.ep_size,
-                                                    use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        """Under a client `mpu` with tensor parallelism the expert groups lie inside the tensor lanes
+        (upstream's E + M + D); experts that are not tensor-parallel themselves
+        (`enable_expert_tensor_parallelism=False`) see each tensor peer's share of the capacity slots
+        ([Note: EP x TP folding] in moe/tp_tokens.py); tensor-parallel experts see every token."""
+        mpu = groups.mpu if groups.mpu is not None and not groups._sp_only(groups.mpu) else None
+        tensor_parallel = groups._get_model_parallel_world_size() if mpu is not None else 1
+        if mpu is None and groups.get_tensor_model_parallel_world_size() > 1:
+            raise NotSupportedYet(f"deepspeed.moe.layer.MoE (ep_size={self.ep_size}) with AutoTP (tensor_parallel."
+                                  f"autotp_size={groups.get_tensor_model_parallel_world_size()}): AutoTP would slice "
+                                  "the experts' Linear layers; use AutoEP (expert_parallel) for MoE models under "
+                                  "AutoTP, or pass your Megatron-style mpu")
+        # every call (idempotent for one layout): another engine may have left another layout (runtime/mesh.py)
+        if tensor_parallel > 1 and self.enable_expert_tensor_parallelism:
+            groups._create_expert_data_and_model_parallel(
+                self.ep_size, mpu, use_data_before_expert_parallel_=use_data_before_expert_parallel_)
+        else:
+            groups._create_expert_and_data_parallel(
+                self.ep_size, mp_size=tensor_parallel,
+                use_data_before_expert_parallel_=use_data_before_expert_parallel_)
         self.deepspeed_moe._set_ep_group(groups._get_expert_parallel_group(self.expert_group_name))
+        if tensor_parallel > 1 and not self.enable_expert_tensor_parallelism:
+            self.deepspeed_moe.tensor_fold = (groups._get_model_parallel_group(), tensor_parallel,
+                                              groups._get_model_parallel_rank())
+
+    @property
+    def tensor_fold(self) -> Optional[tuple]:
+        """(tensor group, size, rank) when this layer's experts see a share of the tokens."""
+        return self.deepspeed_moe.tensor_fold
 
     def forward(self, hidden_states: torch.Tensor,
                 used_token: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from .. import comm as ds_comm
+from .tp_tokens import join_over_tensor, split_over_tensor
 from .gating import (Routes, _check_policy, _out, capacity_for, gumbel_rsample, multiplicative_jitter, top1gating,
                      top2gating, topkgating)
 
@@ -183,6 +184,7 @@ class MOELayer(Module):
                           "own dispatch (same routing and results)", stacklevel=2)
         self.wall_clock_breakdown = False
         self.time_falltoall = self.time_salltoall = self.time_moe = 0.0
+        self.tensor_fold: Optional[tuple] = None   # (tensor group, size, rank): [Note: EP x TP folding]
 
     def _set_ep_group(self, ep_group: Any) -> None:
         self.ep_group = ep_group
@@ -220,12 +222,17 @@ class MOELayer(Module):
         slots = routes.slots(capacity)
         num_experts = routes.num_experts
         dispatched = _sparse_encode(tokens, slots, num_experts, capacity)
+        if self.tensor_fold is not None:   # this tensor peer's share of the capacity slots (upstream's drop_tokens)
+            dispatched = split_over_tensor(dispatched, *self.tensor_fold, dim=1)
+        share = dispatched.shape[1]
         if self._exchange():
             dispatched = _AllToAll.apply(self.ep_group, dispatched)
-        expert_output = self.experts(dispatched.reshape(self.ep_size, self.num_local_experts, capacity, d_model))
-        expert_output = expert_output.reshape(num_experts, capacity, d_model)
+        expert_output = self.experts(dispatched.reshape(self.ep_size, self.num_local_experts, share, d_model))
+        expert_output = expert_output.reshape(num_experts, share, d_model)
         if self._exchange():
             expert_output = _AllToAll.apply(self.ep_group, expert_output)
+        if self.tensor_fold is not None:   # upstream's gather_tokens
+            expert_output = join_over_tensor(expert_output, *self.tensor_fold, capacity, dim=1)
         combined = _sparse_decode(expert_output.reshape(num_experts * capacity, d_model), slots, routes.gates,
                                   tokens.shape[0])
         return combined.to(x.dtype).reshape(x.shape)

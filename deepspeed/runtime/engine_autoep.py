@@ -1,25 +1,65 @@
 """The engine's AutoEP hook: with `expert_parallel.enabled`, swap the model's MoE experts for
 expert-parallel ones before the engine's MoE set-up (engine_moe.py) finds them, so the expert
-groups, the expert-gradient reduction and the broadcasts treat them as any expert layer."""
+groups, the expert-gradient reduction and the broadcasts treat them as any expert layer. Under
+AutoTP the swap runs first, before AutoTP shards the dense layers (engine_parallel.py), with the
+expert groups folded over the tensor dim ([Note: EP x TP folding] in moe/tp_tokens.py)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 
-def setup_autoep(engine: Any) -> None:
-    """No-op unless the config's `expert_parallel` section is enabled. Every rank raises alike on a
-    bad plan (it depends on the model and the config only), before any collective."""
+def setup_autoep(engine: Any, tensor_fold: Optional[tuple] = None) -> None:
+    """No-op unless the config's `expert_parallel` section is enabled (or the swap already ran).
+    `tensor_fold` = (tensor group, size, rank) under AutoTP. Every rank raises alike on a bad plan
+    or layout (it depends on the model and the config only), before any collective."""
     section = dict(engine.config.get("expert_parallel") or {})
-    if not section.get("enabled", False):
+    if not section.get("enabled", False) or getattr(engine, "autoep_plan", None) is not None:
         return
     from .errors import NotSupportedYet
     from ..module_inject.auto_ep import apply_autoep
 
     ep = int(section.get("autoep_size", 1))
-    if engine._split is not None or engine.sequence_parallel_size > 1 or engine.mpu is not None:
-        raise NotSupportedYet(f"expert_parallel.autoep_size={ep} with tensor or sequence parallelism or a client "
-                              "mpu: AutoEP combines with data parallelism and ZeRO 0-3 in this build")
-    engine.autoep_plan = apply_autoep(engine.module, section, ep, broadcast_group=engine.seq_data_parallel_group,
+    if tensor_fold is not None:
+        _check_folding(engine, section, ep, int(tensor_fold[1]))
+    elif engine._split is not None or engine.sequence_parallel_size > 1 or engine.mpu is not None:
+        raise NotSupportedYet(f"expert_parallel.autoep_size={ep} with sequence parallelism (sequence_parallel_size="
+                              f"{engine.sequence_parallel_size}), pipeline parallelism or a client mpu: the expert "
+                              "groups fold over data (and AutoTP's tensor) ranks only in this build; AutoEP combines "
+                              "with data parallelism, ZeRO 0-3 and tensor_parallel.autotp_size")
+    engine.autoep_plan = apply_autoep(engine.module, section, ep,
+                                      broadcast_group=None if tensor_fold else engine.seq_data_parallel_group,
                                       use_data_before_expert_parallel=bool(
-                                          engine.config.get("use_data_before_expert_parallelism", False)))
+                                          engine.config.get("use_data_before_expert_parallelism", False)),
+                                      tensor_fold=tensor_fold)
+
+
+def _check_folding(engine: Any, section: dict, ep: int, tp: int) -> None:
+    """What AutoEP with AutoTP does not combine with: upstream's folding rules, and ZeRO-3 with a reason."""
+    from .errors import NotSupportedYet
+    from .. import comm as ds_comm
+    from ..module_inject.auto_ep_folding import build_folding_spec, validate_folding_global
+
+    stage = int(engine._config.model.zero_optimization.stage)
+    if engine.sequence_parallel_size > 1:
+        raise NotSupportedYet(f"expert_parallel.autoep_size={ep} with sequence_parallel_size="
+                              f"{engine.sequence_parallel_size} (and tensor_parallel.autotp_size={tp}): expert groups "
+                              "do not fold over the sequence dim in this build (nor upstream's)")
+    if stage == 3:
+        raise NotSupportedYet(f"expert_parallel.autoep_size={ep} with tensor_parallel.autotp_size={tp} at "
+                              "zero_optimization.stage 3: ZeRO-3 partitions expert units over their expert-data-"
+                              "parallel groups and AutoTP's slices over the data group, and the folded layout "
+                              "(expert groups spanning tensor peers) has no unit plan yet (upstream refuses it too); "
+                              "use ZeRO 0-2, or autotp_size=1 for AutoEP at ZeRO-3")
+    if engine.mpu is not None:
+        raise NotSupportedYet(f"expert_parallel.autoep_size={ep} with tensor_parallel.autotp_size={tp} and a client "
+                              "mpu: the mesh makes both the tensor and the folded expert groups; pass no mpu")
+    if bool(engine.config.get("use_data_before_expert_parallelism", False)):
+        raise ValueError(f"use_data_before_expert_parallelism with expert_parallel.autoep_size={ep} and "
+                         f"tensor_parallel.autotp_size={tp}: the folded layout has one rank order (expert groups "
+                         "of consecutive ranks); leave the key out")
+    spec = build_folding_spec(world_size=ds_comm.get_world_size(), pp_size=1, tp_size=tp, ep_size=ep,
+                              etp_size=int(section.get("expert_tensor_parallel_size", 1)))
+    tp_preset = (engine.config.get("tensor_parallel") or {}).get("preset_model")
+    validate_folding_global(spec, zero_stage=stage, sp_size=engine.sequence_parallel_size,
+                            tp_preset=tp_preset, ep_preset=section.get("preset_model"))

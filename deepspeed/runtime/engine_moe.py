@@ -74,10 +74,17 @@ def setup_moe(engine: Any) -> None:
     stage = int(engine._config.model.zero_optimization.stage)
     if stage == 3 and max(sizes.values()) > 1:
         _check_zero3(engine, max(sizes.values()), experts)
-    if engine._split is not None or engine.sequence_parallel_size > 1 or engine.mpu is not None:
-        raise NotSupportedYet(f"MoE layers (ep_size {sorted(sizes.values())}) with tensor, sequence or pipeline "
-                              "parallelism or a client mpu: expert parallelism combines with data parallelism and "
-                              "ZeRO 0-3 only in this build")
+    folded = [m for m in engine.moe_layers if getattr(m, "tensor_fold", None) is not None]
+    if folded and len(folded) != len(engine.moe_layers):
+        raise NotSupportedYet("MoE layers of your own next to AutoEP's under tensor_parallel.autotp_size: only "
+                              "AutoEP's layers split their tokens over the tensor peers ([Note: EP x TP folding])")
+    mpu_tp = _client_mpu_tensor_size(engine, sizes, stage) if not folded else 0
+    if not folded and mpu_tp == 0 and (engine._split is not None or engine.sequence_parallel_size > 1 or
+                                        engine.mpu is not None):
+        raise NotSupportedYet(f"MoE layers (ep_size {sorted(sizes.values())}) with sequence or pipeline parallelism, "
+                              "AutoTP, or an mpu of those: expert parallelism combines with data parallelism, "
+                              "ZeRO 0-3, AutoEP with tensor_parallel.autotp_size and MoE with a Megatron-style "
+                              "tensor-parallel mpu only in this build")
     use_data_before = bool(engine.config.get("use_data_before_expert_parallelism", False))
     for layer in engine.moe_layers:
         try:
@@ -89,10 +96,20 @@ def setup_moe(engine: Any) -> None:
             groups._create_expert_and_data_parallel(sizes[name], use_data_before_expert_parallel_=use_data_before)
     from .grad_reducer import CommGroup
 
-    comm = {name: CommGroup(name, groups._get_expert_data_parallel_group(name),
-                            groups._get_expert_data_parallel_world_size(name),
-                            groups._get_expert_data_parallel_rank(name)) for name in names}
+    shared = {str(m.expert_group_name) for m in engine.moe_layers if getattr(m, "tensor_fold", None) is not None}
+    comm = {}
+    for name in names:   # experts seeing a share of the tokens: summed over all their holders ([Note: EP x TP folding])
+        ranks, group = groups._get_expert_holders_group(name) if name in shared else (
+            groups._get_expert_data_parallel_group_ranks(name), groups._get_expert_data_parallel_group(name))
+        comm[name] = CommGroup(name, group, len(ranks), ranks.index(ds_comm.get_rank()))
     engine._expert_comm = {id(p): comm[str(p.group_name)] for p in experts}
+    if folded or mpu_tp > 1:
+        if engine._split is None:   # a client mpu's tensor group: dense parameters counted as under AutoTP
+            from .optimizer_wrapper import SplitModel
+
+            engine._split = SplitModel(groups._get_model_parallel_group(), tensor_rank=groups._get_model_parallel_rank())
+        _split_for_tensor_experts(engine, stage, [comm[name].rank for name in names], set(names) - shared)
+        return
     parallel = {s for s in sizes.values() if s > 1}
     if stage == 0 and parallel:   # whole gradients on every rank: [Note: expert gradients]
         if len(parallel) > 1 and engine._config.model.gradient_clipping > 0:
@@ -103,6 +120,55 @@ def setup_moe(engine: Any) -> None:
         name = f"ep_size_{max(parallel)}"
         engine._split = SplitModel(groups._get_expert_parallel_group(name),
                                    expert_rank=groups._get_expert_parallel_rank(name))
+
+
+def _client_mpu_tensor_size(engine: Any, sizes: dict, stage: int) -> int:
+    """The tensor-parallel size of a Megatron-style client mpu that `deepspeed.moe.layer.MoE` layers
+    compose with (upstream's E + M + D; the mesh takes its tensor dim, so the expert groups lie inside
+    the tensor lanes); 0 when there is no such mpu (none, ALST's, a pipeline grid, or AutoTP)."""
+    from ..moe.layer import MoE
+
+    mpu = engine.mpu
+    if mpu is None or engine._split is not None or engine.sequence_parallel_size > 1 or \
+            hasattr(mpu, "initialize_sequence_parallel") or hasattr(mpu, "get_pipe_parallel_world_size") or \
+            not hasattr(mpu, "get_model_parallel_world_size"):
+        return 0
+    pipe = getattr(mpu, "get_pipeline_model_parallel_world_size", lambda: 1)()
+    tp = int(mpu.get_model_parallel_world_size())
+    if int(pipe) > 1 or not all(isinstance(m, MoE) for m in engine.moe_layers):
+        return 0
+    if stage == 3 and max(sizes.values()) > 1 and tp > 1:
+        raise NotSupportedYet(f"deepspeed.moe.layer.MoE (ep_size {sorted(sizes.values())}) with a tensor-parallel mpu "
+                              f"(model parallel size {tp}) at zero_optimization.stage 3: expert units partitioned over "
+                              "their holders are not built with a client mpu; use ZeRO 0-2")
+    if tp > 1:
+        from . import mesh
+
+        mesh.initialize(tensor=tp)   # the mpu's layout: tensor peers are consecutive ranks (Megatron's)
+    return tp
+
+
+def _split_for_tensor_experts(engine: Any, stage: int, holder_ranks: list[int], whole: set) -> None:
+    """The norm under EP x TP ([Note: EP x TP folding]): at ZeRO 1/2 each expert element lives on one
+    of its holders, so every rank counts its expert shards (the dense ones as AutoTP counts them);
+    without ZeRO every holder has the whole expert, so the norm sums over the world and only the first
+    holder counts an expert, only data rank 0 a dense parameter. `whole`: the expert groups whose experts
+    see every token (MoE's `enable_expert_tensor_parallelism`): counted over the tensor group as dense
+    parameters are (tensor rank 0, or every tensor rank for a parameter tagged `tensor_model_parallel`)."""
+    from dataclasses import replace
+
+    if whole and len(whole) != len(holder_ranks):
+        raise NotSupportedYet("MoE layers with and without enable_expert_tensor_parallelism under one mpu: use one "
+                              "setting for every MoE layer")
+    split = replace(engine._split, experts_see_all_tokens=bool(whole))
+    if stage >= 1:
+        engine._split = replace(split, expert_counted=True)
+        return
+    if len(set(holder_ranks)) > 1:
+        raise NotSupportedYet("expert layers of several ep_size under tensor parallelism at zero_optimization.stage "
+                              "0: use one ep_size, or ZeRO stage 1 or 2")
+    data_rank = ds_comm.get_rank(engine.seq_data_parallel_group) if engine.seq_dp_world_size > 1 else 0
+    engine._split = replace(split, model_group=None, data_rank=data_rank, expert_counted=holder_ranks[0] == 0)
 
 
 def _check_zero3(engine: Any, ep: int, experts: list[nn.Parameter]) -> None:
@@ -118,6 +184,18 @@ def _check_zero3(engine: Any, ep: int, experts: list[nn.Parameter]) -> None:
     if any(init_shard(p) is not None for p in experts):
         raise NotSupportedYet(f"expert parallelism (ep_size={ep}) with ZeRO-3 and expert parameters created under "
                               "deepspeed.zero.Init: not supported in this build; build the model outside zero.Init")
+
+
+def refuse_ep_tp_checkpoint(engine: Any, what: str) -> None:
+    """`what` (a checkpoint or consolidated save) is not supported yet with experts under tensor
+    parallelism: every rank raises alike, before any collective."""
+    split = getattr(engine, "_split", None)
+    if split is not None and getattr(split, "expert_counted", None) is not None:   # [Note: EP x TP folding]
+        raise NotSupportedYet(f"{what} with expert parallelism and tensor parallelism together (AutoEP with AutoTP, "
+                              "or MoE layers with a tensor-parallel mpu): the checkpoint layout for experts held "
+                              "across tensor peers is not written yet in this build; read whole weights with "
+                              "engine.module.state_dict() inside deepspeed.module_inject.layers."
+                              "GatherReplacedLayerParams(engine.module.parameters(), engine.module)")
 
 
 def broadcast_expert_params(module: nn.Module) -> set[int]:

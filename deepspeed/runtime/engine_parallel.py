@@ -164,6 +164,11 @@ def _setup_tensor_parallel(engine: Any, mpu: Any, config_class: Any, sp: int) ->
                      "the new ones itself)", ranks=[0],
                      level=logging.WARNING)
     tensor_group = parallel.group("tensor")
+    engine.sequence_parallel_size = sp
+    from .engine_autoep import setup_autoep
+
+    # AutoEP swaps the experts before AutoTP shards the rest ([Note: EP x TP folding] in moe/tp_tokens.py)
+    setup_autoep(engine, tensor_fold=(tensor_group, tp, parallel.rank("tensor")))
     if tensor_parallel_size(engine.module) == 1:   # not yet sharded by tp_model_init: the config asks for it
         broadcast_for_tensor_parallel(engine.module, tensor_group)
         shard_model(engine.module, tp, dict(config_class.raw.get("tensor_parallel") or {}), tensor_group)

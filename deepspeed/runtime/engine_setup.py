@@ -170,7 +170,9 @@ def build_reducer(engine: Any) -> GradBucketReducer | None:
     sharded = engine.stage.shard_optimizer_state
     if engine.stage.shard_parameters:
         return None  # ZeRO-3: the Stage3Coordinator reduce-scatters gradients per gather unit
-    if engine.basic_optimizer is None or (engine.seq_dp_world_size <= 1 and not policy.is_mixed and not sharded):
+    experts_shared = any(c.world > 1 for c in (getattr(engine, "_expert_comm", None) or {}).values())
+    if engine.basic_optimizer is None or (engine.seq_dp_world_size <= 1 and not policy.is_mixed and not sharded
+                                          and not experts_shared):   # tensor peers' expert shares: engine_moe.py
         return None
     config = engine._config
     params = [p for p in engine.module.parameters() if p.requires_grad]

@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from .. import comm as ds_comm
-from .parallel_dims import GROUP_AXES, ParallelDims, ProcessTopology, axis_groups, expert_rank_groups, hpz_rank_groups
+from .parallel_dims import (GROUP_AXES, ParallelDims, ProcessTopology, axis_groups, expert_rank_groups,
+                            expert_replica_rank_groups, folded_expert_rank_groups, hpz_rank_groups)
 
 _SELF_GROUPS: dict[int, Any] = {}   # id(default process group) -> this rank's singleton group
 
@@ -75,6 +76,8 @@ class ParallelMesh:
         self._experts: dict[str, tuple[tuple[list[int], Any], tuple[list[int], Any]]] = {}
         self._hpz: dict[int, tuple[list[int], Any]] = {}
         self._custom: dict[str, tuple[list[int], Any] | None] = {}
+        self._expert_holders: dict[str, tuple[list[int], Any]] = {}
+        self._expert_layouts: dict[str, str] = {}
         for axes in self.names.values():   # eagerly, in the same order on every rank
             self._build(axes)
 
@@ -92,16 +95,25 @@ class ParallelMesh:
             self._groups[key] = _make(axis_groups(self.topology, key), self.global_rank, self.world_size)
         return self._groups[key]
 
-    def expert_groups(self, expert_size: int, data_before_expert: bool = False) -> str:
+    def expert_groups(self, expert_size: int, data_before_expert: bool = False, folded: bool = False) -> str:
         """Build (once; collective, every rank with the same arguments) the expert-parallel and
         expert-data-parallel groups of `expert_size` ([Note: expert groups]); returns their name,
-        upstream's `ep_size_<n>`."""
+        upstream's `ep_size_<n>`. `folded`: AutoEP+AutoTP's layout, expert groups folded over the
+        tensor dim too ([Note: EP x TP folding] in moe/tp_tokens.py)."""
         name = f"ep_size_{expert_size}"
+        layout = "folded" if folded else "data_before_expert" if data_before_expert else "expert_before_data"
+        if self._expert_layouts.get(name, layout) != layout:   # another engine's layout: build this one anew
+            self._experts.pop(name)
+        self._expert_layouts[name] = layout
         if name not in self._experts:
-            experts, replicas = expert_rank_groups(self.topology, expert_size, data_before_expert)
+            experts, replicas = (folded_expert_rank_groups(self.topology, expert_size) if folded else
+                                 expert_rank_groups(self.topology, expert_size, data_before_expert))
             # upstream's order: the expert-data-parallel groups first
             replica_entry = _make(replicas, self.global_rank, self.world_size)
             self._experts[name] = (_make(experts, self.global_rank, self.world_size), replica_entry)
+            holders = expert_replica_rank_groups(experts)
+            self._expert_holders[name] = replica_entry if sorted(map(sorted, holders)) == sorted(
+                map(sorted, replicas)) else _make(holders, self.global_rank, self.world_size)
         return name
 
     def rank_groups(self, name: str, lists: list[list[int]]) -> tuple[list[int], Any] | None:
@@ -117,6 +129,11 @@ class ParallelMesh:
                     handle = (ranks, group)
             self._custom[name] = handle
         return self._custom[name]
+
+    def expert_holders(self, name: str) -> tuple[list[int], Any]:
+        """(ranks, group) of the ranks holding the same experts as this one ([Note: EP x TP folding])."""
+        self.expert_entry(name)
+        return self._expert_holders[name]
 
     def hpz_group(self, partition_size: int) -> tuple[list[int], Any]:
         """(ranks, group) of this rank's hpZ node ([Note: hpZ node groups]); built once (collective:

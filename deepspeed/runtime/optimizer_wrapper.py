@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import math
 
@@ -35,13 +35,22 @@ class SplitModel:
     model_group: Any
     tensor_rank: int = 0
     expert_rank: int = 0
+    data_rank: int = 0   # `model_group` spans the data replicas too: dense parameters count on data rank 0
+    expert_counted: Optional[bool] = None   # experts under tensor parallelism ([Note: EP x TP folding])
+    experts_see_all_tokens: bool = False   # MoE's tensor-parallel experts: as dense parameters over the tensor group
 
 
 def counted_in_norm(param: torch.Tensor, split: "SplitModel | None" = None) -> bool:
     if getattr(param, "ds_pipe_replicated", False):
         return False
+    expert = hasattr(param, "allreduce") and not param.allreduce   # deepspeed.moe.utils.is_moe_param
+    if split is not None and split.expert_counted is not None and expert:
+        return split.expert_counted and (not split.experts_see_all_tokens or split.tensor_rank == 0 or
+                                         is_model_parallel_parameter(param))
+    if split is not None and split.data_rank != 0:
+        return False
     if split is not None and split.expert_rank != 0:
-        return hasattr(param, "allreduce") and not param.allreduce   # deepspeed.moe.utils.is_moe_param
+        return expert
     if split is not None and split.tensor_rank != 0:   # AutoTP's or a Megatron-style layer's shard
         return is_model_parallel_parameter(param)
     return True

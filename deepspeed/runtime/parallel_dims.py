@@ -207,6 +207,29 @@ def expert_rank_groups(topology: ProcessTopology, expert_size: int,
     return experts, replicas
 
 
+def folded_expert_rank_groups(topology: ProcessTopology, expert_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """AutoEP+AutoTP's expert layout (upstream's folding, module_inject/auto_ep_folding.py): expert
+    groups are runs of `expert_size` consecutive ranks, which may span tensor groups (tensor is the
+    fastest axis), and expert-data-parallel groups the ranks at the same position of every run. Needs
+    a layout of data x tensor only (no sequence or pipe dim)."""
+    from ..module_inject.auto_ep_folding import build_folding_spec, expected_folding_group_tables
+
+    layout = dict(zip(topology.axes, topology.dims))
+    if any(layout.get(axis, 1) > 1 for axis in ("sequence", "pipe")):
+        raise ValueError(f"expert groups folded over the tensor dim need a data x tensor layout, got {layout}")
+    spec = build_folding_spec(world_size=topology.world_size(), pp_size=1, tp_size=layout.get("tensor", 1),
+                              ep_size=expert_size)
+    tables = expected_folding_group_tables(spec)
+    return [list(g) for g in tables.ep_groups], [list(g) for g in tables.edp_groups]
+
+
+def expert_replica_rank_groups(experts: list[list[int]]) -> list[list[int]]:
+    """The ranks holding the same experts: those at the same position of every expert group. It is
+    the expert-data-parallel group, plus the tensor peers when the expert groups lie inside tensor
+    lanes (upstream's E + M + D) and tokens are split over the tensor group ([Note: EP x TP folding])."""
+    return [sorted(g[i] for g in experts) for i in range(len(experts[0]))]
+
+
 def hpz_rank_groups(topology: ProcessTopology, partition_size: int) -> list[list[int]]:
     """[Note: hpZ node groups] The rank lists of ZeRO++ hpZ's secondary partition
     (`zero_hpz_partition_size`): each ZeRO pool (the ranks that differ only in `data` and

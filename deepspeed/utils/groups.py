@@ -244,11 +244,12 @@ def _create_expert_and_data_parallel(expert_parallel_size_: int, mp_size: int | 
     every rank calls it with the same arguments; a second call is a no-op)."""
     if mp_mode not in ("tp", "sp"):
         raise ValueError(f"_create_expert_and_data_parallel: mp_mode must be 'tp' or 'sp', got {mp_mode!r}")
-    if folding_spec is not None:
-        from ..runtime.errors import NotSupportedYet
-
-        raise NotSupportedYet("_create_expert_and_data_parallel(folding_spec=...): AutoEP+AutoTP folding tables "
-                              "are not supported; leave folding_spec=None")
+    if folding_spec is not None:   # AutoEP+AutoTP: expert groups folded over the tensor dim (auto_ep_folding)
+        if int(folding_spec.ep_size) != int(expert_parallel_size_) or int(folding_spec.pp_size) != 1:
+            raise ValueError(f"_create_expert_and_data_parallel: folding_spec {folding_spec} does not match "
+                             f"expert_parallel_size_={expert_parallel_size_} (and pp_size 1)")
+        _expert_mesh(tensor=int(folding_spec.tp_size)).expert_groups(int(expert_parallel_size_), folded=True)
+        return
     mp = int(mp_size or 1)
     mesh = _expert_mesh(tensor=mp if mp_mode == "tp" else 1, sequence=mp if mp_mode == "sp" else 1,
                         pipe=int(pp_size or 1))
@@ -258,6 +259,7 @@ def _create_expert_and_data_parallel(expert_parallel_size_: int, mp_size: int | 
 def _create_expert_data_and_model_parallel(expert_parallel_size_: int, mpu: Any,
                                            use_data_before_expert_parallel_: bool = False) -> None:
     """Expert groups for a Megatron-style `mpu`: its tensor (and pipeline) degrees lay out the mesh."""
+    global expert_tensor_parallel_world_size
     globals()["mpu"] = mpu
     tensor = int(mpu.get_tensor_model_parallel_world_size()) if hasattr(
         mpu, "get_tensor_model_parallel_world_size") else int(mpu.get_model_parallel_world_size())
@@ -265,6 +267,16 @@ def _create_expert_data_and_model_parallel(expert_parallel_size_: int, mpu: Any,
         mpu, "get_pipeline_model_parallel_world_size") else 1
     mesh = _expert_mesh(tensor=tensor, pipe=pipe)
     mesh.expert_groups(int(expert_parallel_size_), use_data_before_expert_parallel_)
+    expert_tensor_parallel_world_size = tensor
+
+
+expert_tensor_parallel_world_size = 1   # upstream's: the experts' own tensor-parallel size (MoE with an mpu)
+
+
+def _get_expert_model_parallel_world_size() -> int:
+    """The tensor-parallel size of the experts themselves: the mpu's with
+    `enable_expert_tensor_parallelism`, else 1 (upstream's accessor)."""
+    return expert_tensor_parallel_world_size
 
 
 def _expert(group_name: str, data: bool = False) -> tuple[list[int], Any]:
@@ -273,6 +285,12 @@ def _expert(group_name: str, data: bool = False) -> tuple[list[int], Any]:
         raise KeyError(f"expert groups {group_name!r} were not created: an MoE layer with that ep_size builds them "
                        f"when the engine starts (or call groups._create_expert_and_data_parallel)")
     return mesh.expert_entry(group_name, data)
+
+
+def _get_expert_holders_group(group_name: str) -> tuple[list[int], Any]:
+    """(ranks, group) of the ranks holding this rank's experts of `group_name` ([Note: EP x TP folding])."""
+    _expert(group_name)
+    return _mesh.current().expert_holders(group_name)
 
 
 def _get_expert_parallel_group(group_name: str) -> Any:

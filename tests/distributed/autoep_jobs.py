@@ -111,6 +111,19 @@ def block_run(kind: str, ep: int, seed: int = 0) -> dict:
     return result
 
 
+def train_steps(engine: Any, steps: int, data_rank: int) -> dict:
+    """`steps` engine steps on this data rank's batches: {"losses", "norms"} per step."""
+    losses, norms = [], []
+    for step in range(steps):
+        ids = batch(step, data_rank)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        norms.append(float(engine.get_global_grad_norm()))
+    return {"losses": losses, "norms": norms}
+
+
 def train_run(kind: str, ep: int, steps: int, stage: int = 1, save: str = "") -> dict:
     """`steps` SGD steps through the engine (ep=0: no expert_parallel section); whole weights."""
     import deepspeed
@@ -123,15 +136,8 @@ def train_run(kind: str, ep: int, steps: int, stage: int = 1, save: str = "") ->
     if ep:
         config["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": kind}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    rank, losses, norms = dist.get_rank(), [], []
-    for step in range(steps):
-        ids = batch(step, rank)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        norms.append(float(engine.get_global_grad_norm()))
-    result = {"losses": losses, "norms": norms}
+    rank = dist.get_rank()
+    result = train_steps(engine, steps, rank)
     if stage == 3:   # whole weights: gather every unit (experts over their EDP group), then state_dict()
         result["pieces"] = {n: (p.ds_numel, p.ds_tensor.numel()) for n, p in engine.module.named_parameters()}
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):

@@ -37,10 +37,11 @@ from ... import comm as ds_comm
 
 
 def is_replicated(param: torch.Tensor) -> bool:
-    """A parameter held whole on every TP rank (not sliced by AutoTP)."""
+    """A parameter held whole on every TP rank (not sliced by AutoTP). Not an expert: AutoEP's experts
+    differ over the tensor peers when the expert groups fold over them ([Note: EP x TP folding])."""
     from ...module_inject.layers import is_tensor_parallel
 
-    return not is_tensor_parallel(param)
+    return not is_tensor_parallel(param) and getattr(param, "allreduce", True) is not False
 
 
 @dataclass

@@ -1,0 +1,81 @@
+"""Expert parallelism x tensor parallelism ([Note: EP x TP folding] in deepspeed/moe/tp_tokens.py): AutoEP
+(`expert_parallel.autoep_size`) with AutoTP (`tensor_parallel.autotp_size`) on 4 gloo ranks (tp 2 x ep 2,
+dp 2), and `deepspeed.moe.layer.MoE` with a Megatron-style mpu (upstream's test_moe_tp.py layout), against
+one process on the unsharded model and the same global batch (eptp_jobs.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eptp_jobs import (autoep_autotp_save_refused, moe_reference, reference, refused, train_autoep_autotp,
+                       train_moe_mpu)
+from harness import run_distributed
+
+STEPS, LR, CLIP = 3, 0.1, 0.5   # every step clips (the norms are 1.5-2.7): a norm off by any factor moves the weights
+
+
+def _check(kind: str, stage: int) -> None:
+    ref = reference(kind, STEPS, 2, LR, CLIP)
+    results = run_distributed(4, train_autoep_autotp, kind, STEPS, 2, 2, stage, LR, CLIP)
+    # the folded layout (upstream's): expert groups = runs of 2 consecutive ranks (here the tensor pairs)
+    assert [r["ep_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["edp_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert min(ref["norms"]) > CLIP
+    _same_as(ref, results)
+
+
+def _same_as(ref: dict, results: list) -> None:
+    assert [r["dp_rank"] for r in results] == [0, 0, 1, 1]
+    for step in range(STEPS):   # the global loss: the mean of the data shards' (equal token counts)
+        loss = (results[0]["losses"][step] + results[2]["losses"][step]) / 2
+        assert loss == pytest.approx(ref["losses"][step], rel=1e-5)
+        for r in results:
+            assert r["norms"][step] == pytest.approx(ref["norms"][step], rel=1e-5), (step, r["norms"], ref["norms"])
+    for r in results:
+        assert sorted(r["state"]) == sorted(ref["state"])
+        for name, want in ref["state"].items():
+            torch.testing.assert_close(r["state"][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kind,stage", [("mixtral", 2), ("qwen3_moe", 0)])
+def test_autoep_autotp_matches_one_process(kind: str, stage: int) -> None:
+    """Losses per step, the clipped global norm (experts, TP shards and TP-replicated parameters each
+    counted once) and the final whole weights equal one process's, fp32, at rel 1e-5."""
+    _check(kind, stage)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,stage", [("mixtral", 1)])
+def test_autoep_autotp_matches_one_process_more(kind: str, stage: int) -> None:
+    _check(kind, stage)
+
+
+def test_autoep_autotp_refusals() -> None:
+    """What does not combine is refused on every rank, at initialize, naming both dims."""
+    for errors in (run_distributed(4, refused, "mixtral", 2, 2, 3, {}),):
+        assert len(set(errors)) == 1 and "NotSupportedYet" in errors[0], errors
+        assert all(k in errors[0] for k in ("autoep_size=2", "autotp_size=2", "stage 3")), errors[0]
+    errors = run_distributed(4, refused, "mixtral", 2, 2, 1, {"sequence_parallel_size": 2})
+    assert len(set(errors)) == 1 and "sequence_parallel_size=2" in errors[0] and "autoep_size=2" in errors[0], errors
+
+
+def test_autoep_autotp_checkpoint_refused(tmp_path) -> None:
+    """Checkpoints at EP x TP are not written yet: refused alike on every rank, naming both dims, no file written."""
+    errors = run_distributed(4, autoep_autotp_save_refused, "mixtral", str(tmp_path))
+    assert len(set(errors)) == 1 and "NotSupportedYet" in errors[0] and "tensor parallelism" in errors[0], errors
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("stage", [2, pytest.param(0, marks=pytest.mark.slow)])
+def test_moe_with_mpu_matches_one_process(stage: int) -> None:
+    """MoE(ep_size=2, top-2) after a replicated dense layer, a Megatron-style mpu of tensor pairs (tp 2 x dp 2):
+    upstream's E + M + D expert groups inside the tensor lanes ({0,2} {1,3}); each tensor peer sends its share
+    of the capacity slots; losses (with l_aux), clipped norm and every expert's final weights equal one process
+    holding all 4 experts on the same data shards."""
+    ref = moe_reference(STEPS, 2, 0.5, 0.3)
+    results = run_distributed(4, train_moe_mpu, STEPS, 2, 2, stage, 0.5, 0.3)
+    assert [r["ep_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(r["expert_tp"] == 1 for r in results)
+    assert min(ref["norms"]) > 0.3
+    _same_as(ref, results)
