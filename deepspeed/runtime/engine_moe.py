@@ -79,7 +79,7 @@ def setup_moe(engine: Any) -> None:
         raise NotSupportedYet("MoE layers of your own next to AutoEP's under tensor_parallel.autotp_size: only "
                               "AutoEP's layers split their tokens over the tensor peers ([Note: EP x TP folding])")
     mpu_tp = _client_mpu_tensor_size(engine, sizes, stage) if not folded else 0
-    if not folded and mpu_tp == 0 and (engine._split is not None or engine.sequence_parallel_size > 1 or
+    if not folded and mpu_tp == 0 and (_autotp_split(engine) or engine.sequence_parallel_size > 1 or
                                         engine.mpu is not None):
         raise NotSupportedYet(f"MoE layers (ep_size {sorted(sizes.values())}) with sequence or pipeline parallelism, "
                               "AutoTP, or an mpu of those: expert parallelism combines with data parallelism, "
@@ -122,6 +122,11 @@ def setup_moe(engine: Any) -> None:
                                    expert_rank=groups._get_expert_parallel_rank(name))
 
 
+def _autotp_split(engine: Any) -> bool:
+    """The engine's tensor split is AutoTP's (not a client mpu's tensor layers)."""
+    return engine._split is not None and not getattr(engine, "_split_from_mpu", False)
+
+
 def _client_mpu_tensor_size(engine: Any, sizes: dict, stage: int) -> int:
     """The tensor-parallel size of a Megatron-style client mpu that `deepspeed.moe.layer.MoE` layers
     compose with (upstream's E + M + D; the mesh takes its tensor dim, so the expert groups lie inside
@@ -129,7 +134,7 @@ def _client_mpu_tensor_size(engine: Any, sizes: dict, stage: int) -> int:
     from ..moe.layer import MoE
 
     mpu = engine.mpu
-    if mpu is None or engine._split is not None or engine.sequence_parallel_size > 1 or \
+    if mpu is None or _autotp_split(engine) or engine.sequence_parallel_size > 1 or \
             hasattr(mpu, "initialize_sequence_parallel") or hasattr(mpu, "get_pipe_parallel_world_size") or \
             not hasattr(mpu, "get_model_parallel_world_size"):
         return 0

@@ -67,6 +67,8 @@ def setup_parallel_groups(engine: Any, mpu: Any, config_class: Any) -> None:
             engine.seq_dp_world_size = engine.dp_world_size
         engine.mp_world_size = 1 if _sp_only(mpu) or not hasattr(mpu, "get_model_parallel_world_size") \
             else int(mpu.get_model_parallel_world_size())
+        engine._split = _client_tensor_split(mpu)
+        engine._split_from_mpu = engine._split is not None   # not AutoTP's (engine_moe.py tells them apart)
         return
     engine.mp_world_size = 1
     engine.sequence_parallel_size = sp_config
@@ -97,6 +99,28 @@ def engine_tensor_parallel_size(module: Any, raw: dict) -> int:
         raise ValueError(f"tensor_parallel.autotp_size={configured} but the model was sharded by tp_model_init for "
                          f"tp_size={by_init}; make them agree")
     return max(configured, by_init or 1)
+
+
+def _client_tensor_split(mpu: Any) -> Any:
+    """[Note: a client mpu's tensor layers] A Megatron-style `mpu` (tensor x data, no pipeline: what
+    Megatron-DeepSpeed passes without pipeline parallelism) means the model holds tensor slices of its
+    own: the gradient norm and the overflow check must combine over the tensor group, counting a
+    tagged slice (`tensor_model_parallel`) on every tensor rank and a replicated parameter on tensor
+    rank 0 only, as the pipeline's 3-D path does; else each tensor rank clips by its own partial norm
+    and tensor peers drift apart. None without tensor slices (a pipeline grid sets its own)."""
+    from .tensor_parallel.pipeline import is_pipeline_grid
+
+    if mpu is None or _sp_only(mpu) or is_pipeline_grid(mpu):
+        return None
+    size = getattr(mpu, "get_tensor_model_parallel_world_size", None) or getattr(mpu, "get_model_parallel_world_size",
+                                                                                 None)
+    if size is None or int(size()) <= 1:
+        return None
+    from .optimizer_wrapper import SplitModel
+
+    if hasattr(mpu, "get_tensor_model_parallel_group"):
+        return SplitModel(mpu.get_tensor_model_parallel_group(), tensor_rank=int(mpu.get_tensor_model_parallel_rank()))
+    return SplitModel(mpu.get_model_parallel_group(), tensor_rank=int(mpu.get_model_parallel_rank()))
 
 
 def tp_model_init_args(module: Any) -> dict:

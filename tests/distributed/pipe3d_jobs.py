@@ -222,3 +222,78 @@ def autotp_without_model_axis():
     except ValueError as error:
         return str(error)
     return None
+
+
+class MegatronMPU:
+    """A Megatron-style mpu for tensor x data without a pipeline (tensor peers consecutive, as
+    Megatron lays them out): what Megatron-DeepSpeed passes as `deepspeed.initialize(mpu=...)`."""
+
+    def __init__(self, tp: int) -> None:
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.tp, self.rank = tp, rank
+        self._tensor = self._data = None
+        for start in range(0, world, tp):   # every rank creates every group, in one order
+            ranks = list(range(start, start + tp))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                self._tensor, self._tensor_ranks = group, ranks
+        for lane in range(tp):
+            ranks = list(range(lane, world, tp))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                self._data, self._data_ranks = group, ranks
+
+    def get_tensor_model_parallel_world_size(self):
+        return self.tp
+
+    get_model_parallel_world_size = get_tensor_model_parallel_world_size
+
+    def get_tensor_model_parallel_rank(self):
+        return self._tensor_ranks.index(self.rank)
+
+    get_model_parallel_rank = get_tensor_model_parallel_rank
+
+    def get_tensor_model_parallel_group(self):
+        return self._tensor
+
+    get_model_parallel_group = get_tensor_model_parallel_group
+
+    def get_data_parallel_world_size(self):
+        return len(self._data_ranks)
+
+    def get_data_parallel_rank(self):
+        return self._data_ranks.index(self.rank)
+
+    def get_data_parallel_group(self):
+        return self._data
+
+
+def train_mpu(tp: int, micro: int, zero: int, steps: int, clip: float):
+    """Megatron-style tensor layers x data on a client mpu, no pipeline (Megatron-DeepSpeed without
+    pipeline parallelism): returns (losses, norms, this rank's params by reference name, meta)."""
+    import deepspeed
+
+    mpu = MegatronMPU(tp)
+    dp = mpu.get_data_parallel_world_size()
+    model = nn.Sequential(Embed(), *[TensorBlock(i, mpu) for i in range(NUM_BLOCKS)], Head())
+    cfg = {"train_batch_size": micro * dp, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+           "steps_per_print": 10 ** 6, "gradient_clipping": clip,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": zero}}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, mpu=mpu, model_parameters=model.parameters())
+    losses, norms = [], []
+    for step in range(steps):
+        (ids, labels), = micro_batches(step, mpu.get_data_parallel_rank(), micro, 1, dp)
+        loss = loss_fn(engine(ids), labels)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total, group=mpu.get_data_parallel_group())
+        losses.append(float(total) / dp)
+        norms.append(engine.get_global_grad_norm())
+    params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    meta = {"tp_rank": mpu.get_tensor_model_parallel_rank(), "tp": tp}
+    engine.destroy()
+    return losses, norms, params, meta

@@ -79,6 +79,17 @@ def test_pipe_tensor_data_2x2x2_matches_one_process():
     _check(results, steps, micro, gas, 2, 0.5)
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_megatron_tensor_layers_on_a_client_mpu_match_one_process(zero):
+    """Megatron-DeepSpeed without pipeline parallelism: the user's tensor layers on a client `mpu`
+    (tensor 2 x data 2 on 4 ranks) passed to `deepspeed.initialize(mpu=...)`, clipping on. Each tensor
+    rank used to clip by its own partial norm (2.71 and 2.55 where the true norm is 3.00), and the
+    tensor peers drifted apart from the third step ([Note: a client mpu's tensor layers])."""
+    steps, micro = 3, 2
+    results = run_distributed(4, jobs.train_mpu, 2, micro, zero, steps, 0.5)
+    _check(results, steps, micro, 1, 2, 0.5)
+
+
 @pytest.mark.parametrize("zero", [1])
 def test_pipe_autotp_matches_one_process(zero):
     """AutoTP inside pipeline stages ([Note: AutoTP in pipeline stages]): plain blocks sharded by
