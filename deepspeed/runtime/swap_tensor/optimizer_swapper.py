@@ -17,9 +17,10 @@ the same update as one step over all), and shard i-1 is written meanwhile; at mo
 in memory. After its update a shard publishes its new values to the model side (`publish()`), so
 the all-gather (stages 1-2) or the shard refresh (stage 3) after the step needs no master. An I/O
 error is agreed across ranks before that collective: every rank raises, naming the failing rank's
-path and cause. Checkpoints use the CPU-offload code, so they have its layout: a save streams
-(`streaming`: the writer touches shards in order and exactly one is in memory at a time, read-only),
-a load reads every shard in (`all_resident`) and writes them back. `resident_bytes` /
+path and cause. Checkpoints use the CPU-offload code, so they have its layout, and stream: a save
+(`streaming`: the writer touches shards in order and exactly one is in memory at a time, read-only);
+a load (`load_streamed`: the base optimizer's `load_state_dict` first, then shard by shard the master
+read, overwritten with the checkpoint's values, published and written back with the loaded state). `resident_bytes` /
 `peak_resident_bytes` count the swap buffers in memory (tests bound them). Gradients stay in host
 memory.
 """
@@ -29,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -49,10 +50,11 @@ def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
 class _Entry:
     """One tensor of a shard's file: the master (`fragment` None) or a state tensor `key` of a fragment."""
 
-    __slots__ = ("fragment", "key", "dtype", "shape", "offset", "nbytes")
+    __slots__ = ("fragment", "key", "dtype", "shape", "offset", "nbytes", "tensor")
 
     def __init__(self, fragment: Any, key: Any, tensor: torch.Tensor, offset: int) -> None:
         self.fragment, self.key = fragment, key
+        self.tensor = None if fragment is None else tensor   # the state object it fills (not a master view)
         self.dtype, self.shape, self.offset = tensor.dtype, tensor.shape, offset
         self.nbytes = tensor.numel() * tensor.element_size()
 
@@ -121,12 +123,17 @@ class OptimizerStateSwapper:
         else:
             self.optimizer.state[entry.fragment][entry.key].set_(value)
 
-    def _read(self, i: int) -> None:
-        """Start reading shard i into a fresh aligned buffer its tensors are rebound to."""
+    def _read(self, i: int, replaced_kept: bool = False) -> None:
+        """Start reading shard i into a fresh aligned buffer its tensors are rebound to. With
+        `replaced_kept` (a checkpoint load), state tensors the optimizer replaced since the layout
+        was taken keep their new values: only the master and the state still in place are bound."""
         layout = self._layouts[i]
         total = layout[-1].offset + layout[-1].nbytes
         buffer = self._take_buffer(total)
         for entry in layout:
+            if replaced_kept and entry.fragment is not None and \
+                    self.optimizer.state.get(entry.fragment, {}).get(entry.key) is not entry.tensor:
+                continue
             self._bind(i, entry, buffer[entry.offset:entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape))
         self._buffers[i] = buffer
         self._count(buffer.numel())
@@ -272,6 +279,24 @@ class OptimizerStateSwapper:
                 self.writer.wait()
             self._free(i)
 
+    def load_streamed(self, apply: Callable[[int], None]) -> None:
+        """A checkpoint load, shard by shard (one in memory at a time): read shard i (its master, and
+        state the base optimizer's `load_state_dict` did not replace), `apply(i)` (the checkpoint's
+        master values), publish it to the model side, write it back with the loaded state, drop it."""
+        for i in range(len(self.shards)):
+            try:
+                self._read(i, replaced_kept=True)
+                self._wait(self.reader)
+                apply(i)
+                self.shards[i].publish()
+                self._write(i)
+                self._wait(self.writer)
+            finally:
+                for handle in (self.reader, self.writer):
+                    with contextlib.suppress(Exception):
+                        handle.wait()
+                self._free(i)
+
     # --- the step -------------------------------------------------------------------------------
     def _step_shard(self, i: int) -> None:
         """The base optimizer's step on shard i's fragments alone."""
@@ -311,9 +336,7 @@ def swapper_of(optimizer: Any) -> OptimizerStateSwapper | None:
 
 
 def resident(optimizer: Any, dirty: bool) -> Any:
-    """For a checkpoint: `streaming` (read-only: a save) or `all_resident` (a load) of the optimizer's
-    swapper, or nothing to do without one."""
+    """For a checkpoint save: the optimizer swapper's `streaming`, or nothing to do without one (a
+    load streams in `apply_plan` through `load_streamed`)."""
     swapper = swapper_of(optimizer)
-    if swapper is None:
-        return contextlib.nullcontext()
-    return swapper.all_resident(True) if dirty else swapper.streaming()
+    return swapper.streaming() if swapper is not None and not dirty else contextlib.nullcontext()
