@@ -45,9 +45,28 @@ def run(device: str, args: argparse.Namespace) -> dict:
         swapper = engine.optimizer.swapper
         waits.append(swapper.wait_s if swapper is not None else 0.0)
     on_disk = engine.optimizer.swapper.nbytes_on_disk() if device == "nvme" else 0
+    ckpt = _checkpoint(engine, os.path.join(args.nvme_path, f"ckpt_{device}")) if args.checkpoint else {}
     engine.destroy()
     return {"step_s": statistics.median(times[1:]), "wait_s": statistics.median(waits[1:]), "losses": losses,
-            "on_disk": on_disk}
+            "on_disk": on_disk, **ckpt}
+
+
+def _checkpoint(engine, path: str) -> dict:
+    """Save and load times, and (NVMe) the swap buffers' peak in memory during each: one sub-group's
+    when they stream ([Note: optimizer state swapping])."""
+    import shutil
+
+    swapper, out = engine.optimizer.swapper, {}
+    for what, call in (("save", lambda: engine.save_checkpoint(path, tag="t")),
+                       ("load", lambda: engine.load_checkpoint(path, tag="t"))):
+        if swapper is not None:
+            swapper.peak_resident_bytes = swapper.resident_bytes
+        start = time.perf_counter()
+        call()
+        out[f"{what}_s"] = time.perf_counter() - start
+        out[f"{what}_peak"] = swapper.peak_resident_bytes if swapper is not None else 0
+    shutil.rmtree(path, ignore_errors=True)
+    return out
 
 
 def main() -> None:
@@ -57,6 +76,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--nvme_path", default="/tmp/ds_nvme_step")
+    p.add_argument("--checkpoint", action="store_true", help="also time save/load_checkpoint (and the swap peak)")
     args = p.parse_args()
     os.makedirs(args.nvme_path, exist_ok=True)
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
@@ -73,6 +93,12 @@ def main() -> None:
           f"{nvme['wait_s']:.3f} s; {nvme['on_disk'] / 1e6:.0f} MB on disk (masters + 2 moments: "
           f"{params * 12 / 1e6:.0f} MB)")
     print(f"losses equal: {cpu['losses'] == nvme['losses']}")
+    if args.checkpoint:
+        shard = params * 12 / args.layers
+        for what in ("save", "load"):
+            print(f"{what}_checkpoint: cpu {cpu[what + '_s']:.3f} s, nvme {nvme[what + '_s']:.3f} s; swap buffers in "
+                  f"memory at most {nvme[what + '_peak'] / 1e6:.1f} MB (one sub-group: {shard / 1e6:.1f} MB, "
+                  f"all: {params * 12 / 1e6:.0f} MB)")
 
 
 if __name__ == "__main__":

@@ -57,18 +57,17 @@ class _Accelerator:
     def supported_dtypes(self) -> list[torch.dtype]:
         return [torch.float32, torch.float16, torch.bfloat16]
 
-    # tensor constructors used by old code --------------------------------------------------
-    @property
-    def FloatTensor(self) -> Any:  # noqa: N802 - upstream name
-        return lambda *a, **k: torch.tensor(*a, dtype=torch.float32, device=self.device_name(), **k)
+    # tensor constructors used by old code (and upstream's tests: `ByteTensor(list(bytes))`) ---------
+    def _typed(self, dtype: torch.dtype) -> Any:
+        return lambda *a, **k: torch.tensor(*a, dtype=dtype, device=self.device_name(), **k)
 
-    @property
-    def BFloat16Tensor(self) -> Any:  # noqa: N802
-        return lambda *a, **k: torch.tensor(*a, dtype=torch.bfloat16, device=self.device_name(), **k)
-
-    @property
-    def HalfTensor(self) -> Any:  # noqa: N802
-        return lambda *a, **k: torch.tensor(*a, dtype=torch.float16, device=self.device_name(), **k)
+    FloatTensor = property(lambda self: self._typed(torch.float32))  # noqa: N815 - upstream names
+    BFloat16Tensor = property(lambda self: self._typed(torch.bfloat16))  # noqa: N815
+    HalfTensor = property(lambda self: self._typed(torch.float16))  # noqa: N815
+    DoubleTensor = property(lambda self: self._typed(torch.float64))  # noqa: N815
+    ByteTensor = property(lambda self: self._typed(torch.uint8))  # noqa: N815
+    IntTensor = property(lambda self: self._typed(torch.int32))  # noqa: N815
+    LongTensor = property(lambda self: self._typed(torch.int64))  # noqa: N815
 
     def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
         return tensor.pin_memory() if torch.cuda.is_available() else tensor

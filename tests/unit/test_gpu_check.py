@@ -200,7 +200,7 @@ def test_cpu_rehearsal_runs_the_feature_rows_and_the_repeated_bench_rows(tmp_pat
     assert status == {"env": ("ok", ""), "ds-build": ("skipped", "no DeepSpeed wheel"), "features": ("ok", ""),
                       "bench": ("ok", "")}
     rows = results["features"]["rows"]
-    assert results["features"]["rehearsal"] and len(rows) == 9 and all(r["ok"] for r in rows)
+    assert results["features"]["rehearsal"] and len(rows) == 10 and all(r["ok"] for r in rows)
     assert all(len(r["step_ms_reps"]) == 2 for r in results["bench"]["rows"])
     summary = (out / "summary.md").read_text()
     assert "features on CPU rehearsal" in summary and "| zeropp | bf16 |" in summary

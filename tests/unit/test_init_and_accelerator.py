@@ -65,6 +65,9 @@ def test_cpu_accelerator_surface():
     assert torch.equal(a, torch.rand(3))
     assert accel.memory_allocated() > 0 and accel.total_memory() > accel.available_memory() > 0
     assert accel.is_bf16_supported() and torch.bfloat16 in accel.supported_dtypes()
+    # upstream's typed constructors (its aio tests: ByteTensor(list(bytes)))
+    assert torch.equal(accel.ByteTensor(list(b"ab")), torch.tensor([97, 98], dtype=torch.uint8))
+    assert accel.LongTensor([1]).dtype == torch.int64 and accel.DoubleTensor([1.0]).dtype == torch.float64
 
 
 def test_initialize_without_model_is_an_assertion_error():

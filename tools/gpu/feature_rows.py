@@ -26,6 +26,10 @@ ROWS: dict[str, dict[str, Any]] = {
                                     why="ZeRO-3, fp32 masters and Adam state on the (pinned) CPU"),
     "zero3-offload-param": dict(stage=3, dtype="bf16", zero={"offload_param": OFFLOAD, "offload_optimizer": OFFLOAD},
                                 why="ZeRO-3, offload_param cpu: parameter shards on the CPU, fetched per layer"),
+    "zero3-offload-nvme": dict(stage=3, dtype="bf16", nvme=True,
+                               why="ZeRO-Infinity: offload_param and offload_optimizer nvme on this machine's disk "
+                                   "($DS_GPU_NVME_PATH or the temp dir), pinned swap buffers, parameters fetched "
+                                   "from files to the device per layer"),
     "sp-ulysses": dict(stage=2, dtype="bf16", attn="ulysses",
                        why="DistributedAttention over the world group (sp degree 1): its all_to_all_single runs"),
     "sp-alst": dict(stage=3, dtype="bf16", attn="alst", mlp="tiled", loss="tiled",
@@ -182,7 +186,28 @@ def config(row: dict) -> dict:
                                  **row.get("zero", {})}}
     if row["dtype"] == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if row.get("nvme"):
+        import os
+        import tempfile
+
+        path = tempfile.mkdtemp(prefix="ds_gpu_nvme_", dir=os.environ.get("DS_GPU_NVME_PATH") or None)
+        nvme = {"device": "nvme", "nvme_path": path, "pin_memory": True}
+        cfg["zero_optimization"].update(offload_optimizer=dict(nvme),
+                                        offload_param={**nvme, "max_in_cpu": 20000})   # below the model: swaps
+        cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 2}
     return cfg
+
+
+def _nvme_notes(engine: Any) -> str:
+    """What the NVMe row moved and whether its swap buffers were pinned (device runs: they must be)."""
+    params, opt = engine._stage3.swapper, engine.optimizer.swapper
+    pinned = [b.is_pinned() for b in opt._spare]
+    if engine.device.type == "cuda" and not all(pinned):
+        raise RuntimeError(f"offload_optimizer nvme on CUDA: {pinned.count(False)} of {len(pinned)} swap buffers "
+                           "are not pinned (pin_memory: true)")
+    return (f"param swapper reads {params.reads} writes {params.writes} read-ahead hits {params.read_ahead_hits}; "
+            f"optimizer swap buffers pinned {sum(pinned)}/{len(pinned)}; swap files "
+            f"{opt.nbytes_on_disk() + params.dir.nbytes()} B")
 
 
 def _qgz_probe(device: torch.device) -> list[float]:
@@ -216,7 +241,8 @@ def run_row(name: str, device: torch.device, steps: int) -> dict:
     if row.get("tp"):
         notes.append(_apply_autotp_plan(model))
     data = tokens(steps)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(row))
+    cfg = config(row)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     losses = []
     try:
         for batch in data:
@@ -227,12 +253,18 @@ def run_row(name: str, device: torch.device, steps: int) -> dict:
             losses.append(float(loss.detach().float()))
         opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
         notes.append(f"optimizer {type(opt).__name__}")
+        if row.get("nvme"):
+            notes.append(_nvme_notes(engine))
         result = {"losses": losses, "device": str(engine.device), "backend": dist.get_backend(),
                   "world_size": dist.get_world_size(), "notes": "; ".join(notes)}
         if row.get("probe") == "qgz":
             result["probe"] = _qgz_probe(engine.device)
     finally:
         engine.destroy()
+        if row.get("nvme"):   # the run's swap directories are gone after destroy(); the temp dir goes too
+            import shutil
+
+            shutil.rmtree(cfg["zero_optimization"]["offload_optimizer"]["nvme_path"], ignore_errors=True)
     if not all(math.isfinite(v) for v in losses):
         raise RuntimeError(f"non-finite loss {losses}")
     return result

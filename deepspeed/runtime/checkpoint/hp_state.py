@@ -25,8 +25,10 @@ class Piece:
     group: int             # index of the optimizer param group
     start: int             # offset inside the flattened parameter
     numel: int
-    master: torch.Tensor   # 1-D view of the fp32 (master) values
+    master: torch.Tensor   # 1-D view of the fp32 (master) values (NVMe offload: read through `HpState.value`)
     key: torch.Tensor      # what the base optimizer's state is keyed by
+    shard: int | None = None   # ZeRO: index of its bucket / unit in `HpState.sources`
+    shard_start: int = 0       # ZeRO: offset inside that shard's master
 
 
 class HpState:
@@ -47,6 +49,7 @@ class HpState:
         # the sharded layout: per bucket (stages 1-2) or gather unit (stage 3), a BucketPartition
         # over `params`, this rank's fp32 `master` slice of it and the trained `fragments`
         self.sources = (wrapper.units if self.stage3 else wrapper.buckets) if self.zero else []
+        self.swapper = getattr(wrapper, "swapper", None) if self.zero else None   # offload_optimizer nvme
         # ZeRO-3 parameters are released between uses: their shapes come from their units
         shapes = {id(p): s for u in wrapper.coordinator.units for p, s in zip(u.params, u.shapes)} \
             if self.stage3 else {}
@@ -59,12 +62,13 @@ class HpState:
         self.pieces: list[Piece] = []
         group_of = {id(p): i for i, g in enumerate(model_groups) for p in g}
         if self.zero:
-            for sb in self.sources:
+            for s, sb in enumerate(self.sources):
                 for f in sb.fragments:
                     p = sb.params[f.index]
                     key = wrapper._fragments_of[id(p)][0]
                     self.pieces.append(Piece(self.names[id(p)], group_of[id(p)], f.param_start, f.numel,
-                                             sb.master[f.shard_start:f.shard_start + f.numel], key))
+                                             sb.master[f.shard_start:f.shard_start + f.numel], key, s,
+                                             f.shard_start))
         else:
             masters = {id(p): m for p, m in getattr(wrapper, "_pairs", [])}
             for i, (g, base_group) in enumerate(zip(model_groups, self.base.param_groups)):
@@ -75,7 +79,20 @@ class HpState:
                     self.pieces.append(Piece(self.names[id(p)], i, 0, p.numel(), master.data.view(-1), master))
 
     # --- values -----------------------------------------------------------------------------
+    def value(self, piece: Piece, field: str) -> torch.Tensor | None:
+        """The piece's master (`field="fp32"`) or base-optimizer state (None: absent). With NVMe
+        offload inside the swapper's `streaming` (a save), the piece's shard is read in first and the
+        previous one dropped ([Note: optimizer state swapping]): callers walk the pieces in order."""
+        if field != "fp32":
+            return self.state_value(piece, field)
+        if self.swapper is None or piece.shard is None:
+            return piece.master
+        self.swapper.hold(piece.shard)
+        return self.sources[piece.shard].master[piece.shard_start:piece.shard_start + piece.numel]
+
     def state_value(self, piece: Piece, field: str) -> torch.Tensor | None:
+        if self.swapper is not None and piece.shard is not None:
+            self.swapper.hold(piece.shard)
         value = self.base.state.get(piece.key, {}).get(field)
         if torch.is_tensor(value) and value.numel() == piece.numel and value.dim() > 0:
             return value.reshape(-1)
@@ -105,7 +122,7 @@ class HpState:
         """(name, offset in the flattened parameter, fp32 values) of each piece this rank holds,
         for the master (`field="fp32"`) or a base-optimizer state."""
         for piece in self.pieces:
-            value = piece.master if field == "fp32" else self.state_value(piece, field)
+            value = self.value(piece, field)
             if value is not None:
                 yield piece.name, piece.start, value.float()
 
@@ -138,12 +155,15 @@ class HpState:
             g, i = where[name]
             return ((dst, g, at, n, src) for dst, at, n, src in layouts[g].placements(i, start, numel))
 
-        if zero:
-            for field in fields:
-                for name, start, values in self.local_values(field):
-                    for dst, g, at, n, src in cuts(name, start, values.numel()):
+        if zero:   # piece by piece (NVMe offload: each shard read once), every field of each
+            for piece in self.pieces:
+                for field in fields:
+                    value = self.value(piece, field)
+                    if value is None:
+                        continue
+                    for dst, g, at, n, src in cuts(piece.name, piece.start, value.numel()):
                         if dst == rank:
-                            flats[field][g][at:at + n].copy_(values[src:src + n])
+                            flats[field][g][at:at + n].copy_(value[src:src + n].float())
             return flats
         world = self.wrapper.dp_world
         sends: list[list[tuple[Piece, int, int]]] = [[] for _ in range(world)]   # (piece, offset, length)
@@ -167,25 +187,35 @@ class HpState:
                             receives[src_rank].append((g, at, n))
         device = self.wrapper._comm_device   # also on a rank without buckets ([Note: collective device])
         in_splits = [len(fields) * sum(n for _, _, n in ss) for ss in sends]
-        send, offset = torch.empty(sum(in_splits), dtype=torch.float32, device=device), 0
-        for ss in sends:  # per destination: field by field, in plan order
-            for field in fields:
-                for piece, src, n in ss:
-                    value = piece.master if field == "fp32" else self.state_value(piece, field)
-                    if value is None:
-                        send[offset:offset + n].zero_()
-                    else:
-                        send[offset:offset + n].copy_(value[src:src + n])
-                    offset += n
+        send = torch.empty(sum(in_splits), dtype=torch.float32, device=device)
+        # the send buffer: per destination, field by field, in plan order; filled piece by piece
+        # (NVMe offload: in shard order, each shard read once)
+        fills, offset = [], 0   # (piece, offset in the piece, length, where field 0 goes, field stride)
+        for ss in sends:
+            length = sum(n for _, _, n in ss)
+            at = offset
+            for piece, src, n in ss:
+                fills.append((piece, src, n, at, length))
+                at += n
+            offset += len(fields) * length
+        order = {id(p): k for k, p in enumerate(self.pieces)}
+        for piece, src, n, at, length in sorted(fills, key=lambda t: order[id(t[0])]):
+            for k, field in enumerate(fields):
+                value = self.value(piece, field)
+                out = send[at + k * length:at + k * length + n]
+                if value is None:
+                    out.zero_()
+                else:
+                    out.copy_(value[src:src + n])
         work, recv = None, None
         if crossing:  # started before the local copies, which then overlap the transfer
             out_splits = [len(fields) * sum(n for _, _, n in rs) for rs in receives]
             recv = torch.empty(sum(out_splits), dtype=torch.float32, device=device)
             work = ds_comm.all_to_all_single(recv, send, out_splits, in_splits, group=self.wrapper.group,
                                              async_op=True)
-        for field in fields:  # what stays on this rank skips the wire (and two copies)
-            for piece, src, n, g, at in local:
-                value = piece.master if field == "fp32" else self.state_value(piece, field)
+        for piece, src, n, g, at in sorted(local, key=lambda t: order[id(t[0])]):   # what stays here skips the wire
+            for field in fields:
+                value = self.value(piece, field)
                 if value is None:
                     flats[field][g][at:at + n].zero_()
                 else:

@@ -18,6 +18,7 @@ stay consistent). A shape mismatch is an error in both modes, as in torch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ class LoadPlan:
     reader: CheckpointReader
     hp: HpState | None
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (target, value)
+    master_copies: list[tuple[Any, torch.Tensor]] = field(default_factory=list)   # NVMe offload: (piece, value)
     zero3_params: dict[str, torch.Tensor] | None = None   # ZeRO-3: full values by name (zero3_io)
     optimizer_state: dict | None = None                    # for the base optimizer's load_state_dict
     scaler_state: dict | None = None
@@ -150,9 +152,13 @@ def apply_plan(engine: Any, plan: LoadPlan) -> None:
             target.copy_(value)   # reads the memory-mapped checkpoint files
             bar.update(value.numel() * value.element_size())
         if plan.zero3_params is not None:
-            zero3_io.write_param_slices(engine, plan.zero3_params)
+            swapper = getattr(plan.hp, "swapper", None)
+            with swapper.all_resident(True) if swapper is not None and plan.zero3_params else contextlib.nullcontext():
+                zero3_io.write_param_slices(engine, plan.zero3_params)   # frozen pieces of units with masters
     if plan.optimizer_state is not None:
         plan.hp.base.load_state_dict(plan.optimizer_state)
+    if plan.hp is not None and plan.hp.swapper is not None:
+        _apply_swapped_masters(plan)
     if plan.scaler_state is not None:
         plan.hp.wrapper.loss_scaler.load_state_dict(plan.scaler_state)
     if plan.lr_scheduler is not None:
@@ -162,6 +168,20 @@ def apply_plan(engine: Any, plan: LoadPlan) -> None:
             setattr(engine, key, value)
     if plan.rng is not None:
         set_rng_state(plan.rng)
+
+
+def _apply_swapped_masters(plan: LoadPlan) -> None:
+    """NVMe offload ([Note: optimizer state swapping]): the masters, one shard in memory at a time,
+    after `load_state_dict` (whose new state tensors each shard's write-back then takes)."""
+    by_shard: dict[int, list[tuple[Any, torch.Tensor]]] = {}
+    for piece, value in plan.master_copies:
+        by_shard.setdefault(piece.shard, []).append((piece, value))
+
+    def apply(i: int) -> None:
+        with torch.no_grad():
+            for piece, value in by_shard.get(i, ()):
+                plan.hp.value(piece, "fp32").copy_(value)
+    plan.hp.swapper.load_streamed(apply)
 
 
 def _plan_module(engine: Any, plan: LoadPlan, strict: bool) -> None:
@@ -231,7 +251,11 @@ def _plan_masters(plan: LoadPlan, strict: bool) -> None:
                                             f"checkpoint, {tuple(shape)} in the model")
     for piece in hp.pieces:
         if reader.has(piece.name):
-            plan.copies.append((piece.master, reader.read(piece.name, "fp32", piece.start, piece.numel)))
+            value = reader.read(piece.name, "fp32", piece.start, piece.numel)
+            if hp.swapper is not None:   # the master is on disk: streamed in apply_plan
+                plan.master_copies.append((piece, value))
+            else:
+                plan.copies.append((piece.master, value))
 
 
 def _state_dtype(base: Any, key: torch.Tensor, name: str, value: torch.Tensor) -> torch.dtype:

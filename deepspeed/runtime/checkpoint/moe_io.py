@@ -90,7 +90,7 @@ def pieces_state(engine: Any, hp: Any, renamed: dict[str, tuple[int, int, str]] 
     local = {n: tuple(s) for g in hp.groups for n, s in g}   # this rank's shapes (ZeRO-3: not the placeholders')
     pieces = []
     for piece in hp.pieces:
-        values = {"fp32": piece.master.detach().float().cpu().clone()}
+        values = {"fp32": hp.value(piece, "fp32").detach().float().cpu().clone()}
         for field in fields:
             value = hp.state_value(piece, field)
             if value is not None:

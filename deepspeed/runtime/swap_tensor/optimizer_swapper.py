@@ -17,8 +17,12 @@ the same update as one step over all), and shard i-1 is written meanwhile; at mo
 in memory. After its update a shard publishes its new values to the model side (`publish()`), so
 the all-gather (stages 1-2) or the shard refresh (stage 3) after the step needs no master. An I/O
 error is agreed across ranks before that collective: every rank raises, naming the failing rank's
-path and cause. Checkpoints read every shard in (`all_resident`) and use the CPU-offload code, so
-they have its layout. Gradients stay in host memory.
+path and cause. Checkpoints use the CPU-offload code, so they have its layout, and stream: a save
+(`streaming`: the writer touches shards in order and exactly one is in memory at a time, read-only);
+a load (`load_streamed`: the base optimizer's `load_state_dict` first, then shard by shard the master
+read, overwritten with the checkpoint's values, published and written back with the loaded state). `resident_bytes` /
+`peak_resident_bytes` count the swap buffers in memory (tests bound them). Gradients stay in host
+memory.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -46,10 +50,11 @@ def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
 class _Entry:
     """One tensor of a shard's file: the master (`fragment` None) or a state tensor `key` of a fragment."""
 
-    __slots__ = ("fragment", "key", "dtype", "shape", "offset", "nbytes")
+    __slots__ = ("fragment", "key", "dtype", "shape", "offset", "nbytes", "tensor")
 
     def __init__(self, fragment: Any, key: Any, tensor: torch.Tensor, offset: int) -> None:
         self.fragment, self.key = fragment, key
+        self.tensor = None if fragment is None else tensor   # the state object it fills (not a master view)
         self.dtype, self.shape, self.offset = tensor.dtype, tensor.shape, offset
         self.nbytes = tensor.numel() * tensor.element_size()
 
@@ -76,6 +81,9 @@ class OptimizerStateSwapper:
             shard.resident = functools.partial(self.shard_resident, i)
         self.wait_s = 0.0          # seconds the optimizer waited on reads/writes (last step)
         self.everything_resident = False
+        self.resident_bytes = self.peak_resident_bytes = 0   # swap buffers in memory (and their peak)
+        self._held: int | None = None    # `streaming`: the one shard read in for a reader (clean)
+        self._streaming = False
         for i in range(len(shards)):   # the masters start on disk
             self._buffers[i] = shards[i].master
             self._write(i)
@@ -115,14 +123,20 @@ class OptimizerStateSwapper:
         else:
             self.optimizer.state[entry.fragment][entry.key].set_(value)
 
-    def _read(self, i: int) -> None:
-        """Start reading shard i into a fresh aligned buffer its tensors are rebound to."""
+    def _read(self, i: int, replaced_kept: bool = False) -> None:
+        """Start reading shard i into a fresh aligned buffer its tensors are rebound to. With
+        `replaced_kept` (a checkpoint load), state tensors the optimizer replaced since the layout
+        was taken keep their new values: only the master and the state still in place are bound."""
         layout = self._layouts[i]
         total = layout[-1].offset + layout[-1].nbytes
         buffer = self._take_buffer(total)
         for entry in layout:
+            if replaced_kept and entry.fragment is not None and \
+                    self.optimizer.state.get(entry.fragment, {}).get(entry.key) is not entry.tensor:
+                continue
             self._bind(i, entry, buffer[entry.offset:entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape))
         self._buffers[i] = buffer
+        self._count(buffer.numel())
         if total:
             self.reader.async_pread(buffer[:total], self._path(i), 0)
 
@@ -137,10 +151,16 @@ class OptimizerStateSwapper:
         for entry in self._layouts[i]:
             self._bind(i, entry, _placeholder(entry.shape, entry.dtype))
         buffer = self._buffers.pop(i, None)
+        if buffer is not None and buffer.dtype == torch.uint8:
+            self._count(-buffer.numel())
         if buffer is not None and buffer.dtype == torch.uint8 and self._spare_count:
             self._spare.append(buffer)
             if len(self._spare) > self._spare_count:   # keep the largest ones
                 self._spare.pop(min(range(len(self._spare)), key=lambda k: self._spare[k].numel()))
+
+    def _count(self, delta: int) -> None:
+        self.resident_bytes += delta
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
 
     def _wait(self, handle: aio_handle) -> None:
         start = time.perf_counter()
@@ -208,6 +228,40 @@ class OptimizerStateSwapper:
                 self._free(i)
 
     @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        """Read-only access shard by shard (checkpoint save): inside, `hold(i)` makes shard i the one
+        in memory (the previous one is dropped: nothing changed it)."""
+        if self.everything_resident or self._streaming:
+            yield
+            return
+        self._streaming = True
+        try:
+            yield
+        finally:
+            self._streaming = False
+            self._release()
+
+    def hold(self, i: int) -> None:
+        """Within `streaming`, shard i in memory, and no other (a no-op outside it)."""
+        if not self._streaming or self._held == i or i in self._buffers:
+            return
+        self._release()
+        try:
+            self._read(i)
+            self._held = i
+            self._wait(self.reader)
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        if self._held is not None:
+            with contextlib.suppress(Exception):
+                self.reader.wait()
+            self._free(self._held)
+            self._held = None
+
+    @contextlib.contextmanager
     def shard_resident(self, i: int, dirty: bool) -> Iterator[None]:
         """Shard i in memory (the `safe_get/set_*` accessors); written back on exit if `dirty`."""
         if self.everything_resident or i in self._buffers:
@@ -224,6 +278,24 @@ class OptimizerStateSwapper:
             with contextlib.suppress(Exception):
                 self.writer.wait()
             self._free(i)
+
+    def load_streamed(self, apply: Callable[[int], None]) -> None:
+        """A checkpoint load, shard by shard (one in memory at a time): read shard i (its master, and
+        state the base optimizer's `load_state_dict` did not replace), `apply(i)` (the checkpoint's
+        master values), publish it to the model side, write it back with the loaded state, drop it."""
+        for i in range(len(self.shards)):
+            try:
+                self._read(i, replaced_kept=True)
+                self._wait(self.reader)
+                apply(i)
+                self.shards[i].publish()
+                self._write(i)
+                self._wait(self.writer)
+            finally:
+                for handle in (self.reader, self.writer):
+                    with contextlib.suppress(Exception):
+                        handle.wait()
+                self._free(i)
 
     # --- the step -------------------------------------------------------------------------------
     def _step_shard(self, i: int) -> None:
@@ -264,6 +336,7 @@ def swapper_of(optimizer: Any) -> OptimizerStateSwapper | None:
 
 
 def resident(optimizer: Any, dirty: bool) -> Any:
-    """`all_resident` of the optimizer's swapper, or nothing to do without one."""
+    """For a checkpoint save: the optimizer swapper's `streaming`, or nothing to do without one (a
+    load streams in `apply_plan` through `load_streamed`)."""
     swapper = swapper_of(optimizer)
-    return swapper.all_resident(dirty) if swapper is not None else contextlib.nullcontext()
+    return swapper.streaming() if swapper is not None and not dirty else contextlib.nullcontext()
