@@ -18,6 +18,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,15 +40,22 @@ def _env(impl: str, venv: str, scratch: str) -> tuple[str, dict]:
     return os.path.join(venv, "bin", "python"), env
 
 
-def run(impl: str, venv: str, scratch: str, args: list[str], timeout: float = 600) -> tuple[int, str]:
+def run(impl: str, venv: str, scratch: str, args: list[str], timeout: float = 300) -> tuple[int, str]:
     python, env = _env(impl, venv, scratch)
-    proc = subprocess.run([python, *args], env=env, cwd=scratch, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen([python, *args], env=env, cwd=scratch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output = proc.communicate()[0] + f"\ntimed out after {timeout} s"
+        proc.returncode = proc.returncode or 124
     for f in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):
         try:
             os.remove(f)
         except OSError:
             pass
-    return proc.returncode, proc.stdout + proc.stderr
+    return proc.returncode, output
 
 
 def job(impl: str, venv: str, scratch: str, **spec) -> dict:

@@ -65,7 +65,8 @@ def rank_main(rank: int, spec: dict, port: int, queue) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     tp = spec["tp"]
     config = {"train_micro_batch_size_per_gpu": tp, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
-              "zero_optimization": {"stage": spec["stage"]}, "gradient_clipping": 0.0}
+              "zero_optimization": {"stage": spec["stage"]}, "gradient_clipping": 0.0,
+              "zero_allow_untested_optimizer": True}   # DeepSpeed's ZeRO refuses torch SGD without it
     if tp > 1:
         config["tensor_parallel"] = {"autotp_size": tp, **SPECS}
     if spec.get("load") == "universal":
@@ -102,7 +103,17 @@ def main() -> None:
     procs = [ctx.Process(target=rank_main, args=(r, spec, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    result = queue.get(timeout=600)
+    import queue as queues
+
+    result = None
+    while result is None:   # a rank that fails leaves the other waiting in a collective: stop both
+        try:
+            result = queue.get(timeout=1)
+        except queues.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                sys.exit(1)
     for p in procs:
         p.join()
     if any(p.exitcode for p in procs):
