@@ -89,10 +89,34 @@ def _partition_dims(where: str, states: dict, tp: int) -> tuple[dict[str, int], 
         raise CheckpointError(f"{where}: tensor-parallel parameters {undescribed} carry no partition_dim "
                               "(or a partition_stride other than 1); cannot join their slices")
     dims.update(tagged)
+    if tp > 1 and not dims and states.get(UNIVERSAL_CHECKPOINT_INFO):
+        return _dims_from_patterns(states)
     if tp > 1 and not dims:
         raise CheckpointError(f"{where} holds {tp} tensor-parallel file sets per stage, but its model states name "
                               "no partition dims (tp_partition_dims); cannot join the slices")
     return dims, dict(states.get("tp_sub_param_sizes") or {})
+
+
+def _dims_from_patterns(states: dict) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """DeepSpeed's own AutoTP checkpoints describe their slices by name patterns
+    (`universal_checkpoint_info`): TP-replicated, row-parallel (dim 1), fused sub-parameters (their
+    partition dim and block sizes); every other trained parameter is split on dim 0."""
+    info = states[UNIVERSAL_CHECKPOINT_INFO]
+    matches = lambda patterns, name: any(re.match(p, name) for p in patterns)   # noqa: E731
+    dims, blocks = {}, {}
+    for group in states.get("param_shapes") or []:
+        for name in group:
+            if matches(info.get("tp_replicated_parameter_patterns", []), name):
+                continue
+            dims[name] = 1 if matches(info.get("parameter_with_row_parallelism_patterns", []), name) else 0
+            for sub in info.get("parameter_with_sub_params", []):
+                sub = sub if isinstance(sub, dict) else vars(sub)
+                if matches(sub.get("patterns", []), name):
+                    dims[name] = int(sub["partition_dim"])
+                    sizes = list(sub["shape"])[dims[name]]
+                    if isinstance(sizes, (tuple, list)):
+                        blocks[name] = [int(b) for b in sizes]
+    return dims, blocks
 
 
 def _shapes(reader: CheckpointReader) -> dict[str, torch.Size]:

@@ -81,3 +81,32 @@ def test_universal_files_are_whole_and_upstream_shaped(tmp_path):
         record = torch.load(os.path.join(out, "zero", name, "fp32.pt"), weights_only=False)
         torch.testing.assert_close(record["param"], value, rtol=0, atol=0)
         torch.testing.assert_close(states["module"][name], value, rtol=0, atol=0)
+
+
+def test_deepspeed_pattern_description_converts_the_same(tmp_path):
+    """DeepSpeed's own AutoTP checkpoints have no tp_partition_dims, only `universal_checkpoint_info` name
+    patterns (row-parallel, replicated, fused sub-parameters): converted from those, the files are the same."""
+    import re
+
+    run_distributed(2, train_tp, "glu", 1, 2, 1, micro=2, momentum=0.9, save_dir=str(tmp_path))
+    ours = _to_universal(tmp_path)
+    for m in (0, 1):
+        path = tmp_path / "tp" / f"mp_rank_{m:02d}_model_states.pt"
+        states = torch.load(path, weights_only=False)
+        dims, blocks = states.pop("tp_partition_dims"), states.pop("tp_sub_param_sizes")
+        names = [n for g in states["param_shapes"] for n in g]
+        pattern = lambda n: f"^{re.escape(n)}$"   # noqa: E731
+        states["universal_checkpoint_info"] = {
+            "tp_replicated_parameter_patterns": [pattern(n) for n in names if n not in dims],
+            "parameter_with_row_parallelism_patterns": [pattern(n) for n, d in dims.items() if d == 1],
+            "parameter_with_sub_params": [{"patterns": [pattern(n)], "shape": [tuple(b), -1], "partition_dim": 0}
+                                          for n, b in blocks.items()]}
+        torch.save(states, path)
+    theirs = str(tmp_path / "from_patterns")
+    convert(str(tmp_path / "tp"), theirs)
+    for name in os.listdir(os.path.join(ours, "zero")):
+        for field in ("fp32.pt", "momentum_buffer.pt"):
+            path = os.path.join(ours, "zero", name, field)
+            if os.path.isfile(path):
+                torch.testing.assert_close(torch.load(os.path.join(theirs, "zero", name, field))["param"],
+                                           torch.load(path)["param"], rtol=0, atol=0)
