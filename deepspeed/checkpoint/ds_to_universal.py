@@ -211,7 +211,11 @@ def _read(reader: CheckpointReader, name: str, field: str) -> torch.Tensor | Non
     return None if value is None else value.view(_shapes(reader)[name])
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | argparse.Namespace | None = None) -> int:
+    """The command line; `argv` may also be the parsed arguments (an object with `input_folder` and
+    `output_folder`), as DeepSpeed's `main(args)` takes them (its tests call it so)."""
+    if hasattr(argv, "input_folder"):
+        return _run(argv.input_folder, argv.output_folder)
     parser = argparse.ArgumentParser(prog="ds_to_universal", description=__doc__.split("\n")[0])
     parser.add_argument("--input_folder", required=True, help="checkpoint tag directory, e.g. ckpt/global_step10")
     parser.add_argument("--output_folder", required=True, help="universal checkpoint directory to create")
@@ -223,12 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no_strict", dest="strict", action="store_false")
     parser.add_argument("--inject_missing_state", action="store_true")
     args = parser.parse_args(argv)
+    return _run(args.input_folder, args.output_folder)
+
+
+def _run(input_folder: str, output_folder: str) -> int:
     try:
-        count = convert(args.input_folder, args.output_folder)
+        count = convert(input_folder, output_folder)
     except CheckpointError as error:
         print(f"ds_to_universal: {error}", file=sys.stderr)
         return 2
-    print(f"ds_to_universal: wrote {count} parameters to {os.path.join(args.output_folder, 'zero')}")
+    print(f"ds_to_universal: wrote {count} parameters to {os.path.join(output_folder, 'zero')}")
     return 0
 
 
