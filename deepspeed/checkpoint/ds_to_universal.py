@@ -7,8 +7,10 @@
 Output: `<out>/zero/<param name>/{fp32,exp_avg,exp_avg_sq,...}.pt` (each `{"param": full fp32
 tensor}`), `<out>/zero/<param name>/step.pt`, `<out>/zero/optimizer_state.pt` (the state that
 is not per element: loss scaler, param_groups, ...) and a copy of the model-states file.
-Any input the reader understands works (ZeRO 0-3, any world size, ours or DeepSpeed's); one
-parameter is held in memory at a time. Our engine loads either layout directly, so this is
+Any input the reader understands works (ZeRO 0-3, any world size, ours or DeepSpeed's, every pipeline
+stage, and tensor-parallel file sets: AutoTP's and a 3-D pipeline's slices of the masters and of every
+optimizer field are joined into whole tensors, so the output loads at any TP size); one parameter is
+held in memory at a time. Our engine loads either layout directly, so this is
 only needed for tools that expect universal checkpoints.
 """
 
