@@ -7,8 +7,10 @@
 Output: `<out>/zero/<param name>/{fp32,exp_avg,exp_avg_sq,...}.pt` (each `{"param": full fp32
 tensor}`), `<out>/zero/<param name>/step.pt`, `<out>/zero/optimizer_state.pt` (the state that
 is not per element: loss scaler, param_groups, ...) and a copy of the model-states file.
-Any input the reader understands works (ZeRO 0-3, any world size, ours or DeepSpeed's); one
-parameter is held in memory at a time. Our engine loads either layout directly, so this is
+Any input the reader understands works (ZeRO 0-3, any world size, ours or DeepSpeed's, every pipeline
+stage, and tensor-parallel file sets: AutoTP's and a 3-D pipeline's slices of the masters and of every
+optimizer field are joined into whole tensors, so the output loads at any TP size); one parameter is
+held in memory at a time. Our engine loads either layout directly, so this is
 only needed for tools that expect universal checkpoints.
 """
 
@@ -19,10 +21,14 @@ import os
 import re
 import shutil
 import sys
+from dataclasses import dataclass
 
 import torch
 
+from ..runtime.checkpoint.writer import MEGATRON_TP_DIMS
 from ..utils.progress import progress
+from ..utils.zero_to_fp32 import join_tp_slices
+from .constants import CAT_DIM, PARAM, UNIVERSAL_CHECKPOINT_INFO
 from .files import CheckpointError, model_file, save_file, write_text
 from .reader import CheckpointReader
 
@@ -30,55 +36,158 @@ _PER_ELEMENT = ("base_optimizer_state", "single_partition_of_fp32_groups", "para
                 "fp32_flat_groups", "optimizer_state_dict")
 
 
-def _open(input_folder: str) -> tuple[list[CheckpointReader], int]:
-    """The readers of every model-parallel file set of the tag (one per pipeline stage), and how many
-    there are. Each stage's files hold only its own layers' parameters, so all are read: reading
-    stage 0 alone wrote a universal checkpoint missing every later stage's parameters."""
+@dataclass
+class _Unit:
+    """One pipeline stage's file sets: one reader per saved tensor rank, and how its sliced parameters
+    join (`dims`: the partition dim; `blocks`: a fused weight's block sizes along it)."""
+    readers: list[CheckpointReader]
+    dims: dict[str, int]
+    blocks: dict[str, list[int]]
+
+
+def _open(input_folder: str) -> list[_Unit]:
+    """Every model-parallel file set of the tag: one unit per pipeline stage (each stage's files hold only
+    its own layers' parameters, so all are read: reading stage 0 alone wrote a universal checkpoint missing
+    every later stage's parameters), each with its tensor ranks' readers (AutoTP writes one `mp_rank_XX` set
+    per tensor rank; a 3-D pipeline numbers them stage x tp + tensor rank)."""
     load_dir, tag = os.path.dirname(input_folder) or ".", os.path.basename(input_folder)
     first = CheckpointReader(load_dir, tag)
     if first.universal:
         raise CheckpointError(f"{input_folder} is already a universal checkpoint")
-    sets = sorted(int(m.group(1)) for m in (re.match(r"mp_rank_(\d+)_model_states\.pt$", f)
-                                            for f in os.listdir(first.path)) if m)
-    if len(sets) <= 1:
-        return [first], 1
-    layers = [f for f in os.listdir(first.path) if re.match(r"layer_\d+-model_states\.pt$", f)]
-    sliced = [f for f in os.listdir(first.path) if re.match(r"layer_\d+-model_\d+-model_states\.pt$", f)]
-    if not layers or sliced:
-        raise CheckpointError(
-            f"{input_folder} holds {len(sets)} tensor-parallel file sets (mp_rank_00..{sets[-1]:02d}); ds_to_universal "
-            "does not merge tensor-parallel slices yet. Resume it at the same tensor-parallel size (any data-parallel "
-            "size or stage count loads it directly), or consolidate the weights with zero_to_fp32")
-    readers = [first] + [CheckpointReader(load_dir, tag, mp_rank=m) for m in sets[1:]]
-    if not all(r.optimizer_state for r in readers):
+    listing = os.listdir(first.path)
+    sets = sorted(int(m.group(1)) for m in (re.match(r"mp_rank_(\d+)_model_states\.pt$", f) for f in listing) if m)
+    if not sets:   # ZeRO-3: per-rank model-states files
+        sets = sorted({int(m.group(1)) for m in (re.match(r"zero_pp_rank_\d+_mp_rank_(\d+)_model_states\.pt$", f)
+                                                  for f in listing) if m}) or [0]
+    layers = [f for f in listing if re.match(r"layer_\d+-model_states\.pt$", f)]
+    sliced = {m.group(1) for m in (re.match(r"layer_\d+-model_(\d+)-model_states\.pt$", f) for f in listing) if m}
+    if sliced:
+        tp = len(sliced)
+    elif layers:
+        tp = 1
+    else:
+        tp = len(sets)
+    if len(sets) % tp:
+        raise CheckpointError(f"{input_folder}: {len(sets)} model-parallel file sets are not a multiple of the "
+                              f"tensor-parallel size {tp}")
+    units = []
+    for stage in range(len(sets) // tp):
+        readers = [first if m == 0 else CheckpointReader(load_dir, tag, mp_rank=m)
+                   for m in sets[stage * tp:(stage + 1) * tp]]
+        units.append(_Unit(readers, *_partition_dims(input_folder, readers[0].model_states, tp)))
+    if len(units) > 1 and not all(r.optimizer_state for u in units for r in u.readers):
         raise CheckpointError(f"{input_folder}: a pipeline checkpoint without ZeRO / mixed-precision optimizer "
                               "partitions has nothing to convert; its per-layer files load at any stage count as they are")
-    return readers, len(sets)
+    return units
+
+
+def _partition_dims(where: str, states: dict, tp: int) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """A stage's sliced parameters, from its model states: AutoTP's `tp_partition_dims` (and fused
+    `tp_sub_param_sizes`), and the `partition_dim` your Megatron-style layers tag."""
+    dims = dict(states.get("tp_partition_dims") or {})
+    tagged = states.get(MEGATRON_TP_DIMS) or {}
+    undescribed = sorted(n for n, d in tagged.items() if d is None)
+    if undescribed:
+        raise CheckpointError(f"{where}: tensor-parallel parameters {undescribed} carry no partition_dim "
+                              "(or a partition_stride other than 1); cannot join their slices")
+    dims.update(tagged)
+    if tp > 1 and not dims and states.get(UNIVERSAL_CHECKPOINT_INFO):
+        return _dims_from_patterns(states)
+    if tp > 1 and not dims:
+        raise CheckpointError(f"{where} holds {tp} tensor-parallel file sets per stage, but its model states name "
+                              "no partition dims (tp_partition_dims); cannot join the slices")
+    return dims, dict(states.get("tp_sub_param_sizes") or {})
+
+
+def _dims_from_patterns(states: dict) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """DeepSpeed's own AutoTP checkpoints describe their slices by name patterns
+    (`universal_checkpoint_info`): TP-replicated, row-parallel (dim 1), fused sub-parameters (their
+    partition dim and block sizes); every other trained parameter is split on dim 0."""
+    info = states[UNIVERSAL_CHECKPOINT_INFO]
+    matches = lambda patterns, name: any(re.match(p, name) for p in patterns)   # noqa: E731
+    dims, blocks = {}, {}
+    for group in states.get("param_shapes") or []:
+        for name in group:
+            if matches(info.get("tp_replicated_parameter_patterns", []), name):
+                continue
+            dims[name] = 1 if matches(info.get("parameter_with_row_parallelism_patterns", []), name) else 0
+            for sub in info.get("parameter_with_sub_params", []):
+                sub = sub if isinstance(sub, dict) else vars(sub)
+                if matches(sub.get("patterns", []), name):
+                    dims[name] = int(sub["partition_dim"])
+                    sizes = list(sub["shape"])[dims[name]]
+                    if isinstance(sizes, (tuple, list)):
+                        blocks[name] = [int(b) for b in sizes]
+    return dims, blocks
 
 
 def _shapes(reader: CheckpointReader) -> dict[str, torch.Size]:
     return {name: shape for group in reader.groups() for name, shape in group}
 
 
+def _joined(unit: _Unit, name: str, read) -> torch.Tensor | None:
+    """Parameter `name` whole: `read(reader)` of each tensor rank joined along its partition dim (rank 0's
+    value when it is replicated); None when a rank has no value."""
+    slices = [read(r) for r in (unit.readers if name in unit.dims else unit.readers[:1])]
+    if any(s is None for s in slices):
+        return None
+    if name not in unit.dims:
+        return slices[0]
+    return join_tp_slices(slices, unit.dims[name], unit.blocks.get(name))
+
+
+def _record(name: str, unit: _Unit, value: torch.Tensor) -> dict:
+    """A universal file's content: the whole value, and (as upstream's converter) the dim its tensor
+    slices were joined on, which upstream's load_universal re-cuts along at any TP size when the running
+    parameter carries no AutoTP description (a fused weight is re-cut by that description)."""
+    out = {PARAM: value}
+    if name in unit.dims and len(unit.readers) > 1 and not unit.blocks.get(name):
+        out[CAT_DIM] = unit.dims[name]
+    return out
+
+
+def _model_states(unit: _Unit, stages: int) -> dict:
+    """Tensor rank 0's model states with every sliced module entry whole: the universal checkpoint has
+    no tensor ranks (`mp_world_size` is the stage count), so any TP size cuts its own slices from it."""
+    reader = unit.readers[0]
+    states = dict(reader.model_states)
+    module = dict(states.get("module") or {})
+    for key in module:
+        if key in unit.dims and len(unit.readers) > 1:
+            module[key] = _joined(unit, key, lambda r, k=key: (r.model_states.get("module") or {}).get(k))
+    states["module"] = module
+    if len(unit.readers) > 1:
+        states["mp_world_size"] = stages
+        info = dict(states.get(UNIVERSAL_CHECKPOINT_INFO) or {})
+        if info:
+            states[UNIVERSAL_CHECKPOINT_INFO] = info
+    if "frozen_param_shapes" in states and reader.stage == 3:   # each frozen parameter whole, not rank 0's piece
+        frozen = states.get("frozen_param_shapes") or {}
+        states["frozen_param_fragments"] = {n: _joined(unit, n, lambda r, n=n: r.module_tensor(n)) for n in frozen} \
+            if frozen else None
+    return states
+
+
 def convert(input_folder: str, output_folder: str) -> int:
     """Write the universal checkpoint of tag directory `input_folder`; returns the parameter count."""
     input_folder = os.path.normpath(input_folder)
-    readers, sets = _open(input_folder)
-    reader = readers[0]
+    units = _open(input_folder)
+    reader = units[0].readers[0]
     zero_dir = os.path.join(output_folder, "zero")
     os.makedirs(zero_dir, exist_ok=True)
-    owners: dict[str, tuple[int, torch.Size]] = {}   # a tied weight is in several stages' files: once
-    for stage, r in enumerate(readers):
-        for name, shape in _shapes(r).items():
-            owners.setdefault(name, (stage, shape))
-    for name, (stage, shape) in progress(list(owners.items()), desc="Converting to universal", unit="param"):
-        source = readers[stage]
+    owners: dict[str, int] = {}   # a tied weight is in several stages' files: once
+    for stage, unit in enumerate(units):
+        for name in _shapes(unit.readers[0]):
+            owners.setdefault(name, stage)
+    for name, stage in progress(list(owners.items()), desc="Converting to universal", unit="param"):
+        unit = units[stage]
+        source = unit.readers[0]
         folder = os.path.join(zero_dir, name)
         os.makedirs(folder, exist_ok=True)
         for field in ["fp32"] + source.fields():
-            value = source.read(name, field)
+            value = _joined(unit, name, lambda r, f=field: _read(r, name, f))
             if value is not None:
-                save_file({"param": value.view(shape)}, os.path.join(folder, f"{field}.pt"))
+                save_file(_record(name, unit, value), os.path.join(folder, f"{field}.pt"))
         if source.step is not None:
             save_file(torch.tensor(float(source.step)), os.path.join(folder, "step.pt"))  # host: a file
     common = {}
@@ -86,21 +195,29 @@ def convert(input_folder: str, output_folder: str) -> int:
         common = {k: v for k, v in reader.optimizer_state[0].items() if k not in _PER_ELEMENT}
     common["param_groups"] = [dict(g, params=[i]) for i, g in enumerate(reader.param_groups)]
     save_file(common, os.path.join(zero_dir, "optimizer_state.pt"))
-    source = os.path.join(reader.path, model_file())
-    if os.path.isfile(source):
-        for m in range(sets):   # every stage's counters and scheduler, as upstream copies mp_rank_*
-            shutil.copyfile(os.path.join(reader.path, model_file(m)), os.path.join(output_folder, model_file(m)))
-    else:  # ZeRO-3: rank 0's model states, with each frozen parameter whole instead of rank 0's piece
-        states = dict(reader.model_states)
-        frozen = states.get("frozen_param_shapes") or {}
-        states["frozen_param_fragments"] = {n: reader.module_tensor(n) for n in frozen} if frozen else None
-        save_file(states, os.path.join(output_folder, model_file()))
+    tp = len(units[0].readers)
+    zero3 = not os.path.isfile(os.path.join(reader.path, model_file()))
+    for stage, unit in enumerate(units):   # every stage's counters and scheduler, as upstream copies mp_rank_*
+        if tp == 1 and not zero3:
+            shutil.copyfile(os.path.join(reader.path, model_file(stage)), os.path.join(output_folder, model_file(stage)))
+        else:
+            save_file(_model_states(unit, len(units)), os.path.join(output_folder, model_file(stage)))
     parent = os.path.dirname(os.path.normpath(output_folder)) or "."
     write_text(os.path.join(parent, "latest_universal"), os.path.basename(os.path.normpath(output_folder)))
     return len(owners)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _read(reader: CheckpointReader, name: str, field: str) -> torch.Tensor | None:
+    """`field` of this tensor rank's slice of `name`, in the slice's shape."""
+    value = reader.read(name, field)
+    return None if value is None else value.view(_shapes(reader)[name])
+
+
+def main(argv: list[str] | argparse.Namespace | None = None) -> int:
+    """The command line; `argv` may also be the parsed arguments (an object with `input_folder` and
+    `output_folder`), as DeepSpeed's `main(args)` takes them (its tests call it so)."""
+    if hasattr(argv, "input_folder"):
+        return _run(argv.input_folder, argv.output_folder)
     parser = argparse.ArgumentParser(prog="ds_to_universal", description=__doc__.split("\n")[0])
     parser.add_argument("--input_folder", required=True, help="checkpoint tag directory, e.g. ckpt/global_step10")
     parser.add_argument("--output_folder", required=True, help="universal checkpoint directory to create")
@@ -112,12 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no_strict", dest="strict", action="store_false")
     parser.add_argument("--inject_missing_state", action="store_true")
     args = parser.parse_args(argv)
+    return _run(args.input_folder, args.output_folder)
+
+
+def _run(input_folder: str, output_folder: str) -> int:
     try:
-        count = convert(args.input_folder, args.output_folder)
+        count = convert(input_folder, output_folder)
     except CheckpointError as error:
         print(f"ds_to_universal: {error}", file=sys.stderr)
         return 2
-    print(f"ds_to_universal: wrote {count} parameters to {os.path.join(args.output_folder, 'zero')}")
+    print(f"ds_to_universal: wrote {count} parameters to {os.path.join(output_folder, 'zero')}")
     return 0
 
 

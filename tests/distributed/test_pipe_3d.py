@@ -50,10 +50,9 @@ def test_pipe_tensor_resume_equals_uninterrupted(tmp_path, autotp):
     names = sorted(p.name for p in (tmp_path / "mid").iterdir())
     assert "layer_01-model_01-model_states.pt" in names, names
     from deepspeed.checkpoint.ds_to_universal import convert
-    from deepspeed.checkpoint.files import CheckpointError
 
-    with pytest.raises(CheckpointError, match="tensor-parallel slices"):   # not a silent half conversion
-        convert(str(tmp_path / "mid"), str(tmp_path / "mid_universal"))
+    # ds_to_universal joins every stage's tensor slices (it refused them before)
+    assert convert(str(tmp_path / "mid"), str(tmp_path / "mid_universal")) > 0
     from deepspeed.utils.zero_to_fp32 import ZeroCheckpointError, get_fp32_state_dict_from_zero_checkpoint
 
     state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="mid")   # the whole model at the save
@@ -61,6 +60,11 @@ def test_pipe_tensor_resume_equals_uninterrupted(tmp_path, autotp):
     assert set(state) == set(want)
     for name, value in want.items():
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        universal = tmp_path / "mid_universal" / "zero" / name / "fp32.pt"
+        if universal.is_file():   # trained parameters (of every stage) whole
+            torch.testing.assert_close(torch.load(universal, weights_only=False)["param"], value,
+                                       rtol=1e-5, atol=1e-6, msg=name)
+    assert {p.name for p in (tmp_path / "mid_universal" / "zero").iterdir() if p.is_dir()} == set(want)
     if autotp:
         return
     # a slice tagged tensor_model_parallel without partition_dim: refused, not guessed
@@ -70,6 +74,10 @@ def test_pipe_tensor_resume_equals_uninterrupted(tmp_path, autotp):
     torch.save(states, first)
     with pytest.raises(ZeroCheckpointError, match="'1.col_weight' is tagged tensor_model_parallel without"):
         get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="mid")
+    from deepspeed.checkpoint.files import CheckpointError
+
+    with pytest.raises(CheckpointError, match="1.col_weight"):
+        convert(str(tmp_path / "mid"), str(tmp_path / "mid_universal2"))
 
 
 @pytest.mark.slow

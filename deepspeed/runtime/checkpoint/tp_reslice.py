@@ -179,7 +179,7 @@ def resliced_reader(engine: Any, load_dir: str, tag: str, saved_tp: int, states:
     if saved_tp == 1:   # nothing was partitioned at save: this run's partitioning says how to cut
         dims, blocks = own_dims, own_blocks
     readers = [CheckpointReader(load_dir, tag, mp_rank=r) for r in range(saved_tp)]
-    if readers[0].universal:
+    if readers[0].universal and saved_tp > 1:   # ds_to_universal writes whole values (TP=1): any TP cuts them
         raise files.CheckpointError(f"{path} is a universal checkpoint saved at tensor-parallel size {saved_tp}; "
                                     f"this run has autotp_size {new_tp}: moving universal checkpoints across "
                                     "tensor-parallel sizes is not supported")
