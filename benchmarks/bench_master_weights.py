@@ -50,7 +50,9 @@ def _count(engine) -> dict:
             "per_param": (master + grad + states) / model}
 
 
-def _rank(rank: int, ranks: int, port: int, width: int, queue) -> None:
+def _join(rank: int, ranks: int, port: int):
+    """This process as rank `rank` of a gloo world on the CPU, one thread; returns (torch, deepspeed)
+    (imported here: ours or DeepSpeed's, whichever the interpreter finds)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     import torch
@@ -59,6 +61,11 @@ def _rank(rank: int, ranks: int, port: int, width: int, queue) -> None:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False, timeout=datetime.timedelta(seconds=300))
+    return torch, deepspeed
+
+
+def _rank(rank: int, ranks: int, port: int, width: int, queue) -> None:
+    torch, deepspeed = _join(rank, ranks, port)
     rows = []
     for name, (dtype, keys, offload) in SETTINGS.items():
         for stage in (1, 2, 3):
@@ -84,14 +91,7 @@ def _loss_rank(rank: int, ranks: int, port: int, steps: int, width: int, out: st
     import glob
     import json
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
-    import torch
-
-    torch.set_num_threads(1)
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False, timeout=datetime.timedelta(seconds=300))
+    torch, deepspeed = _join(rank, ranks, port)
     rows = []
     for name, (dtype, keys, offload) in SETTINGS.items():
         for stage in (1, 2, 3):
