@@ -224,16 +224,20 @@ def _get_expert_parallel_ranks(world_size: int, tensor_parallel_size_: int, expe
 
 
 def _expert_mesh(tensor: int = 1, sequence: int = 1, pipe: int = 1) -> Any:
-    """The mesh expert groups are built on: the current one (it must agree with what the caller says
-    of tensor/sequence/pipe when the caller says anything), else a new standard one."""
+    """The mesh expert groups are built on: the current one when it has the tensor degree asked (as
+    upstream, `mp_size=None` asks for 1) and the sequence/pipe degrees asked above 1, else the standard
+    mesh for what is asked. An earlier engine's mesh stays current after that engine is gone, so a
+    bare `_create_expert_and_data_parallel(ep)` before the next `initialize` must not inherit its
+    tensor lanes: expert groups inside them would give that call other ep ranks than the next engine
+    uses (each expert replica then trains on its own)."""
     mesh = _mesh_or_none()
     if mesh is None:
         return _mesh.initialize(sequence=sequence, tensor=tensor, pipe=pipe)
     have = {"tensor": mesh.size("tensor"), "sequence": mesh.size("sequence"), "pipe": mesh.size("pipe")}
-    asked = {"tensor": tensor, "sequence": sequence, "pipe": pipe}
-    if any(asked[k] > 1 and asked[k] != have[k] for k in asked):
-        raise ValueError(f"expert groups: asked for {asked} but the parallel dims in use are {have}")
-    return mesh
+    if have["tensor"] == tensor and all(v == 1 or v == have[k] for k, v in (("sequence", sequence), ("pipe", pipe))):
+        return mesh
+    return _mesh.initialize(sequence=sequence if sequence > 1 else have["sequence"], tensor=tensor,
+                            pipe=pipe if pipe > 1 else have["pipe"])
 
 
 def _create_expert_and_data_parallel(expert_parallel_size_: int, mp_size: int | None = None,

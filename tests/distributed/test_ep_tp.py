@@ -10,17 +10,10 @@ import torch
 
 from eptp_jobs import (autoep_autotp_save_refused, moe_reference, reference, refused, train_autoep_autotp,
                        train_moe_mpu)
-from harness import _POOLS, run_distributed
+from harness import run_distributed
+from moe_jobs import reference as plain_moe_reference
+from moe_jobs import train as train_plain_moe
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _fresh_ranks_afterwards():
-    """These layouts leave a tensor-parallel mesh and folded expert groups current in the pool's
-    processes; later tests build plain MoE engines there and would inherit them (a process that builds
-    engines of different EP x TP layouts one after the other is not supported yet): close the pool."""
-    yield
-    for world in list(_POOLS):
-        _POOLS.pop(world).close()
 
 STEPS, LR, CLIP = 3, 0.1, 0.5   # every step clips (the norms are 1.5-2.7): a norm off by any factor moves the weights
 
@@ -89,3 +82,15 @@ def test_moe_with_mpu_matches_one_process(stage: int) -> None:
     assert all(r["expert_tp"] == 1 for r in results)
     assert min(ref["norms"]) > 0.3
     _same_as(ref, results)
+
+
+def test_plain_moe_engine_after_an_ep_tp_engine_in_the_same_processes() -> None:
+    """An EP x TP engine's mesh (tensor lanes) stays current after it; the next job's bare
+    `groups._create_expert_and_data_parallel(2)` (upstream's tests build their experts after it) asks
+    for tensor 1 and must get the plain layout the next engine uses, not expert groups inside the old
+    lanes (the replicas then held different experts and trained apart). Same 4 pool processes."""
+    from test_moe_engine import STEPS as PLAIN_STEPS
+    from test_moe_engine import _check as check_plain
+
+    run_distributed(4, train_moe_mpu, 1, 2, 2, 1, 0.5, 0.3)
+    check_plain(run_distributed(4, train_plain_moe, 2, PLAIN_STEPS, {"stage": 1}), plain_moe_reference(4, PLAIN_STEPS))
