@@ -14,6 +14,15 @@ get their slice of the full gradient. Collectives go through deepspeed.comm.
 The parameters stay the module's own Parameter objects (their `.data` becomes the slice), so optimizer
 parameter lists made before sharding stay valid. A sharded parameter carries upstream's Megatron-style
 flag `tensor_model_parallel = True` (clients and upstream's norm helpers read it).
+
+[Note: one input-gradient all-reduce per shared input]
+Column layers that read the same tensor (q/k/v projections of one attention input, gate/up of one MLP
+input) would each all-reduce their own part of that input's gradient: 3x and 2x the bytes Megatron's
+fused QKV layer sends. The first column layer to see an input hangs its `copy_to_tensor_parallel` result
+on the input (keyed by group and grad mode) and the others reuse it, so autograd sums their gradients
+into that one node and its backward all-reduces the sum once. The result aliases the input (the same
+storage and version counter) and dies with it; a recomputed forward (activation checkpointing) makes new
+inputs and so new nodes. Summing before rather than after the all-reduce changes rounding only.
 """
 
 from __future__ import annotations
@@ -59,7 +68,8 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group: Any, x: torch.Tensor) -> torch.Tensor:
         ctx.group = group
-        return x
+        return x.detach()   # same storage and version counter, but not a view holding `x` (no cycle
+                            # when `x` holds this result: [Note: one input-gradient all-reduce ...])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple:
@@ -100,6 +110,23 @@ class _GatherFromTP(torch.autograd.Function):
 
 def copy_to_tensor_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _CopyToTP.apply(group, x)
+
+
+def shared_copy_to_tensor_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """`copy_to_tensor_parallel` once per input tensor, group and grad mode ([Note: one input-gradient
+    all-reduce per shared input])."""
+    if torch.compiler.is_compiling():
+        return _CopyToTP.apply(group, x)
+    key = (id(group), torch.is_grad_enabled())
+    cached = getattr(x, "_ds_tp_input_copy", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    out = _CopyToTP.apply(group, x)
+    try:
+        x._ds_tp_input_copy = (key, out)
+    except (AttributeError, RuntimeError):   # a tensor subclass that takes no attributes: no sharing
+        pass
+    return out
 
 
 def reduce_from_tensor_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -216,7 +243,7 @@ class LinearLayer(TensorParallel_Layer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_world_size > 1:
-            x = copy_to_tensor_parallel(x, self.mp_group)
+            x = shared_copy_to_tensor_parallel(x, self.mp_group)
         out = nn.functional.linear(x, self.weight, self.bias)
         if self.gather_output and self.tp_world_size > 1:
             out = gather_from_tensor_parallel(out, self.mp_group)

@@ -75,7 +75,9 @@ def test_tp2_mlp_matches_one_process(stage, via_init):
 
 @pytest.mark.parametrize("kind,hidden,per_step", [
     ("mlp", HIDDEN, 2),        # the pair: row output forward, column input gradient backward
-    ("llama", 64, 2 * 7 + 1),  # per layer: o_proj, down_proj forward; q, k, v, gate, up backward; lm_head's input
+    # per layer: o_proj, down_proj forward; the inputs of q/k/v and of gate/up backward, once each (their
+    # column layers share one all-reduce: [Note: one input-gradient all-reduce per shared input]); lm_head's input
+    ("llama", 64, 2 * 4 + 1),
 ])
 def test_tp_all_reduce_bytes_match_theory(kind, hidden, per_step):
     """Every TP all-reduce of a forward/backward is one [micro, seq, hidden] fp32 tensor, as many as the
