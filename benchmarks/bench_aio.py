@@ -65,6 +65,30 @@ def upstream(path: str, size: int, threads: list[int], loops: int) -> dict:
     return json.loads(lines[-1]) if lines else {"error": (proc.stderr or proc.stdout)[-800:]}
 
 
+def paired(args: argparse.Namespace, measure) -> None:
+    """Ours against dd in adjacent runs: on a disk whose speed drifts by tens of percent between
+    minutes, the ratio of neighbours is steadier than the ratio of best-ofs taken far apart."""
+    import statistics
+
+    os.makedirs(args.dir, exist_ok=True)
+    size, threads = args.size_mb << 20, int(args.threads.split(",")[0])
+    path = os.path.join(args.dir, "dd.bin")
+    dd(path, args.size_mb, False)
+    for read in (True, False):
+        ratios = []
+        for i in range(args.paired):
+            ours_first = i % 2 == 0   # alternate who goes first: neither always gets the fresher disk
+            first = measure(args.dir, size, 1 << 20, threads, read, 1, direct=True)["GBps"] if ours_first else None
+            theirs = dd(path, args.size_mb, read)
+            ours = first if ours_first else measure(args.dir, size, 1 << 20, threads, read, 1, direct=True)["GBps"]
+            ratios.append(ours / theirs)
+            print(f"{'read' if read else 'write'} pair {i}: ours {ours:.2f} GB/s, dd {theirs:.2f} GB/s, "
+                  f"ratio {ours / theirs:.2f}", flush=True)
+        print(f"{'read' if read else 'write'}: median ratio ours/dd {statistics.median(ratios):.2f} over "
+              f"{len(ratios)} pairs ({threads} threads, direct, {args.size_mb} MiB)", flush=True)
+    os.remove(path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", default="/tmp/ds_aio_bench")
@@ -72,8 +96,15 @@ def main() -> None:
     p.add_argument("--threads", default="1,2,4,8")
     p.add_argument("--loops", type=int, default=3)
     p.add_argument("--no_upstream", action="store_true")
+    p.add_argument("--paired", type=int, default=0,
+                   help="instead: this many back-to-back pairs of dd and ours (the first --threads count, "
+                        "direct) on the same file, each pair's ratio and the median ratio (reads, then writes)")
     args = p.parse_args()
     from deepspeed.nvme.io_bench import measure
+
+    if args.paired:
+        paired(args, measure)
+        return
 
     os.makedirs(args.dir, exist_ok=True)
     size, threads = args.size_mb << 20, [int(t) for t in args.threads.split(",")]
