@@ -22,7 +22,7 @@ from .counting import comms_counter
 from .gloo_collectives import (all_gather_applies, broadcast_all_gather, exchange_reduce_scatter,
                                reduce_scatter_applies)
 
-__all__ = ["ReduceOp", "default_pg_timeout", "TORCH_DISTRIBUTED_DEFAULT_PORT", "configure", "is_available", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_global_rank", "get_world_group", "get_backend", "new_group", "initialize_mesh_device", "destroy_process_group", "all_reduce", "inference_all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "allgather_fn", "all_gather", "broadcast", "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv", "barrier", "monitored_barrier", "all_gather_object", "broadcast_object_list", "log_summary", "reset_log", "has_comm_data", "get_comm_operation_count", "get_logged_comm_ops", "comms_logger", "init_distributed", "mpi_discovery", "comms_counter"]
+__all__ = ["ReduceOp", "default_pg_timeout", "TORCH_DISTRIBUTED_DEFAULT_PORT", "configure", "is_available", "is_initialized", "get_rank", "get_world_size", "get_local_rank", "get_global_rank", "get_all_ranks_from_group", "get_world_group", "get_backend", "new_group", "initialize_mesh_device", "destroy_process_group", "all_reduce", "inference_all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "allgather_fn", "all_gather", "broadcast", "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv", "barrier", "monitored_barrier", "all_gather_object", "broadcast_object_list", "log_summary", "reset_log", "has_comm_data", "get_comm_operation_count", "get_logged_comm_ops", "comms_logger", "init_distributed", "mpi_discovery", "comms_counter"]
 
 default_pg_timeout = datetime.timedelta(minutes=30)
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
@@ -114,6 +114,13 @@ def get_local_rank() -> int:
 
 def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
     return _tdist.get_global_rank(group, group_rank) if group is not None else group_rank
+
+
+def get_all_ranks_from_group(group: Any = None) -> list[int]:
+    """The global ranks of `group` in group-rank order (upstream's name)."""
+    if not is_initialized():
+        return [0]
+    return list(_tdist.get_process_group_ranks(group if group is not None else _tdist.group.WORLD))
 
 
 def get_world_group() -> Any:

@@ -30,6 +30,7 @@ from .. import comm as ds_comm
 from ..moe.utils import is_moe_param
 from ..utils import groups
 from .engine_autoep import setup_autoep
+from .agreement import agreed
 from .errors import NotSupportedYet
 
 
@@ -149,8 +150,24 @@ def _client_mpu_tensor_size(engine: Any, sizes: dict, stage: int) -> int:
     if tp > 1:
         from . import mesh
 
-        mesh.initialize(tensor=tp)   # the mpu's layout: tensor peers are consecutive ranks (Megatron's)
+        built = mesh.initialize(tensor=tp)   # the mpu's layout: tensor peers are consecutive ranks (Megatron's)
+        agreed("deepspeed.initialize with a tensor-parallel client mpu and MoE layers",
+               lambda: _check_consecutive_tensor_peers(mpu, built), ValueError)
     return tp
+
+
+def _check_consecutive_tensor_peers(mpu: Any, built: Any) -> None:
+    """The expert groups lie inside the mesh's tensor lanes, which are runs of consecutive ranks
+    (Megatron's order); an mpu whose model-parallel groups are laid out otherwise would put experts
+    on ranks that do not share their tokens: refuse it (agreed: some ranks may still match)."""
+    from .. import comm as ds_comm
+
+    theirs = sorted(ds_comm.get_all_ranks_from_group(mpu.get_model_parallel_group()))
+    ours = sorted(built.ranks("tensor"))
+    if theirs != ours:
+        raise ValueError(f"the client mpu's model-parallel group of rank {ds_comm.get_rank()} is ranks {theirs}; "
+                         f"deepspeed.moe.layer.MoE under a tensor-parallel mpu needs Megatron's layout, tensor peers on "
+                         f"consecutive ranks ({ours} here)")
 
 
 def _split_for_tensor_experts(engine: Any, stage: int, holder_ranks: list[int], whole: set) -> None:

@@ -114,6 +114,47 @@ class MPU:
         return self.tp_group
 
 
+class StridedMPU(MPU):
+    """Tensor peers strided by the data size ({0,2} {1,3} on 4 ranks): not Megatron's layout."""
+
+    def __init__(self, tp: int) -> None:
+        import deepspeed.comm as dist
+
+        self.rank, self.world, self.tp = dist.get_rank(), dist.get_world_size(), tp
+        dp = self.world // tp
+        for i in range(dp):
+            group = dist.new_group(list(range(i, self.world, dp)))
+            if self.rank % dp == i:
+                self.tp_group = group
+        for i in range(0, self.world, dp):
+            group = dist.new_group(list(range(i, i + dp)))
+            if self.rank in range(i, i + dp):
+                self.dp_group = group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.rank // (self.world // self.tp)
+
+    def get_data_parallel_rank(self) -> int:
+        return self.rank % (self.world // self.tp)
+
+
+def moe_strided_mpu_refused() -> str:
+    """deepspeed.initialize of MoE(ep 2) under a tensor-parallel mpu laid out strided: the error here."""
+    import deepspeed
+    from deepspeed.utils import groups
+
+    groups.mpu = None
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    try:
+        deepspeed.initialize(model=MoENet(2, 0), config=config, mpu=StridedMPU(2))
+    except Exception as exc:   # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        groups.mpu = None
+    return ""
+
+
 class MoENet(torch.nn.Module):
     """A replicated dense layer, then MoE (top-2, no token dropped at capacity_factor 4): output, l_aux."""
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eptp_jobs import (autoep_autotp_save_refused, moe_reference, reference, refused, train_autoep_autotp,
-                       train_moe_mpu)
+from eptp_jobs import (autoep_autotp_save_refused, moe_reference, moe_strided_mpu_refused, reference, refused,
+                       train_autoep_autotp, train_moe_mpu)
 from harness import run_distributed
 from moe_jobs import reference as plain_moe_reference
 from moe_jobs import train as train_plain_moe
@@ -94,3 +94,11 @@ def test_plain_moe_engine_after_an_ep_tp_engine_in_the_same_processes() -> None:
 
     run_distributed(4, train_moe_mpu, 1, 2, 2, 1, 0.5, 0.3)
     check_plain(run_distributed(4, train_plain_moe, 2, PLAIN_STEPS, {"stage": 1}), plain_moe_reference(4, PLAIN_STEPS))
+
+
+def test_moe_under_an_mpu_with_strided_tensor_peers_is_refused() -> None:
+    """Expert groups lie inside tensor lanes of consecutive ranks (Megatron's order); an mpu whose tensor
+    peers are strided would route tokens to experts on ranks that never saw them: refused on every rank."""
+    errors = run_distributed(4, moe_strided_mpu_refused)
+    assert all(e.startswith("ValueError") and "consecutive ranks" in e for e in errors), errors
+    assert "[0, 2]" in errors[0] and "[0, 1]" in errors[0], errors[0]
