@@ -66,26 +66,40 @@ def upstream(path: str, size: int, threads: list[int], loops: int) -> dict:
 
 
 def paired(args: argparse.Namespace, measure) -> None:
-    """Ours against dd in adjacent runs: on a disk whose speed drifts by tens of percent between
-    minutes, the ratio of neighbours is steadier than the ratio of best-ofs taken far apart."""
+    """Ours against dd (and upstream's op unless --no_upstream) in adjacent runs, the order rotated
+    each round: on a disk whose speed drifts by tens of percent between minutes, the ratio of
+    neighbours is steadier than the ratio of best-ofs taken far apart."""
     import statistics
 
     os.makedirs(args.dir, exist_ok=True)
     size, threads = args.size_mb << 20, int(args.threads.split(",")[0])
     path = os.path.join(args.dir, "dd.bin")
     dd(path, args.size_mb, False)
-    for read in (True, False):
-        ratios = []
-        for i in range(args.paired):
-            ours_first = i % 2 == 0   # alternate who goes first: neither always gets the fresher disk
-            first = measure(args.dir, size, 1 << 20, threads, read, 1, direct=True)["GBps"] if ours_first else None
-            theirs = dd(path, args.size_mb, read)
-            ours = first if ours_first else measure(args.dir, size, 1 << 20, threads, read, 1, direct=True)["GBps"]
-            ratios.append(ours / theirs)
-            print(f"{'read' if read else 'write'} pair {i}: ours {ours:.2f} GB/s, dd {theirs:.2f} GB/s, "
-                  f"ratio {ours / theirs:.2f}", flush=True)
-        print(f"{'read' if read else 'write'}: median ratio ours/dd {statistics.median(ratios):.2f} over "
-              f"{len(ratios)} pairs ({threads} threads, direct, {args.size_mb} MiB)", flush=True)
+
+    def ours() -> dict:
+        return {op: measure(args.dir, size, 1 << 20, threads, op == "read", 1, direct=True)["GBps"]
+                for op in ("write", "read")}
+
+    def theirs_dd() -> dict:
+        return {"write": dd(path, args.size_mb, False), "read": dd(path, args.size_mb, True)}
+
+    def theirs_up() -> dict:
+        got = upstream(os.path.join(args.dir, "up.bin"), size, [threads], 1)
+        return got.get(str(threads), {"write": float("nan"), "read": float("nan")})
+
+    runners = {"ours": ours, "dd": theirs_dd, **({} if args.no_upstream else {"upstream": theirs_up})}
+    names, ratios = list(runners), {}
+    for i in range(args.paired):
+        order = names[i % len(names):] + names[:i % len(names)]
+        got = {name: runners[name]() for name in order}
+        for other in names[1:]:
+            for op in ("read", "write"):
+                ratios.setdefault((other, op), []).append(got["ours"][op] / got[other][op])
+        print(f"round {i} ({' -> '.join(order)}): " + ", ".join(
+            f"{n} read {v['read']:.2f} write {v['write']:.2f} GB/s" for n, v in got.items()), flush=True)
+    for (other, op), values in ratios.items():
+        print(f"{op}: median ratio ours/{other} {statistics.median(values):.2f} over {len(values)} rounds "
+              f"(min {min(values):.2f}; {threads} threads, direct, {args.size_mb} MiB)", flush=True)
     os.remove(path)
 
 
@@ -97,8 +111,8 @@ def main() -> None:
     p.add_argument("--loops", type=int, default=3)
     p.add_argument("--no_upstream", action="store_true")
     p.add_argument("--paired", type=int, default=0,
-                   help="instead: this many back-to-back pairs of dd and ours (the first --threads count, "
-                        "direct) on the same file, each pair's ratio and the median ratio (reads, then writes)")
+                   help="instead: this many rounds of ours (the first --threads count, direct), dd and upstream "
+                        "back to back, the order rotated; the median of each round's ratios")
     args = p.parse_args()
     from deepspeed.nvme.io_bench import measure
 
