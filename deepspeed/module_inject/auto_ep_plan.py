@@ -154,6 +154,13 @@ def build_plan(model: nn.Module, section: dict, ep_size: int) -> list[BlockPlan]
             raise NeedsBlockReplacement(f"expert_parallel: {name}.{preset.expert_pattern} is an nn.ModuleList of "
                                         "expert modules, not a Transformers 5.x fused experts module")
         w1, w2 = getattr(experts, preset.expert_w1, None), getattr(experts, preset.expert_w2, None)
+        if any(hasattr(w, "ds_id") and hasattr(w, "ds_shape") for w in (w1, w2)):   # zero.Init's placeholders
+            from ..runtime.errors import NotSupportedYet
+
+            raise NotSupportedYet(f"expert_parallel (AutoEP) on a model built under deepspeed.zero.Init: "
+                                  f"{name}.{preset.expert_pattern} holds partitioned placeholders that AutoEP would "
+                                  "have to gather to cut the experts; build the model outside zero.Init (ZeRO-3 "
+                                  "partitions it at deepspeed.initialize)")
         if not isinstance(w1, nn.Parameter) or not isinstance(w2, nn.Parameter) or w1.dim() != 3 or w2.dim() != 3:
             raise ValueError(f"expert_parallel: {name}.{preset.expert_pattern} has no fused 3-D expert parameters "
                              f"{preset.expert_w1!r}/{preset.expert_w2!r} (Transformers 5.x layout); set "

@@ -40,9 +40,10 @@ def _env(impl: str, venv: str, scratch: str) -> tuple[str, dict]:
     return os.path.join(venv, "bin", "python"), env
 
 
-def run(impl: str, venv: str, scratch: str, args: list[str], timeout: float = 300) -> tuple[int, str]:
+def run(impl: str, venv: str, scratch: str, args: list[str], timeout: float = 300,
+        wrap: tuple | list = ()) -> tuple[int, str]:
     python, env = _env(impl, venv, scratch)
-    proc = subprocess.Popen([python, *args], env=env, cwd=scratch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen([*wrap, python, *args], env=env, cwd=scratch, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -58,8 +59,8 @@ def run(impl: str, venv: str, scratch: str, args: list[str], timeout: float = 30
     return proc.returncode, output
 
 
-def job(impl: str, venv: str, scratch: str, **spec) -> dict:
-    rc, out = run(impl, venv, scratch, [WORKER, json.dumps(spec)])
+def job(impl: str, venv: str, scratch: str, timeout: float = 900, **spec) -> dict:
+    rc, out = run(impl, venv, scratch, [WORKER, json.dumps(spec)], timeout=timeout)
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     if rc or not lines:
         return {"error": " | ".join(out.strip().splitlines()[-4:])}

@@ -121,6 +121,8 @@ class ShardedUnit:
                              f"a unit is gathered as one flat buffer, so its parameters must agree")
         self.spec, self.params, self.group = spec, params, group
         self.rank, self.world = ds_comm.get_rank(group), ds_comm.get_world_size(group)
+        for p in params:   # upstream's per-parameter record of the ranks it is partitioned over
+            p.ds_zero_partition_world_size = self.world
         self.layout = UnitLayout(spec.numels, self.world)
         self.partition = self.layout.partition
         self.shapes = [init_context.full_shape(p) for p in params]
