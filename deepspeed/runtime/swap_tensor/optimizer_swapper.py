@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from typing import Any, Callable, Iterator
 
@@ -278,6 +279,38 @@ class OptimizerStateSwapper:
             with contextlib.suppress(Exception):
                 self.writer.wait()
             self._free(i)
+
+    def read_slice(self, i: int, fragment: Any, key: Any, start: int, numel: int) -> Iterator[torch.Tensor]:
+        """Elements [start, start+numel) of shard i's master (`fragment` None) or of state `key` of
+        `fragment`, as fp32 chunks of at most CHUNK_BYTES read from its swap file (a checkpoint save
+        streaming it: [Note: streamed checkpoint file]), or from memory where the shard is resident."""
+        from ...checkpoint.stream_save import CHUNK_BYTES
+
+        entry = next((e for e in self._layouts[i] if e.fragment is fragment and (fragment is None or e.key == key)),
+                     None)
+        if entry is None:
+            raise KeyError(f"shard {i} of {self._path(i)} holds no {key!r} for that fragment")
+        size = torch.empty(0, dtype=entry.dtype).element_size()  # host: element size
+        step = max(1, CHUNK_BYTES // size)
+        fd = None if i in self._buffers else os.open(self._path(i), os.O_RDONLY)
+        try:
+            for at in range(start, start + numel, step):
+                n = min(step, start + numel - at)
+                if fd is None:   # resident: the live values
+                    live = self.shards[i].master if fragment is None else self.optimizer.state[fragment][key]
+                    yield live.reshape(-1)[at:at + n].float()
+                    continue
+                chunk = torch.empty(n, dtype=entry.dtype, device="cpu")  # host: read from the swap file
+                view, offset = memoryview(chunk.view(torch.uint8).numpy()), entry.offset + at * size
+                while view:
+                    got = os.preadv(fd, [view], offset)
+                    if got <= 0:
+                        raise OSError(f"{self._path(i)}: short read at byte {offset} (swap file truncated?)")
+                    view, offset = view[got:], offset + got
+                yield chunk.float()
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     def load_streamed(self, apply: Callable[[int], None]) -> None:
         """A checkpoint load, shard by shard (one in memory at a time): read shard i (its master, and
