@@ -293,6 +293,12 @@ class CheckpointReader:
     def step(self) -> Any:
         return self._step
 
+    def has_field(self, name: str, field: str) -> bool:
+        """Whether `read(name, field)` gives values (rather than None), without reading them."""
+        if self._full or field not in self._parts:
+            return self._full.get(field, {}).get(name) is not None
+        return name in self._where
+
     def read(self, name: str, field: str, start: int = 0, numel: int | None = None) -> torch.Tensor | None:
         """Elements [start, start+numel) of parameter `name`'s flattened `field`, as fp32 (a new tensor);
         None when the checkpoint has no such field for it."""

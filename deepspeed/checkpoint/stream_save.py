@@ -44,8 +44,9 @@ class StreamedTensor:
         self.shape = torch.Size([self.numel])
 
     def __reduce_ex__(self, proto: int) -> tuple:
-        # what torch.Tensor.__reduce_ex__ gives a contiguous 1-D tensor owning its storage
-        return (torch._utils._rebuild_tensor_v2, (_Storage(self), 0, (self.numel,), (1,), False, OrderedDict()))
+        # what torch.Tensor.__reduce_ex__ gives a contiguous 1-D tensor owning its storage (a new
+        # stride tuple each time, as Tensor.stride() returns: a shared one would pickle as a memo reference)
+        return (torch._utils._rebuild_tensor_v2, (_Storage(self), 0, (self.numel,), tuple([1]), False, OrderedDict()))
 
     def materialize(self) -> torch.Tensor:
         """The whole tensor in memory (tests; never on the save path)."""

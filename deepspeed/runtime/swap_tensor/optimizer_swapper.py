@@ -42,7 +42,7 @@ from .swap_files import SwapDir
 _NAN = torch.full((1,), float("nan"), device="cpu")   # host: the placeholder all swapped-out tensors view
 
 
-def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+def placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A stride-0 view of one NaN (or zero, for integer dtypes) with `shape`: no memory."""
     one = _NAN.to(dtype) if dtype.is_floating_point else torch.zeros(1, dtype=dtype, device="cpu")  # host: placeholder
     return one.expand(shape) if len(shape) else one.view(())
@@ -150,7 +150,7 @@ class OptimizerStateSwapper:
 
     def _free(self, i: int) -> None:
         for entry in self._layouts[i]:
-            self._bind(i, entry, _placeholder(entry.shape, entry.dtype))
+            self._bind(i, entry, placeholder(entry.shape, entry.dtype))
         buffer = self._buffers.pop(i, None)
         if buffer is not None and buffer.dtype == torch.uint8:
             self._count(-buffer.numel())
