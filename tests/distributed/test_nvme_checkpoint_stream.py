@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import io
 import os
-import subprocess
-import sys
 import zipfile
 from typing import Any
 
@@ -19,6 +17,8 @@ import torch
 
 import ckpt_jobs as J
 from harness import run_distributed
+
+from deepspeed.utils.rss_peak import peak_anon_rise
 
 
 def _config(stage: int, world: int, path: str, bucket: int = 64) -> dict:
@@ -98,41 +98,6 @@ class _Big(torch.nn.Module):
         return torch.nn.functional.cross_entropy(x[:, :4], y)
 
 
-def _rss_anon() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
-
-
-_SAMPLER = """
-import select, sys
-path, peak = f"/proc/{sys.argv[1]}/status", 0
-print("ready", flush=True)
-while not select.select([sys.stdin], [], [], 0.0002)[0]:
-    with open(path) as status:
-        peak = max(peak, next(int(line.split()[1]) for line in status if line.startswith("RssAnon:")))
-print(peak * 1024, flush=True)
-"""
-
-
-def _peak_during(fn: Any) -> tuple[Any, int]:
-    """fn()'s result and the largest rise of this process's anonymous resident memory over the call,
-    sampled every 0.2 ms by another process (a thread of this one would wait for the GIL)."""
-    base = _rss_anon()
-    sampler = subprocess.Popen([sys.executable, "-c", _SAMPLER, str(os.getpid())], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
-    try:
-        assert sampler.stdout.readline().strip() == "ready"
-        out = fn()
-        peak = max(int(sampler.communicate("stop\n", timeout=60)[0].strip()), _rss_anon())
-    finally:
-        if sampler.poll() is None:
-            sampler.kill()
-    return out, peak - base
-
-
 def _memory_job(cfg: dict, save_dir: str) -> dict:
     """Peak anonymous RSS rise during save_checkpoint, and during load_checkpoint into an engine that
     trained a step (its swap buffers exist already, as in any run that saves or resumes)."""
@@ -152,26 +117,27 @@ def _memory_job(cfg: dict, save_dir: str) -> dict:
     swapper = engine.optimizer.swapper
     shards = [layout[-1].offset + layout[-1].nbytes for layout in swapper._layouts]
     gc.collect()
-    _, save_peak = _peak_during(lambda: engine.save_checkpoint(save_dir, tag="m"))
+    _, save_peak = peak_anon_rise(lambda: engine.save_checkpoint(save_dir, tag="m"))
     engine.destroy()
     del engine, swapper
     gc.collect()
     other = engine_after_a_step(1)
     gc.collect()
-    _, load_peak = _peak_during(lambda: other.load_checkpoint(save_dir, tag="m"))
+    _, load_peak = peak_anon_rise(lambda: other.load_checkpoint(save_dir, tag="m"))
     other.destroy()
     return {"shards": shards, "save": save_peak, "load": load_peak}
 
 
 @pytest.mark.slow
-def test_save_and_load_hold_about_one_sub_group(tmp_path):
-    """201 MB of optimizer state in 4 sub-groups of 50 MB (ZeRO-2, 1 rank): the rise of anonymous
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_and_load_hold_about_one_sub_group(tmp_path, stage):
+    """201 MB of optimizer state in 4 sub-groups of 50 MB (1 rank): the rise of anonymous
     memory during save_checkpoint and load_checkpoint stays under one sub-group plus two 16 MiB
     chunks (the re-cut in memory, as before, needs the whole 201 MB)."""
     from deepspeed.checkpoint.stream_save import CHUNK_BYTES
 
     (tmp_path / "swap").mkdir()
-    cfg = _config(2, 1, str(tmp_path / "swap"), bucket=2048 * 2048)
+    cfg = _config(stage, 1, str(tmp_path / "swap"), bucket=2048 * 2048)
     cfg["train_micro_batch_size_per_gpu"] = 2
     cfg.pop("scheduler", None)
     got = run_distributed(1, _memory_job, cfg, str(tmp_path / "ckpt"), timeout=600)[0]
