@@ -42,13 +42,20 @@ def _streamed_save_job(cfg: dict, save_dir: str) -> dict:
     from deepspeed.checkpoint import files, stream_save
     from deepspeed.runtime.checkpoint import engine_io
 
+    from deepspeed.runtime.checkpoint import stream_recut
+
     engine = J.build(cfg, "variety", seed=0)
     data = J.batches(6)
     J.train(engine, data[:3])
     snap = J.snapshot(engine)
     stream_save.peak_chunk_bytes = 0
-    engine.save_checkpoint(save_dir, tag="t")
+    stream_recut.WINDOW = 5   # ZeRO-1/2 at 2 ranks: many windows, edges inside sent pieces
+    try:
+        engine.save_checkpoint(save_dir, tag="t")
+    finally:
+        stream_recut.WINDOW = None
     streamed = stream_save.peak_chunk_bytes > 0
+    spill_left = os.listdir(engine.optimizer.swapper.dir.path)
     in_memory = engine_io.optimizer_partition_state(engine)   # collective: the re-cut held in memory
     buffer = io.BytesIO()
     torch.save({"optimizer_state_dict": in_memory, "ds_config": engine.config,
@@ -59,12 +66,12 @@ def _streamed_save_job(cfg: dict, save_dir: str) -> dict:
     differ = sorted(k for k in set(ours) | set(today) if ours.get(k) != today.get(k))
     loaded = torch.load(path, mmap=True, weights_only=False)["optimizer_state_dict"]
     post = J.train(engine, data[3:])
-    return {"streamed": streamed, "differ": differ, "records": len(ours), "snap": snap, "post_losses": post,
+    return {"streamed": streamed, "differ": differ, "spill_left": [n for n in spill_left if "spill" in n], "records": len(ours), "snap": snap, "post_losses": post,
             "fp32_groups": [t.numel() for t in loaded.get("fp32_flat_groups",
                                                           loaded.get("single_partition_of_fp32_groups", []))]}
 
 
-@pytest.mark.parametrize("save, load", [((3, 2), (2, 1)), ((2, 1), (3, 2))])
+@pytest.mark.parametrize("save, load", [((3, 2), (2, 1)), ((2, 1), (3, 2)), ((2, 2), (1, 1))])
 def test_streamed_file_equals_in_memory_file_resumes_and_consolidates(tmp_path, save, load):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -74,7 +81,7 @@ def test_streamed_file_equals_in_memory_file_resumes_and_consolidates(tmp_path, 
     for rank in saved:
         assert rank["streamed"], "the optimizer file was not streamed"
         assert rank["differ"] == [] and rank["records"] > 5, rank["differ"]   # every record, byte for byte
-        assert sum(rank["fp32_groups"]) > 0
+        assert sum(rank["fp32_groups"]) > 0 and rank["spill_left"] == []
     loaded = run_distributed(load[1], J.load_job, _config(load[0], load[1], swap), ckpt, tag="t", model="variety")[0]
     J.assert_snap_equal(saved[0]["snap"], loaded["snap"])
     torch.testing.assert_close(torch.tensor(loaded["post_losses"]), torch.tensor(saved[0]["post_losses"]),
@@ -148,3 +155,32 @@ def test_save_and_load_hold_about_one_sub_group(tmp_path, stage):
           f"{got['save'] / 1e6:.0f} MB, load {got['load'] / 1e6:.0f} MB")
     assert got["save"] < bound, got
     assert got["load"] < bound, got
+
+
+def _lost_swap_file_save_job(cfg: dict, save_dir: str) -> dict:
+    """Rank 1's swap files vanish before a save: the save must raise on every rank (none may hang in the
+    re-cut's exchange), naming the missing file, and publish nothing."""
+    import glob
+
+    import deepspeed.comm as dist
+
+    engine = J.build(cfg, "variety", seed=0)
+    J.train(engine, J.batches(1))
+    if dist.get_rank() == 1:
+        for path in glob.glob(os.path.join(engine.optimizer.swapper.dir.path, "shard_*.swp")):
+            os.remove(path)
+    try:
+        engine.save_checkpoint(save_dir, tag="t")
+    except Exception as error:  # noqa: BLE001 - the message is the result
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lost_swap_file_raises_on_every_rank(tmp_path, stage):
+    (tmp_path / "swap").mkdir()
+    ckpt = tmp_path / "ckpt"
+    results = run_distributed(2, _lost_swap_file_save_job, _config(stage, 2, str(tmp_path / "swap")), str(ckpt))
+    for result in results:
+        assert result["error"] is not None and "shard_" in result["error"] and "rank 1" in result["error"], result
+    assert not (ckpt / "t").exists() and not (ckpt / "latest").exists()

@@ -138,13 +138,22 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
             entries += engine._extra_checkpoint_files(exclude_frozen_parameters) \
                 if hasattr(engine, "_extra_checkpoint_files") else []
         if optimizer_state is not None:
+            optim = {"optimizer_state_dict": optimizer_state, "ds_config": engine.config, "ds_version": state_version()}
             entries.append((files.optim_file(dp_rank(engine), bf16=engine.bfloat16_enabled(), mp_rank=mp),
-                            (lambda obj: Streamed(obj) if streamed else obj)(
-                                {"optimizer_state_dict": optimizer_state, "ds_config": engine.config,
-                                 "ds_version": state_version()})))
+                            Streamed(optim) if streamed else optim))
         entries.append((f"rng_state_{rank}.pt", rng_state()))
         return SaveJob(save_dir, tag, rank, ds_comm.get_world_size(), entries, save_latest, prepare=later)
 
+    try:
+        return _write_and_publish(engine, hp, save_dir, tag, background, snapshot, what, rank)
+    finally:
+        if hp is not None and hp.spill is not None:   # [Note: streamed re-cut]: written (or failed)
+            hp.spill.drop()
+
+
+def _write_and_publish(engine: Any, hp: Any, save_dir: str, tag: str, background: bool, snapshot: Callable,
+                       what: str, rank: int) -> bool:
+    """save_checkpoint's last phases: this rank's files (agreed), then rank 0 publishes (agreed)."""
     def written(job: SaveJob) -> SaveJob:
         try:
             job.write(durable=False)  # [Note: durable later]

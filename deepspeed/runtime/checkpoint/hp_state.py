@@ -51,6 +51,7 @@ class HpState:
         self.sources = (wrapper.units if self.stage3 else wrapper.buckets) if self.zero else []
         self.swapper = getattr(wrapper, "swapper", None) if self.zero else None   # offload_optimizer nvme
         self.streamed = False   # the last `recut` gave StreamedTensors
+        self.spill = None       # ... read from this SpilledRecut's file (drop() it after the write)
         # ZeRO-3 parameters are released between uses: their shapes come from their units
         shapes = {id(p): s for u in wrapper.coordinator.units for p, s in zip(u.params, u.shapes)} \
             if self.stage3 else {}
@@ -162,15 +163,15 @@ class HpState:
             return flats
         sends, receives, local, crossing = self._plan(layouts, rank)
         device = self.wrapper._comm_device   # also on a rank without buckets ([Note: collective device])
-        in_splits = [len(fields) * sum(n for _, _, n in ss) for ss in sends]
+        in_splits = [len(fields) * sum(t[2] for t in ss) for ss in sends]
         send = torch.empty(sum(in_splits), dtype=torch.float32, device=device)
         # the send buffer: per destination, field by field, in plan order; filled piece by piece
         # (NVMe offload: in shard order, each shard read once)
         fills, offset = [], 0   # (piece, offset in the piece, length, where field 0 goes, field stride)
         for ss in sends:
-            length = sum(n for _, _, n in ss)
+            length = sum(t[2] for t in ss)
             at = offset
-            for piece, src, n in ss:
+            for piece, src, n, *_ in ss:
                 fills.append((piece, src, n, at, length))
                 at += n
             offset += len(fields) * length
@@ -228,12 +229,12 @@ class HpState:
 
     def _plan(self, layouts: list[Any], rank: int) -> tuple[list, list, list, bool]:
         """Who sends what to whom under ZeRO (every rank walks the same plan in the same order):
-        per destination (piece, offset, length) to send, per source (group, offset in slice, length)
+        per destination (piece, offset, length, group, offset in its slice) to send, per source (group, offset in slice, length)
         to receive, what stays here (piece, offset, length, group, offset in slice), and whether any
         element changes rank at all (the same answer on every rank)."""
         cuts = self._cutter(layouts)
         world = self.wrapper.dp_world
-        sends: list[list[tuple[Piece, int, int]]] = [[] for _ in range(world)]   # (piece, offset, length)
+        sends: list[list[tuple]] = [[] for _ in range(world)]   # (piece, offset, length, group, offset in slice)
         mine = {(p.name, p.start): p for p in self.pieces}
         receives: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
         local: list[tuple[Piece, int, int, int, int]] = []  # (piece, offset, length, group, offset in slice)
@@ -249,7 +250,7 @@ class HpState:
                         if src_rank == rank and dst == rank:  # already here: copied directly
                             local.append((mine[(name, f.param_start)], src, n, g, at))
                         elif src_rank == rank:
-                            sends[dst].append((mine[(name, f.param_start)], src, n))
+                            sends[dst].append((mine[(name, f.param_start)], src, n, g, at))
                         elif dst == rank:
                             receives[src_rank].append((g, at, n))
         return sends, receives, local, crossing
@@ -265,16 +266,20 @@ class HpState:
                         strip_padding: set[str] = frozenset()) -> dict[str, list[Any]] | None:
         """`recut_fields`' result as StreamedTensors whose bytes are read from the NVMe swap files
         when the file is written, one chunk at a time ([Note: streamed checkpoint file]); None
-        (re-cut in memory) without NVMe offload or when an element would change rank (ZeRO-1/2 at
-        more than one rank: that needs the all-to-all)."""
+        (re-cut in memory) without NVMe offload. When elements change rank (ZeRO-1/2 at more than
+        one rank) the all-to-all runs here, window by window, into a spill file ([Note: streamed
+        re-cut]): collective then."""
         from ...checkpoint.stream_save import StreamedTensor
 
         if self.swapper is None:
             return None
         if self.zero and self.wrapper.dp_world > 1:
-            _, _, local, crossing = self._plan(layouts, rank)
-            if crossing:
-                return None
+            sends, receives, local, crossing = self._plan(layouts, rank)
+            if crossing:   # [Note: streamed re-cut]: exchanged now (collective), written from a spill file
+                from .stream_recut import SpilledRecut
+
+                self.spill = SpilledRecut(self, fields, layouts, rank, strip_padding, sends, receives, local)
+                return self.spill.tensors()
         else:
             cuts = self._cutter(layouts)
             local = [(p, src, n, g, at) for p in self.pieces

@@ -37,7 +37,7 @@ import torch
 
 from ...ops.aio.handle import ALIGNMENT, aio_handle, aligned_host_tensor
 from ..agreement import agreed
-from .swap_files import SwapDir
+from .swap_files import SwapDir, pread_exact
 
 _NAN = torch.full((1,), float("nan"), device="cpu")   # host: the placeholder all swapped-out tensors view
 
@@ -301,12 +301,7 @@ class OptimizerStateSwapper:
                     yield live.reshape(-1)[at:at + n].float()
                     continue
                 chunk = torch.empty(n, dtype=entry.dtype, device="cpu")  # host: read from the swap file
-                view, offset = memoryview(chunk.view(torch.uint8).numpy()), entry.offset + at * size
-                while view:
-                    got = os.preadv(fd, [view], offset)
-                    if got <= 0:
-                        raise OSError(f"{self._path(i)}: short read at byte {offset} (swap file truncated?)")
-                    view, offset = view[got:], offset + got
+                pread_exact(fd, chunk, entry.offset + at * size, self._path(i))
                 yield chunk.float()
         finally:
             if fd is not None:
