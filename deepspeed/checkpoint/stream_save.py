@@ -118,7 +118,8 @@ def _chunks(record: Any) -> Iterator[memoryview]:
         return
     storage = record if record.device.type == "cpu" else record.cpu()
     if storage.nbytes():
-        whole = torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage, 0, (storage.nbytes(),), (1,))  # host: view
+        whole = torch.empty(0, dtype=torch.uint8, device="cpu")  # host: a byte view of the storage
+        whole.set_(storage, 0, (storage.nbytes(),), (1,))
         yield memoryview(whole.numpy())
 
 

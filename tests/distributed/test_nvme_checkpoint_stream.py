@@ -66,7 +66,8 @@ def _streamed_save_job(cfg: dict, save_dir: str) -> dict:
     differ = sorted(k for k in set(ours) | set(today) if ours.get(k) != today.get(k))
     loaded = torch.load(path, mmap=True, weights_only=False)["optimizer_state_dict"]
     post = J.train(engine, data[3:])
-    return {"streamed": streamed, "differ": differ, "spill_left": [n for n in spill_left if "spill" in n], "records": len(ours), "snap": snap, "post_losses": post,
+    return {"streamed": streamed, "differ": differ, "spill_left": [n for n in spill_left if "spill" in n],
+            "records": len(ours), "snap": snap, "post_losses": post,
             "fp32_groups": [t.numel() for t in loaded.get("fp32_flat_groups",
                                                           loaded.get("single_partition_of_fp32_groups", []))]}
 

@@ -229,8 +229,8 @@ class HpState:
 
     def _plan(self, layouts: list[Any], rank: int) -> tuple[list, list, list, bool]:
         """Who sends what to whom under ZeRO (every rank walks the same plan in the same order):
-        per destination (piece, offset, length, group, offset in its slice) to send, per source (group, offset in slice, length)
-        to receive, what stays here (piece, offset, length, group, offset in slice), and whether any
+        per destination (piece, offset, length, group, offset in its slice) to send, per source
+        (group, offset in slice, length) to receive, what stays here (piece, offset, length, group, offset in slice), and whether any
         element changes rank at all (the same answer on every rank)."""
         cuts = self._cutter(layouts)
         world = self.wrapper.dp_world
