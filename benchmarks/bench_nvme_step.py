@@ -56,13 +56,15 @@ def _checkpoint(engine, path: str) -> dict:
     when they stream ([Note: optimizer state swapping])."""
     import shutil
 
+    from deepspeed.utils.rss_peak import peak_anon_rise
+
     swapper, out = engine.optimizer.swapper, {}
     for what, call in (("save", lambda: engine.save_checkpoint(path, tag="t")),
                        ("load", lambda: engine.load_checkpoint(path, tag="t"))):
         if swapper is not None:
             swapper.peak_resident_bytes = swapper.resident_bytes
         start = time.perf_counter()
-        call()
+        _, out[f"{what}_rise"] = peak_anon_rise(call)   # anonymous memory: what the call really held
         out[f"{what}_s"] = time.perf_counter() - start
         out[f"{what}_peak"] = swapper.peak_resident_bytes if swapper is not None else 0
     shutil.rmtree(path, ignore_errors=True)
@@ -98,7 +100,8 @@ def main() -> None:
         for what in ("save", "load"):
             print(f"{what}_checkpoint: cpu {cpu[what + '_s']:.3f} s, nvme {nvme[what + '_s']:.3f} s; swap buffers in "
                   f"memory at most {nvme[what + '_peak'] / 1e6:.1f} MB (one sub-group: {shard / 1e6:.1f} MB, "
-                  f"all: {params * 12 / 1e6:.0f} MB)")
+                  f"all: {params * 12 / 1e6:.0f} MB); peak anonymous RSS rise: cpu {cpu[what + '_rise'] / 1e6:.0f} MB, "
+                  f"nvme {nvme[what + '_rise'] / 1e6:.0f} MB")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .stream_save import Streamed, write as write_streamed
+
 MODEL_FILE = "mp_rank_{mp:02d}_model_states.pt"
 ZERO3_MODEL_FILE = "zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt"
 OPTIM_FILE = "{prefix}zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt"
@@ -96,18 +98,32 @@ class _Sink:
     (torch.save then completes, and the count is the size the file would have had)."""
 
     def __init__(self, fd: int) -> None:
-        self.fd, self.size, self.error = fd, 0, None
+        self.fd, self.size, self.error, self.pos = fd, 0, None, 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
-        self.size += n
+        self.pos += n
+        self.size = max(self.size, self.pos)
         while view and self.error is None:
             try:
                 view = view[_write(self.fd, view):]
             except OSError as error:
                 self.error = error
         return n
+
+    # seekable, for the streamed writer's zip headers (zipfile rewrites each after its data)
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        self.pos = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.size}[whence] + pos
+        if self.error is None:
+            os.lseek(self.fd, self.pos, os.SEEK_SET)
+        return self.pos
+
+    def seekable(self) -> bool:
+        return True
 
     def flush(self) -> None:
         pass
@@ -132,7 +148,10 @@ def save_file(obj: Any, path: str, dir_fd: int | None = None, shown: str | None 
     sink = _Sink(fd)
     try:
         try:
-            torch.save(obj, sink)
+            if isinstance(obj, Streamed):   # [Note: streamed checkpoint file]
+                write_streamed(obj.obj, sink)
+            else:
+                torch.save(obj, sink)
         except Exception:
             if sink.error is None:
                 raise

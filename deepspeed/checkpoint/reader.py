@@ -148,7 +148,7 @@ class CheckpointReader:
                                     else BucketPartition(numels, world, ALIGNMENT))
         for rank, state in enumerate(self.optimizer_state):
             if self.stage == 3:
-                fp32 = [torch.cat([t.reshape(-1) for t in state["fp32_flat_groups"]])]
+                fp32 = [_joined(state["fp32_flat_groups"])]
                 base = state["optimizer_state_dict"]["state"]
                 per_field = self._concat_state([base[k] for k in sorted(base)])
             else:
@@ -166,7 +166,7 @@ class CheckpointReader:
         self.param_groups = self._base_param_groups()
 
     def _concat_state(self, groups: list[dict]) -> dict[str, list[torch.Tensor]]:
-        return {f: [torch.cat([g[f].reshape(-1) for g in groups])] for f in self._tensor_fields(groups)}
+        return {f: [_joined([g[f] for g in groups])] for f in self._tensor_fields(groups)}
 
     @staticmethod
     def _tensor_fields(groups: list[dict]) -> list[str]:
@@ -293,6 +293,12 @@ class CheckpointReader:
     def step(self) -> Any:
         return self._step
 
+    def has_field(self, name: str, field: str) -> bool:
+        """Whether `read(name, field)` gives values (rather than None), without reading them."""
+        if self._full or field not in self._parts:
+            return self._full.get(field, {}).get(name) is not None
+        return name in self._where
+
     def read(self, name: str, field: str, start: int = 0, numel: int | None = None) -> torch.Tensor | None:
         """Elements [start, start+numel) of parameter `name`'s flattened `field`, as fp32 (a new tensor);
         None when the checkpoint has no such field for it."""
@@ -353,3 +359,36 @@ class CheckpointReader:
             pieces.append(states["frozen_param_fragments"][name].reshape(-1))
         numel = torch.Size(shape).numel()
         return torch.cat(pieces)[:numel].view(shape)  # slices of ceil(numel/N), the last zero-padded
+
+
+class _Joined:
+    """One rank's per-group flats read as one (a stage-3 file's per-parameter walk spans its groups)
+    without concatenating them: the memory-mapped files are read only where sliced, and a slice copies
+    only when it crosses from one group's flat into the next."""
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.parts, self.starts, at = parts, [], 0
+        for part in parts:
+            self.starts.append(at)
+            at += part.numel()
+        self._numel = at
+
+    def numel(self) -> int:
+        return self._numel
+
+    def reshape(self, *shape: Any) -> "_Joined":
+        return self
+
+    def __getitem__(self, where: slice) -> torch.Tensor:
+        lo, hi, _ = where.indices(self._numel)
+        pieces = [part[max(lo - start, 0):min(hi - start, part.numel())]
+                  for part, start in zip(self.parts, self.starts) if start < hi and start + part.numel() > lo]
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat(pieces) if pieces else torch.zeros(0, device="cpu")   # host: an empty read
+
+
+def _joined(parts: list[torch.Tensor]) -> Any:
+    """`parts` (1-D or not) as one flat: the tensor itself when there is one, else a `_Joined`."""
+    flats = [t.reshape(-1) for t in parts]
+    return flats[0] if len(flats) == 1 else _Joined(flats)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from ... import comm as ds_comm
 from ...checkpoint import files
+from ...checkpoint.stream_save import Streamed
 from ...utils.logging import log_dist, logger
 from ..errors import ArgumentError
 from . import moe_io, zero3_io
@@ -111,7 +112,13 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     # collectives, on every rank alike: re-cutting the partitions, gathering frozen ZeRO-3 pieces
     if partitioned and not moe:
         cut = zero3_io.optimizer_state if zero3 else partitioned_optimizer_state
-        optimizer_state = cut(engine, hp, dp_rank(engine), engine.seq_dp_world_size, later=later, fields_step=fields_step)
+        optimizer_state = cut(engine, hp, dp_rank(engine), engine.seq_dp_world_size, later=later,
+                              fields_step=fields_step, stream=True)
+    streamed = hp is not None and hp.streamed   # [Note: streamed checkpoint file]: read from the swap files
+    if streamed and background:   # while writing: the next step would change them under the writer
+        log_dist("save_checkpoint: NVMe-offloaded optimizer state is streamed from its swap files, so this "
+                 "save is written before save_checkpoint returns (async_save does not apply)", ranks=[0])
+        background = False
     frozen = zero3_io.frozen_fragments(engine, dp_rank(engine), engine.seq_dp_world_size) \
         if zero3 and not moe and not exclude_frozen_parameters else None
     gathered = moe_io.gather_for_save(engine) if moe else None   # ZeRO-3: the whole values the files hold
@@ -131,12 +138,22 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
             entries += engine._extra_checkpoint_files(exclude_frozen_parameters) \
                 if hasattr(engine, "_extra_checkpoint_files") else []
         if optimizer_state is not None:
+            optim = {"optimizer_state_dict": optimizer_state, "ds_config": engine.config, "ds_version": state_version()}
             entries.append((files.optim_file(dp_rank(engine), bf16=engine.bfloat16_enabled(), mp_rank=mp),
-                            {"optimizer_state_dict": optimizer_state, "ds_config": engine.config,
-                             "ds_version": state_version()}))
+                            Streamed(optim) if streamed else optim))
         entries.append((f"rng_state_{rank}.pt", rng_state()))
         return SaveJob(save_dir, tag, rank, ds_comm.get_world_size(), entries, save_latest, prepare=later)
 
+    try:
+        return _write_and_publish(engine, hp, save_dir, tag, background, snapshot, what, rank)
+    finally:
+        if hp is not None and hp.spill is not None:   # [Note: streamed re-cut]: written (or failed)
+            hp.spill.drop()
+
+
+def _write_and_publish(engine: Any, hp: Any, save_dir: str, tag: str, background: bool, snapshot: Callable,
+                       what: str, rank: int) -> bool:
+    """save_checkpoint's last phases: this rank's files (agreed), then rank 0 publishes (agreed)."""
     def written(job: SaveJob) -> SaveJob:
         try:
             job.write(durable=False)  # [Note: durable later]

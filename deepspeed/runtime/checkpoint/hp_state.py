@@ -12,7 +12,7 @@ what lets any stage and world size load what any other wrote.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -50,6 +50,8 @@ class HpState:
         # over `params`, this rank's fp32 `master` slice of it and the trained `fragments`
         self.sources = (wrapper.units if self.stage3 else wrapper.buckets) if self.zero else []
         self.swapper = getattr(wrapper, "swapper", None) if self.zero else None   # offload_optimizer nvme
+        self.streamed = False   # the last `recut` gave StreamedTensors
+        self.spill = None       # ... read from this SpilledRecut's file (drop() it after the write)
         # ZeRO-3 parameters are released between uses: their shapes come from their units
         shapes = {id(p): s for u in wrapper.coordinator.units for p, s in zip(u.params, u.shapes)} \
             if self.stage3 else {}
@@ -148,14 +150,8 @@ class HpState:
         new = torch.zeros if zero else torch.empty  # under ZeRO only the padding is zeroed (below)
         flats = {field: [new(layout.shard_numel - (layout.padding(rank) if field in strip_padding else 0),
                              dtype=torch.float32) for layout in layouts] for field in fields}
-        where = {n: (g, i) for g, group in enumerate(self.groups) for i, (n, _) in enumerate(group)}
-
-        def cuts(name: str, start: int, numel: int):
-            """(destination rank, group, offset in its slice, length, offset in the piece)."""
-            g, i = where[name]
-            return ((dst, g, at, n, src) for dst, at, n, src in layouts[g].placements(i, start, numel))
-
         if zero:   # piece by piece (NVMe offload: each shard read once), every field of each
+            cuts = self._cutter(layouts)
             for piece in self.pieces:
                 for field in fields:
                     value = self.value(piece, field)
@@ -165,36 +161,17 @@ class HpState:
                         if dst == rank:
                             flats[field][g][at:at + n].copy_(value[src:src + n].float())
             return flats
-        world = self.wrapper.dp_world
-        sends: list[list[tuple[Piece, int, int]]] = [[] for _ in range(world)]   # (piece, offset, length)
-        mine = {(p.name, p.start): p for p in self.pieces}
-        receives: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
-        local: list[tuple[Piece, int, int, int, int]] = []  # (piece, offset, length, group, offset in slice)
-        crossing = False   # any element changing rank; the same answer on every rank (same plan)
-        for sb in self.sources:  # every rank walks the same plan in the same order
-            for src_rank in range(world):
-                for f in sb.partition.fragments(src_rank):
-                    name = self.names[id(sb.params[f.index])]
-                    if name not in where:   # frozen: no master, no optimizer state
-                        continue
-                    for dst, g, at, n, src in cuts(name, f.param_start, f.numel):
-                        crossing = crossing or dst != src_rank
-                        if src_rank == rank and dst == rank:  # already here: copied directly below
-                            local.append((mine[(name, f.param_start)], src, n, g, at))
-                        elif src_rank == rank:
-                            sends[dst].append((mine[(name, f.param_start)], src, n))
-                        elif dst == rank:
-                            receives[src_rank].append((g, at, n))
+        sends, receives, local, crossing = self._plan(layouts, rank)
         device = self.wrapper._comm_device   # also on a rank without buckets ([Note: collective device])
-        in_splits = [len(fields) * sum(n for _, _, n in ss) for ss in sends]
+        in_splits = [len(fields) * sum(t[2] for t in ss) for ss in sends]
         send = torch.empty(sum(in_splits), dtype=torch.float32, device=device)
         # the send buffer: per destination, field by field, in plan order; filled piece by piece
         # (NVMe offload: in shard order, each shard read once)
         fills, offset = [], 0   # (piece, offset in the piece, length, where field 0 goes, field stride)
         for ss in sends:
-            length = sum(n for _, _, n in ss)
+            length = sum(t[2] for t in ss)
             at = offset
-            for piece, src, n in ss:
+            for piece, src, n, *_ in ss:
                 fills.append((piece, src, n, at, length))
                 at += n
             offset += len(fields) * length
@@ -240,6 +217,112 @@ class HpState:
             later.append(finish)
         return flats
 
+    def _cutter(self, layouts: list[Any]) -> Callable:
+        where = {n: (g, i) for g, group in enumerate(self.groups) for i, (n, _) in enumerate(group)}
+
+        def cuts(name: str, start: int, numel: int):
+            """(destination rank, group, offset in its slice, length, offset in the piece)."""
+            g, i = where[name]
+            return ((dst, g, at, n, src) for dst, at, n, src in layouts[g].placements(i, start, numel))
+        cuts.where = where
+        return cuts
+
+    def _plan(self, layouts: list[Any], rank: int) -> tuple[list, list, list, bool]:
+        """Who sends what to whom under ZeRO (every rank walks the same plan in the same order):
+        per destination (piece, offset, length, group, offset in its slice) to send, per source
+        (group, offset in slice, length) to receive, what stays here (piece, offset, length, group, offset in slice), and whether any
+        element changes rank at all (the same answer on every rank)."""
+        cuts = self._cutter(layouts)
+        world = self.wrapper.dp_world
+        sends: list[list[tuple]] = [[] for _ in range(world)]   # (piece, offset, length, group, offset in slice)
+        mine = {(p.name, p.start): p for p in self.pieces}
+        receives: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+        local: list[tuple[Piece, int, int, int, int]] = []  # (piece, offset, length, group, offset in slice)
+        crossing = False
+        for sb in self.sources:  # every rank walks the same plan in the same order
+            for src_rank in range(world):
+                for f in sb.partition.fragments(src_rank):
+                    name = self.names[id(sb.params[f.index])]
+                    if name not in cuts.where:   # frozen: no master, no optimizer state
+                        continue
+                    for dst, g, at, n, src in cuts(name, f.param_start, f.numel):
+                        crossing = crossing or dst != src_rank
+                        if src_rank == rank and dst == rank:  # already here: copied directly
+                            local.append((mine[(name, f.param_start)], src, n, g, at))
+                        elif src_rank == rank:
+                            sends[dst].append((mine[(name, f.param_start)], src, n, g, at))
+                        elif dst == rank:
+                            receives[src_rank].append((g, at, n))
+        return sends, receives, local, crossing
+
+    def recut(self, fields: list[str], layouts: list[Any], rank: int, strip_padding: set[str] = frozenset(),
+              later: list | None = None, stream: bool = False) -> dict[str, list[Any]]:
+        """`streamed_fields` when `stream` and it can (then `self.streamed` is set), else `recut_fields`."""
+        parts = self.streamed_fields(fields, layouts, rank, strip_padding) if stream else None
+        self.streamed = parts is not None
+        return parts if parts is not None else self.recut_fields(fields, layouts, rank, strip_padding, later)
+
+    def streamed_fields(self, fields: list[str], layouts: list[Any], rank: int,
+                        strip_padding: set[str] = frozenset()) -> dict[str, list[Any]] | None:
+        """`recut_fields`' result as StreamedTensors whose bytes are read from the NVMe swap files
+        when the file is written, one chunk at a time ([Note: streamed checkpoint file]); None
+        (re-cut in memory) without NVMe offload. When elements change rank (ZeRO-1/2 at more than
+        one rank) the all-to-all runs here, window by window, into a spill file ([Note: streamed
+        re-cut]): collective then."""
+        from ...checkpoint.stream_save import StreamedTensor
+
+        if self.swapper is None:
+            return None
+        if self.zero and self.wrapper.dp_world > 1:
+            sends, receives, local, crossing = self._plan(layouts, rank)
+            if crossing:   # [Note: streamed re-cut]: exchanged now (collective), written from a spill file
+                from .stream_recut import SpilledRecut
+
+                self.spill = SpilledRecut(self, fields, layouts, rank, strip_padding, sends, receives, local)
+                return self.spill.tensors()
+        else:
+            cuts = self._cutter(layouts)
+            local = [(p, src, n, g, at) for p in self.pieces
+                     for dst, g, at, n, src in cuts(p.name, p.start, p.numel) if dst == rank]
+        segments: list[list[tuple[int, int, Piece, int]]] = [[] for _ in layouts]   # (at, length, piece, src)
+        for piece, src, n, g, at in local:
+            segments[g].append((at, n, piece, src))
+        for g in segments:
+            g.sort(key=lambda t: t[0])
+
+        def produce(field: str, g: int, numel: int):
+            def chunks():
+                pos = 0
+                for at, n, piece, src in segments[g]:
+                    yield from _zeros(at - pos)
+                    source = self._stored(piece, field)
+                    if source is None:
+                        yield from _zeros(n)
+                    else:
+                        i, fragment, key, offset = source
+                        yield from self.swapper.read_slice(i, fragment, key, offset + src, n)
+                    pos = at + n
+                yield from _zeros(numel - pos)
+            return chunks
+
+        out = {}
+        for field in fields:
+            out[field] = []
+            for g, layout in enumerate(layouts):
+                numel = layout.shard_numel - (layout.padding(rank) if field in strip_padding else 0)
+                out[field].append(StreamedTensor(numel, torch.float32, produce(field, g, numel)))
+        return out
+
+    def _stored(self, piece: Piece, field: str) -> tuple[int, Any, Any, int] | None:
+        """(shard, fragment or None for the master, state key, element offset) of the piece's
+        `field` in the swapper's files; None when the piece has no such state."""
+        if field == "fp32":
+            return piece.shard, None, None, piece.shard_start
+        value = self.base.state.get(piece.key, {}).get(field)
+        if torch.is_tensor(value) and value.dim() > 0 and value.numel() == piece.numel:
+            return piece.shard, piece.key, field, 0
+        return None
+
     # --- writing back -------------------------------------------------------------------------
     def refresh_model(self) -> None:
         """Copy the masters into the model's parameters after they were loaded."""
@@ -251,6 +334,12 @@ class HpState:
             pairs = self.wrapper._pairs
             if pairs:
                 torch._foreach_copy_([p.data for p, _ in pairs], [m.data for _, m in pairs])
+
+
+def _zeros(numel: int, chunk: int = 1 << 22):
+    """`numel` fp32 zeros in chunks (a streamed tensor's gaps: the layout's padding)."""
+    for at in range(0, max(numel, 0), chunk):
+        yield torch.zeros(min(chunk, numel - at), dtype=torch.float32)  # host: checkpoint file bytes
 
 
 def _zero_gaps(flats: dict[str, list[torch.Tensor]], written: list[tuple[int, int, int]]) -> None:

@@ -30,6 +30,7 @@ from ...checkpoint import files
 from ...checkpoint.reader import CheckpointReader
 from ...utils.progress import NoBar, min_bytes, progress
 from . import moe_io, tp_reslice, zero3_io
+from ..swap_tensor.optimizer_swapper import placeholder
 from .hp_state import HpState
 from .writer import mp_rank, set_rng_state
 
@@ -47,7 +48,10 @@ class LoadPlan:
     reader: CheckpointReader
     hp: HpState | None
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (target, value)
-    master_copies: list[tuple[Any, torch.Tensor]] = field(default_factory=list)   # NVMe offload: (piece, value)
+    # NVMe offload: pieces whose master / state (piece, field name) are read from the files when
+    # their shard is in memory ([Note: optimizer state swapping]), not all at once
+    master_copies: list[Any] = field(default_factory=list)
+    state_fills: list[tuple[Any, str]] = field(default_factory=list)
     zero3_params: dict[str, torch.Tensor] | None = None   # ZeRO-3: full values by name (zero3_io)
     optimizer_state: dict | None = None                    # for the base optimizer's load_state_dict
     scaler_state: dict | None = None
@@ -171,17 +175,26 @@ def apply_plan(engine: Any, plan: LoadPlan) -> None:
 
 
 def _apply_swapped_masters(plan: LoadPlan) -> None:
-    """NVMe offload ([Note: optimizer state swapping]): the masters, one shard in memory at a time,
-    after `load_state_dict` (whose new state tensors each shard's write-back then takes)."""
-    by_shard: dict[int, list[tuple[Any, torch.Tensor]]] = {}
-    for piece, value in plan.master_copies:
-        by_shard.setdefault(piece.shard, []).append((piece, value))
+    """NVMe offload ([Note: optimizer state swapping]): one shard in memory at a time, after
+    `load_state_dict` (which got placeholders for the state): its masters and state read from the
+    (memory-mapped) checkpoint files now, written back by the swapper, dropped. The rank's whole
+    state is never in memory at once (docs/offload.md, measured)."""
+    masters: dict[int, list[Any]] = {}
+    fills: dict[int, list[tuple[Any, str]]] = {}
+    for piece in plan.master_copies:
+        masters.setdefault(piece.shard, []).append(piece)
+    for piece, name in plan.state_fills:
+        fills.setdefault(piece.shard, []).append((piece, name))
+    reader, hp = plan.reader, plan.hp
 
     def apply(i: int) -> None:
         with torch.no_grad():
-            for piece, value in by_shard.get(i, ()):
-                plan.hp.value(piece, "fp32").copy_(value)
-    plan.hp.swapper.load_streamed(apply)
+            for piece in masters.get(i, ()):
+                hp.value(piece, "fp32").copy_(reader.read(piece.name, "fp32", piece.start, piece.numel))
+            for piece, name in fills.get(i, ()):
+                target = hp.base.state[piece.key][name]
+                target.set_(reader.read(piece.name, name, piece.start, piece.numel).view(target.shape).to(target.dtype))
+    hp.swapper.load_streamed(apply)
 
 
 def _plan_module(engine: Any, plan: LoadPlan, strict: bool) -> None:
@@ -251,11 +264,13 @@ def _plan_masters(plan: LoadPlan, strict: bool) -> None:
                                             f"checkpoint, {tuple(shape)} in the model")
     for piece in hp.pieces:
         if reader.has(piece.name):
-            value = reader.read(piece.name, "fp32", piece.start, piece.numel)
-            if hp.swapper is not None:   # the master is on disk: streamed in apply_plan
-                plan.master_copies.append((piece, value))
+            if hp.swapper is not None:   # the master is on disk: read and written shard by shard in apply_plan
+                plan.master_copies.append(piece)
             else:
-                plan.copies.append((piece.master, value))
+                plan.copies.append((piece.master, reader.read(piece.name, "fp32", piece.start, piece.numel)))
+
+
+_FP32 = torch.empty(0, dtype=torch.float32, device="cpu")   # host: what reader.read returns (dtype only)
 
 
 def _state_dtype(base: Any, key: torch.Tensor, name: str, value: torch.Tensor) -> torch.dtype:
@@ -296,8 +311,15 @@ def _plan_optimizer_state(plan: LoadPlan) -> None:
         entry: dict[str, Any] = {}
         own = wanted.get(id(key))
         for name in fields:
-            value = None if own is not None and name not in own else reader.read(piece.name, name, piece.start,
-                                                                                 piece.numel)
+            if own is not None and name not in own:
+                continue
+            if hp.swapper is not None:   # NVMe offload: a placeholder now, filled shard by shard in apply_plan
+                if not reader.has_field(piece.name, name):
+                    continue
+                entry[name] = placeholder(key.shape, _state_dtype(hp.base, key, name, _FP32))
+                plan.state_fills.append((piece, name))
+                continue
+            value = reader.read(piece.name, name, piece.start, piece.numel)
             if value is not None:
                 entry[name] = value.view_as(key).to(_state_dtype(hp.base, key, name, value))
         if entry and step is not None and (own is None or "step" in own):

@@ -147,13 +147,14 @@ def _shared_params(module: torch.nn.Module) -> dict[str, str]:
 
 
 def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int, later: list | None = None,
-                                fields_step: tuple | None = None) -> dict:
+                                fields_step: tuple | None = None, stream: bool = False) -> dict:
     """Rank `rank`'s `optimizer_state_dict` in DeepSpeed's ZeRO-1/2 layout (collective under ZeRO);
-    `later`: see HpState.recut_fields; `fields_step`: HpState.agreed_fields(), when already known."""
+    `later`: see HpState.recut_fields; `fields_step`: HpState.agreed_fields(), when already known;
+    `stream`: NVMe-offloaded state as StreamedTensors where it can (HpState.recut)."""
     layouts = [BucketPartition(tuple(s.numel() for _, s in g), world, ALIGNMENT) for g in hp.groups]
     fields, step = fields_step if fields_step is not None else hp.agreed_fields(engine.seq_data_parallel_group)
     # DeepSpeed stores the fp32 slices without their end padding, the optimizer states with it
-    parts = hp.recut_fields(["fp32"] + fields, layouts, rank, strip_padding={"fp32"}, later=later)
+    parts = hp.recut(["fp32"] + fields, layouts, rank, strip_padding={"fp32"}, later=later, stream=stream)
     paddings = [layout.padding(rank) for layout in layouts]
     base_state = {}
     for g in range(len(layouts)):

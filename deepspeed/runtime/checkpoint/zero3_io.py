@@ -55,15 +55,16 @@ def frozen_fragments(engine: Any, rank: int, world: int) -> OrderedDict:
 
 
 def optimizer_state(engine: Any, hp: HpState, rank: int, world: int, later: list | None = None,
-                    fields_step: tuple | None = None) -> dict:
+                    fields_step: tuple | None = None, stream: bool = False) -> dict:
     """Rank `rank`'s `optimizer_state_dict` in DeepSpeed's ZeRO-3 layout (collective): per param
     group one fp32 flat (`fp32_flat_groups`, padding included) and its base optimizer state;
-    `later`: see HpState.recut_fields; `fields_step`: HpState.agreed_fields(), when already known."""
+    `later`: see HpState.recut_fields; `fields_step`: HpState.agreed_fields(), when already known;
+    `stream`: see writer.partitioned_optimizer_state."""
     from ..zero.config import ZeroStageEnum
 
     layouts = [ParamwisePartition(tuple(s.numel() for _, s in g), world) for g in hp.groups]
     fields, step = fields_step if fields_step is not None else hp.agreed_fields(engine.seq_data_parallel_group)
-    parts = hp.recut_fields(["fp32"] + fields, layouts, rank, later=later)
+    parts = hp.recut(["fp32"] + fields, layouts, rank, later=later, stream=stream)
     base_state = {}
     for g in range(len(layouts)):
         entry: dict[str, Any] = {} if step is None else {"step": torch.tensor(float(step))}  # host: checkpoint file

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from typing import Any, Callable, Iterator
 
@@ -36,12 +37,12 @@ import torch
 
 from ...ops.aio.handle import ALIGNMENT, aio_handle, aligned_host_tensor
 from ..agreement import agreed
-from .swap_files import SwapDir
+from .swap_files import SwapDir, pread_exact
 
 _NAN = torch.full((1,), float("nan"), device="cpu")   # host: the placeholder all swapped-out tensors view
 
 
-def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+def placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A stride-0 view of one NaN (or zero, for integer dtypes) with `shape`: no memory."""
     one = _NAN.to(dtype) if dtype.is_floating_point else torch.zeros(1, dtype=dtype, device="cpu")  # host: placeholder
     return one.expand(shape) if len(shape) else one.view(())
@@ -149,7 +150,7 @@ class OptimizerStateSwapper:
 
     def _free(self, i: int) -> None:
         for entry in self._layouts[i]:
-            self._bind(i, entry, _placeholder(entry.shape, entry.dtype))
+            self._bind(i, entry, placeholder(entry.shape, entry.dtype))
         buffer = self._buffers.pop(i, None)
         if buffer is not None and buffer.dtype == torch.uint8:
             self._count(-buffer.numel())
@@ -278,6 +279,33 @@ class OptimizerStateSwapper:
             with contextlib.suppress(Exception):
                 self.writer.wait()
             self._free(i)
+
+    def read_slice(self, i: int, fragment: Any, key: Any, start: int, numel: int) -> Iterator[torch.Tensor]:
+        """Elements [start, start+numel) of shard i's master (`fragment` None) or of state `key` of
+        `fragment`, as fp32 chunks of at most CHUNK_BYTES read from its swap file (a checkpoint save
+        streaming it: [Note: streamed checkpoint file]), or from memory where the shard is resident."""
+        from ...checkpoint.stream_save import CHUNK_BYTES
+
+        entry = next((e for e in self._layouts[i] if e.fragment is fragment and (fragment is None or e.key == key)),
+                     None)
+        if entry is None:
+            raise KeyError(f"shard {i} of {self._path(i)} holds no {key!r} for that fragment")
+        size = torch.empty(0, dtype=entry.dtype).element_size()  # host: element size
+        step = max(1, CHUNK_BYTES // size)
+        fd = None if i in self._buffers else os.open(self._path(i), os.O_RDONLY)
+        try:
+            for at in range(start, start + numel, step):
+                n = min(step, start + numel - at)
+                if fd is None:   # resident: the live values
+                    live = self.shards[i].master if fragment is None else self.optimizer.state[fragment][key]
+                    yield live.reshape(-1)[at:at + n].float()
+                    continue
+                chunk = torch.empty(n, dtype=entry.dtype, device="cpu")  # host: read from the swap file
+                pread_exact(fd, chunk, entry.offset + at * size, self._path(i))
+                yield chunk.float()
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     def load_streamed(self, apply: Callable[[int], None]) -> None:
         """A checkpoint load, shard by shard (one in memory at a time): read shard i (its master, and

@@ -38,7 +38,7 @@ import torch
 
 from ...ops.aio.handle import aio_handle, aligned_host_tensor
 from ..agreement import agreed
-from .optimizer_swapper import _placeholder
+from .optimizer_swapper import placeholder
 from .swap_files import SwapDir
 
 
@@ -126,7 +126,7 @@ class ParamSwapper:
             self._writing.append((self._io.submit(self._write_job, data, self.path(unit), unit), numel))
         else:
             self._account(-numel)
-        self._bind(unit, _placeholder(buffer.shape, buffer.dtype))
+        self._bind(unit, placeholder(buffer.shape, buffer.dtype))
 
     def _write_job(self, data: torch.Tensor, path: str, unit: Any) -> None:
         try:

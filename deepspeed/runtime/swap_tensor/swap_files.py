@@ -20,6 +20,8 @@ import socket
 import uuid
 import weakref
 
+import torch
+
 PREFIX = "ds_swap_"
 OWNER_FILE = ".deepspeed_swap_owner"
 
@@ -93,3 +95,13 @@ class SwapDir:
             if name != OWNER_FILE:
                 total += os.path.getsize(os.path.join(self.path, name))
         return total
+
+
+def pread_exact(fd: int, tensor: "torch.Tensor", offset: int, path: str) -> None:
+    """Fill the contiguous CPU `tensor` from byte `offset` of the open file `fd` (`path`: for errors)."""
+    view = memoryview(tensor.view(torch.uint8).numpy())
+    while view:
+        got = os.preadv(fd, [view], offset)
+        if got <= 0:
+            raise OSError(f"{path}: short read at byte {offset} (file truncated?)")
+        view, offset = view[got:], offset + got
