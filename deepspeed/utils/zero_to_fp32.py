@@ -820,7 +820,7 @@ def _moe_state_dict(ds_dir, exclude_frozen_parameters):
         out = OrderedDict((k, v) for k, v in out.items() if k not in frozen)
     _info(f"MoE checkpoint: {len(out)} entries, {len({n for _, n in trained})} trained parameters from {len(optim)} "
           f"optimizer files, {len(tps)} tensor-parallel rank(s)")
-    return out
+    return OrderedDict((k, _whole(k, v, v.dtype)) for k, v in out.items())   # what the writers take
 
 
 def _tp_state_dict(ckpt, tp_dims, exclude_frozen_parameters):

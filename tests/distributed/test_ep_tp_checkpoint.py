@@ -5,6 +5,9 @@ unsharded model's state dict (against one process on the same global batch). Job
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -69,6 +72,13 @@ def test_moe_mpu_save_resume_consolidate(tmp_path, stage: int) -> None:
     _check_resume(results)
     _check_consolidated(moe_consolidated_names(results[0]["consolidated"]), results[0]["at_save"],
                         moe_reference(STEPS, 2))
+    # the script save_checkpoint copies beside the checkpoint runs without the package (python -I, from elsewhere)
+    subprocess.run([sys.executable, "-I", str(tmp_path / "zero_to_fp32.py"), str(tmp_path), str(tmp_path / "fp32"),
+                    "-t", "t"], check=True, cwd="/", capture_output=True)
+    script = torch.load(tmp_path / "fp32" / "pytorch_model.bin")
+    assert sorted(script) == sorted(results[0]["consolidated"])
+    for name, value in results[0]["consolidated"].items():
+        assert torch.equal(script[name], value), name
 
 
 def test_autoep_autotp_layout_change_refused(tmp_path) -> None:
