@@ -64,19 +64,21 @@ def _consolidated(save_dir: str) -> dict:
 
 
 def _save_resume(save_dir: str, steps: int, make: Callable[[], Any], train: Callable[[Any, int], list],
-                 whole: Callable[[Any], dict]) -> dict:
-    """Train `steps`, save, train `steps` more; a fresh engine loads and trains the same `steps`."""
+                 whole: Callable[[Any], dict], after_save: Callable[[Any], dict] = lambda engine: {}) -> dict:
+    """Train `steps`, save (then `after_save`), train `steps` more; a fresh engine loads and trains the same `steps`."""
     engine = make()
     train(engine, 0)
     engine.save_checkpoint(save_dir, tag="t")
     at_save = whole(engine)
     consolidated = _consolidated(save_dir)
+    extra = after_save(engine)
     straight = train(engine, steps)
     final = whole(engine)
     resumed = make()
     resumed.load_checkpoint(save_dir, tag="t")
     return {"straight": straight, "resumed": train(resumed, steps), "whole": final, "whole_resumed": whole(resumed),
-            "at_save": at_save, "consolidated": consolidated, "files": sorted(os.listdir(os.path.join(save_dir, "t")))}
+            "at_save": at_save, "consolidated": consolidated, "files": sorted(os.listdir(os.path.join(save_dir, "t"))),
+            **extra}
 
 
 def _whole_autoep(engine: Any) -> dict:
@@ -87,7 +89,7 @@ def _whole_autoep(engine: Any) -> dict:
 
 
 def autoep_autotp_checkpoint(kind: str, save_dir: str, stage: int, steps: int, tp: int = 2, ep: int = 2) -> dict:
-    """AutoEP x AutoTP: _save_resume's results, and save_16bit_model's file (rank 0) after the save."""
+    """AutoEP x AutoTP: _save_resume's results, and save_16bit_model's file (rank 0) at the save."""
     import deepspeed
 
     def make() -> Any:
@@ -105,12 +107,12 @@ def autoep_autotp_checkpoint(kind: str, save_dir: str, stage: int, steps: int, t
             losses.append(loss.item())
         return losses
 
-    out = _save_resume(save_dir, steps, make, train, _whole_autoep)
-    engine = make()
-    engine.load_checkpoint(save_dir, tag="t", load_optimizer_states=False)
-    engine.save_16bit_model(os.path.join(save_dir, "16bit"))
-    out["sixteen"] = torch.load(os.path.join(save_dir, "16bit", "pytorch_model.bin")) if engine.global_rank == 0 else {}
-    return out
+    def sixteen(engine: Any) -> dict:
+        engine.save_16bit_model(os.path.join(save_dir, "16bit"))
+        path = os.path.join(save_dir, "16bit", "pytorch_model.bin")
+        return {"sixteen": torch.load(path) if engine.global_rank == 0 else {}}
+
+    return _save_resume(save_dir, steps, make, train, _whole_autoep, sixteen)
 
 
 def moe_mpu_checkpoint(save_dir: str, stage: int, steps: int, tp: int = 2, ep: int = 2) -> dict:

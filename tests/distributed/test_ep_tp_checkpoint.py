@@ -56,7 +56,7 @@ def test_autoep_autotp_save_resume_consolidate(tmp_path, stage: int) -> None:
     assert optim <= set(files), files
     _check_resume(results)
     _check_consolidated(results[0]["consolidated"], results[0]["at_save"], reference("mixtral", STEPS, 2))
-    sixteen = results[0]["sixteen"]   # save_16bit_model after loading the checkpoint: the whole weights at the save
+    sixteen = results[0]["sixteen"]   # save_16bit_model: the whole weights (experts gathered, slices joined)
     assert sorted(sixteen) == sorted(results[0]["at_save"])
     for name, value in results[0]["at_save"].items():
         assert torch.equal(sixteen[name], value), name
