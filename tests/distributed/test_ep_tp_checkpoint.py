@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from eptp_ckpt_jobs import (autoep_autotp_checkpoint, layout_change_refused, moe_consolidated_names, moe_mpu_checkpoint,
-                            moe_reference, reference)
+from eptp_ckpt_jobs import (autoep_autotp_checkpoint, layout_change_refused, load_whole, moe_consolidated_names,
+                            moe_mpu_checkpoint, moe_reference, reference)
 from harness import _POOLS, run_distributed
 
 STEPS = 2
@@ -91,3 +91,15 @@ def test_autoep_autotp_layout_change_refused(tmp_path) -> None:
     run_distributed(4, autoep_autotp_checkpoint, "mixtral", str(tmp_path), 1, 1)
     errors = run_distributed(4, layout_change_refused, "mixtral", str(tmp_path), 2, 4)
     assert len(set(errors)) == 1 and "ep_size [2]" in errors[0] and "ep_size [4]" in errors[0], errors
+
+
+@pytest.mark.slow
+def test_autoep_autotp_resume_at_another_data_size(tmp_path) -> None:
+    """tp 2 x ep 2 keeps its files when only the data-parallel size (and the ZeRO stage) changes: saved on 4
+    ranks (dp 2, ZeRO 1), loaded on 2 (dp 1, ZeRO 2), the whole weights are the saved ones."""
+    saved = run_distributed(4, autoep_autotp_checkpoint, "mixtral", str(tmp_path), 1, 1)[0]["at_save"]
+    _POOLS.pop(4).close()
+    loaded = run_distributed(2, load_whole, "mixtral", str(tmp_path), 2)[0]
+    assert sorted(loaded) == sorted(saved)
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), name

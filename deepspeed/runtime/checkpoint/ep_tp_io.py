@@ -58,7 +58,7 @@ def check_layout(engine: Any, path: str, model_states: dict) -> None:
         raise CheckpointError(f"{path} was saved with experts at {describe(saved)}; this run has {describe(mine)}: "
                               "a checkpoint of experts with tensor parallelism resumes only at the layout that saved "
                               "it (same tensor_parallel.autotp_size / mpu tensor size and ep_size; the data-parallel "
-                              f"size may differ); resume at {describe(saved)}")
+                              f"size and ZeRO stage may differ); resume at {describe(saved)}")
     spec = folding_spec(engine)
     if spec is not None:   # AutoEP folded: upstream's record, checked as upstream checks it
         validate_checkpoint_folding(model_states, folding_spec=spec, family="dense", zero_partition_group="dense_dp",
