@@ -210,9 +210,11 @@ class MoECheckpointReader(CheckpointReader):
         self.universal, self.stage, self.rank_files, self.zero_states = False, 0, [], []
         self.optimizer_state: list = []
         own = os.path.join(path, model_file(mp))
-        self.model_states = load_file(own if os.path.isfile(own) or mp == 0 else os.path.join(path, model_file(0)))
+        source = own if os.path.isfile(own) else os.path.join(path, model_file(0))   # (its layout names the refusal)
+        self.model_states = load_file(source)
         ep_tp_io.check_layout(engine, path, self.model_states)
-        self.model_states = load_file(own) if own != os.path.join(path, model_file(0)) else self.model_states
+        if source != own:   # same layout but no file of this tensor rank: load_file names it
+            self.model_states = load_file(own)
         self._fragment_cache, self._parts, self._partitions = {}, {}, []
         renamed = global_names(engine)
         module = dict(self.model_states.get("module") or {})
