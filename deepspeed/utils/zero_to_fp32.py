@@ -779,19 +779,31 @@ def _moe_state_dict(ds_dir, exclude_frozen_parameters):
     sliced = [OrderedDict() for _ in tps]   # a tensor-sliced parameter's slice, per tensor rank
     out = OrderedDict()
 
-    def put(t, name, value):
+    def unsliced(name, shape, t, have, key=None):
+        """A tensor not tagged as sliced must have one shape on every tensor rank (else it is a slice whose
+        dim the checkpoint does not name: refused, not guessed)."""
+        key = name if key is None else key
+        if key in have and tuple(have[key].shape) != tuple(shape):
+            raise ZeroCheckpointError(f"'{ds_dir}': '{name}' has shape {tuple(shape)} on tensor rank {t} and "
+                                      f"{tuple(out[name].shape)} on another, but no tensor-parallel dim is recorded "
+                                      "for it (tensor-parallel experts are not consolidated by this script)")
+
+    def put(t, name, value, model_file):
         if name in dims:
             sliced[t][name] = value
-        elif t == 0 or name not in out:
+            return
+        if model_file:   # (an AutoEP expert file holds one expert's rows under the whole tensor's name)
+            unsliced(name, value.shape, t, out)
+        if t == 0 or name not in out:
             out[name] = value
 
     experts = _files(ds_dir, "layer_*_expert_*_model_states.pt")
     for t in tps:
         mine = [f for f in experts if f"_mp_rank_{t:02d}_" in os.path.basename(f)]
-        for source in [models[t].get("module") or {}] + [_load_file(f) for f in mine]:
+        for i, source in enumerate([models[t].get("module") or {}] + [_load_file(f) for f in mine]):
             for name, value in source.items():
                 if torch.is_tensor(value):   # (an expert file also holds its layout record)
-                    put(t, name, value.float() if value.is_floating_point() else value)
+                    put(t, name, value.float() if value.is_floating_point() else value, i == 0)
     optim = _files(ds_dir, "expp_rank_*_optim_states.pt") + _files(ds_dir, "*zero_pp_rank_*_optim_states.pt")
     trained = {}   # (tensor rank or None, name) -> the fp32 tensor being filled
     for path in optim:
@@ -804,6 +816,7 @@ def _moe_state_dict(ds_dir, exclude_frozen_parameters):
         t = int(found.group(1)) if found else 0
         for name, start, numel, values in state["ds_moe_pieces"]:
             key = (t if name in dims else None, name)
+            unsliced(name, state["shapes"][name], t, trained, key)
             if key not in trained:
                 trained[key] = torch.zeros(torch.Size(state["shapes"][name]), dtype=torch.float32)  # host: offline
                 (sliced[t] if name in dims else out)[name] = trained[key]

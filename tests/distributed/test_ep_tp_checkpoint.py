@@ -84,6 +84,15 @@ def test_moe_mpu_save_resume_consolidate(tmp_path, stage: int) -> None:
 
     with pytest.raises(CheckpointError, match="expert-parallel checkpoint"):   # not a KeyError deep in the reader
         convert(str(tmp_path / "t"), str(tmp_path / "universal"))
+    from deepspeed.utils.zero_to_fp32 import ZeroCheckpointError, get_fp32_state_dict_from_zero_checkpoint
+
+    optim = tmp_path / "t" / "zero_pp_rank_0_mp_rank_01_optim_states.pt" if stage else \
+        tmp_path / "t" / "expp_rank_0_mp_rank_01_optim_states.pt"
+    state = torch.load(optim, weights_only=False)
+    state.get("optimizer_state_dict", state)["shapes"]["dense.weight"] = (4, 8)   # a slice the files do not tag
+    torch.save(state, optim)
+    with pytest.raises(ZeroCheckpointError, match="'dense.weight' has shape \\(4, 8\\) on tensor rank 1"):
+        get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="t")   # refused, not joined wrongly
 
 
 def test_autoep_autotp_layout_change_refused(tmp_path) -> None:
