@@ -771,6 +771,10 @@ def _moe_state_dict(ds_dir, exclude_frozen_parameters):
         raise ZeroCheckpointError(f"'{ds_dir}': the MoE checkpoint's mp_rank_*_model_states.pt files are {tps}, "
                                   "expected mp_rank_00 .. mp_rank_<tp-1>")
     models = [_load_file(os.path.join(ds_dir, f"mp_rank_{t:02d}_model_states.pt")) for t in tps]
+    if (models[0].get("ep_tp_layout") or {}).get("expert_tensor_parallel"):
+        raise ZeroCheckpointError(f"'{ds_dir}': its experts are sliced over {len(tps)} tensor ranks "
+                                  "(MoE enable_expert_tensor_parallelism): consolidating them is not supported; "
+                                  "load the checkpoint at the layout that saved it")
     dims, blocks = {}, {}
     for model in models:
         dims.update(model.get("tensor_model_parallel_dims") or {})

@@ -40,7 +40,9 @@ def tensor_size(engine: Any) -> int:
 def layout(engine: Any) -> dict:
     sizes = sorted({int(m.ep_size) if hasattr(m, "ep_size") else int(str(m.expert_group_name).rsplit("_", 1)[1])
                     for m in engine.moe_layers})
-    return {"tensor_parallel_size": tensor_size(engine), "expert_parallel_sizes": sizes}
+    # experts sliced over the tensor ranks themselves (MoE's enable_expert_tensor_parallelism): zero_to_fp32 refuses
+    sliced = bool(getattr(getattr(engine, "_split", None), "experts_see_all_tokens", False))
+    return {"tensor_parallel_size": tensor_size(engine), "expert_parallel_sizes": sizes, "expert_tensor_parallel": sliced}
 
 
 def describe(saved: dict) -> str:
