@@ -50,3 +50,21 @@ CAT_DIM = "cat_dim"
 EP_IS_EXPERT_PARAM = "is_expert_param"   # an AutoEP expert tensor: dim 0 over all experts
 EP_NUM_EXPERTS = "ep_num_experts"
 AUTOEP_LAYERS_KEY = "ds_autoep_layers"   # model states: each AutoEP layer's place and expert split
+
+# --- EP x TP folding metadata (AutoEP with AutoTP; upstream's keys): a dict under FOLDING_METADATA_KEY
+# in each model-states, expert and optimizer file of a folded checkpoint (checkpoint/autoep_universal.py)
+FOLDING_METADATA_KEY = "folding"
+FOLDING_METADATA_VERSION = 1
+FOLDING_TP_SIZE = "tp_size"
+FOLDING_TP_RANK = "tp_rank"
+FOLDING_EP_SIZE = "ep_size"
+FOLDING_EP_RANK = "ep_rank"
+FOLDING_ETP_SIZE = "etp_size"
+FOLDING_ETP_RANK = "etp_rank"
+FOLDING_ZERO_PARTITION_GROUP = "zero_partition_group"
+FOLDING_ZERO_PARTITION_RANK = "zero_partition_rank"
+FOLDING_ZERO_PARTITION_COUNT = "zero_partition_count"
+FOLDING_DISPATCH_STRATEGY = "dispatch_strategy"
+FOLDING_SHARED_EXPERT_PLACEMENT = "shared_expert_placement"
+FOLDING_FAMILY = "family"
+FOLDING_PARAM_FAMILIES = "param_families"

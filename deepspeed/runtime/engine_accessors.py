@@ -92,6 +92,13 @@ class EngineAccessors:
 
         load_hp_state(self, checkpoint_dir)
 
+    @staticmethod
+    def _validate_autoep_folding_checkpoint_metadata(state: Any, **kwargs: Any) -> None:
+        """Upstream's check of a loaded file's EP x TP folding record (checkpoint/folding.py)."""
+        from .checkpoint.folding import validate_checkpoint_folding
+
+        validate_checkpoint_folding(state, **kwargs)
+
     def get_sequence_parallel_group(self) -> Any:
         """The ranks sharing one sample's sequence (None without sequence parallelism): upstream's accessor."""
         return self.seq_parallel_group

@@ -208,18 +208,6 @@ def _check_zero3(engine: Any, ep: int, experts: list[nn.Parameter]) -> None:
                               "deepspeed.zero.Init: not supported in this build; build the model outside zero.Init")
 
 
-def refuse_ep_tp_checkpoint(engine: Any, what: str) -> None:
-    """`what` (a checkpoint or consolidated save) is not supported yet with experts under tensor
-    parallelism: every rank raises alike, before any collective."""
-    split = getattr(engine, "_split", None)
-    if split is not None and getattr(split, "expert_counted", None) is not None:   # [Note: EP x TP folding]
-        raise NotSupportedYet(f"{what} with expert parallelism and tensor parallelism together (AutoEP with AutoTP, "
-                              "or MoE layers with a tensor-parallel mpu): the checkpoint layout for experts held "
-                              "across tensor peers is not written yet in this build; read whole weights with "
-                              "engine.module.state_dict() inside deepspeed.module_inject.layers."
-                              "GatherReplacedLayerParams(engine.module.parameters(), engine.module)")
-
-
 def broadcast_expert_params(module: nn.Module) -> set[int]:
     """Make every expert-data-parallel replica start from its first member's experts (one broadcast
     per EDP group and dtype); returns the ids of the expert parameters, which the dense broadcast

@@ -762,33 +762,82 @@ def _moe_state_dict(ds_dir, exclude_frozen_parameters):
     """An expert-parallel checkpoint (this package's MoE layout: `layer_<L>_expert_<E>_...` files hold
     each expert under its global name, the optimizer files `ds_moe_pieces`: named slices of the fp32
     masters): buffers and untrained tensors from the model files, every trained parameter joined
-    from its slices, each expert once under its global name."""
+    from its slices, each expert once under its global name. With tensor parallelism (one
+    `mp_rank_<t>` file set per tensor rank) a parameter sliced over the tensor ranks (`tp_partition_dims`,
+    `tensor_model_parallel_dims`) is its slices joined in tensor-rank order; the others (replicated
+    layers, whole experts) are equal wherever they appear, tensor rank 0's taken first."""
+    tps = sorted(int(m.group(1)) for m in map(_MODEL_FILE_RE.match, os.listdir(ds_dir)) if m)
+    if not tps or tps != list(range(len(tps))):
+        raise ZeroCheckpointError(f"'{ds_dir}': the MoE checkpoint's mp_rank_*_model_states.pt files are {tps}, "
+                                  "expected mp_rank_00 .. mp_rank_<tp-1>")
+    models = [_load_file(os.path.join(ds_dir, f"mp_rank_{t:02d}_model_states.pt")) for t in tps]
+    if (models[0].get("ep_tp_layout") or {}).get("expert_tensor_parallel"):
+        raise ZeroCheckpointError(f"'{ds_dir}': its experts are sliced over {len(tps)} tensor ranks "
+                                  "(MoE enable_expert_tensor_parallelism): consolidating them is not supported; "
+                                  "load the checkpoint at the layout that saved it")
+    dims, blocks = {}, {}
+    for model in models:
+        dims.update(model.get("tensor_model_parallel_dims") or {})
+        dims.update(model.get("tp_partition_dims") or {})
+        blocks.update(model.get("tp_sub_param_sizes") or {})
+    sliced = [OrderedDict() for _ in tps]   # a tensor-sliced parameter's slice, per tensor rank
     out = OrderedDict()
-    model0 = _load_file(os.path.join(ds_dir, "mp_rank_00_model_states.pt"))
-    sources = [model0.get("module") or {}]
-    sources += [_load_file(f) for f in _files(ds_dir, "layer_*_expert_*_model_states.pt")]
-    for source in sources:
-        for name, value in source.items():
-            out[name] = value.float() if value.is_floating_point() else value
+
+    def unsliced(name, shape, t, have, key=None):
+        """A tensor not tagged as sliced must have one shape on every tensor rank (else it is a slice whose
+        dim the checkpoint does not name: refused, not guessed)."""
+        key = name if key is None else key
+        if key in have and tuple(have[key].shape) != tuple(shape):
+            raise ZeroCheckpointError(f"'{ds_dir}': '{name}' has shape {tuple(shape)} on tensor rank {t} and "
+                                      f"{tuple(out[name].shape)} on another, but no tensor-parallel dim is recorded "
+                                      "for it (tensor-parallel experts are not consolidated by this script)")
+
+    def put(t, name, value, model_file):
+        if name in dims:
+            sliced[t][name] = value
+            return
+        if model_file:   # (an AutoEP expert file holds one expert's rows under the whole tensor's name)
+            unsliced(name, value.shape, t, out)
+        if t == 0 or name not in out:
+            out[name] = value
+
+    experts = _files(ds_dir, "layer_*_expert_*_model_states.pt")
+    for t in tps:
+        mine = [f for f in experts if f"_mp_rank_{t:02d}_" in os.path.basename(f)]
+        for i, source in enumerate([models[t].get("module") or {}] + [_load_file(f) for f in mine]):
+            for name, value in source.items():
+                if torch.is_tensor(value):   # (an expert file also holds its layout record)
+                    put(t, name, value.float() if value.is_floating_point() else value, i == 0)
     optim = _files(ds_dir, "expp_rank_*_optim_states.pt") + _files(ds_dir, "*zero_pp_rank_*_optim_states.pt")
-    trained = set()
+    trained = {}   # (tensor rank or None, name) -> the fp32 tensor being filled
     for path in optim:
         state = _load_file(path)
         state = state.get("optimizer_state_dict", state)
         if "ds_moe_pieces" not in state:
             raise ZeroCheckpointError(f"'{path}': an MoE checkpoint's optimizer file without ds_moe_pieces "
                                       "(not written by this package); consolidate it with DeepSpeed's own tools")
+        found = re.search(r"_mp_rank_(\d+)_", os.path.basename(path))
+        t = int(found.group(1)) if found else 0
         for name, start, numel, values in state["ds_moe_pieces"]:
-            shape = torch.Size(state["shapes"][name])
-            if name not in trained:
-                out[name] = torch.zeros(shape, dtype=torch.float32)  # host: offline tool
-                trained.add(name)
-            out[name].view(-1)[start:start + numel].copy_(values["fp32"])
+            key = (t if name in dims else None, name)
+            unsliced(name, state["shapes"][name], t, trained, key)
+            if key not in trained:
+                trained[key] = torch.zeros(torch.Size(state["shapes"][name]), dtype=torch.float32)  # host: offline
+                (sliced[t] if name in dims else out)[name] = trained[key]
+            trained[key].view(-1)[start:start + numel].copy_(values["fp32"])
+    for name in dims:
+        parts = [s.get(name) for s in sliced]
+        if all(p is None for p in parts):
+            continue
+        if any(p is None for p in parts):
+            raise ZeroCheckpointError(f"'{ds_dir}': parameter '{name}' is missing from some tensor-parallel ranks' files")
+        out[name] = join_tp_slices([p.contiguous() for p in parts], dims[name], blocks.get(name))
     if exclude_frozen_parameters:
-        frozen = set((model0.get("frozen_param_shapes") or {}))
+        frozen = set((models[0].get("frozen_param_shapes") or {}))
         out = OrderedDict((k, v) for k, v in out.items() if k not in frozen)
-    _info(f"MoE checkpoint: {len(out)} entries, {len(trained)} trained parameters from {len(optim)} optimizer files")
-    return out
+    _info(f"MoE checkpoint: {len(out)} entries, {len({n for _, n in trained})} trained parameters from {len(optim)} "
+          f"optimizer files, {len(tps)} tensor-parallel rank(s)")
+    return OrderedDict((k, _whole(k, v, v.dtype)) for k, v in out.items())   # what the writers take
 
 
 def _tp_state_dict(ckpt, tp_dims, exclude_frozen_parameters):

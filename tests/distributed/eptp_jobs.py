@@ -241,19 +241,3 @@ def train_moe_mpu(steps: int, tp: int, ep: int, stage: int, lr: float, clip: flo
     dist.barrier()
     groups.mpu = None
     return result
-
-
-
-def autoep_autotp_save_refused(kind: str, save_dir: str) -> str:
-    """save_checkpoint under AutoEP x AutoTP: the error on this rank (refused alike on every rank)."""
-    import deepspeed
-
-    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6, "zero_optimization": {"stage": 1},
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "tensor_parallel": {"autotp_size": 2},
-              "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": kind}}
-    engine, *_ = deepspeed.initialize(model=_model(kind), config=config)
-    try:
-        engine.save_checkpoint(save_dir)
-    except Exception as exc:   # noqa: BLE001 - the test reads the message
-        return f"{type(exc).__name__}: {exc}"
-    return ""

@@ -46,11 +46,11 @@ def layer_metadata(engine: Any) -> list[dict]:
 
 
 def expert_entries(engine: Any, params: dict[str, tuple[int, Any]],
-                   values: dict[str, torch.Tensor] | None = None) -> list[tuple[str, dict]]:
-    """This rank's per-expert files (on the first rank of each expert-data-parallel group); `values`:
-    the parameters' gathered local values by name (ZeRO-3, where the parameters are placeholders)."""
+                   values: dict[str, torch.Tensor] | None = None) -> list[tuple[tuple[int, int], dict]]:
+    """This rank's per-expert files as ((MoE layer id, global expert id), content), on the first rank of
+    each expert-data-parallel group; `values`: the parameters' gathered local values by name (ZeRO-3,
+    where the parameters are placeholders)."""
     from ...utils import groups
-    from ...checkpoint.files import expert_file
 
     named = dict(engine.module.named_parameters())
     files: dict[tuple[int, int], dict] = {}
@@ -60,7 +60,7 @@ def expert_entries(engine: Any, params: dict[str, tuple[int, Any]],
         local = values[name] if values is not None else named[name].detach().cpu()
         for j in range(layer.num_local_experts):
             files.setdefault((layer_id, layer.first_expert + j), {})[name] = local[j].clone()
-    return [(expert_file(layer_id, e), sd) for (layer_id, e), sd in sorted(files.items())]
+    return sorted(files.items())
 
 
 def piece_in_whole(params: dict[str, tuple[int, Any]], name: str, shape: tuple, start: int) -> tuple[int, tuple]:
@@ -82,18 +82,19 @@ def whole_rows(layer: Any, local: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def read_module(path: str, params: dict[str, tuple[int, Any]]) -> dict[str, torch.Tensor]:
-    """This rank's slices from the per-expert files (any ep_size wrote them)."""
+def read_module(path: str, params: dict[str, tuple[int, Any]], mp: int = 0) -> dict[str, torch.Tensor]:
+    """This rank's slices from the per-expert files (any ep_size wrote them; under tensor parallelism
+    the layout that saved: [Note: EP x TP checkpoint layout])."""
     from ...checkpoint.files import CheckpointError, load_file
-    from ...checkpoint.files import expert_file
+    from .ep_tp_io import expert_source
 
     out = {}
     for name, (layer_id, layer) in params.items():
         rows = []
         for e in range(layer.first_expert, layer.first_expert + layer.num_local_experts):
-            source = os.path.join(path, expert_file(layer_id, e))
+            source = expert_source(path, layer_id, e, mp)
             if not os.path.isfile(source):
-                raise CheckpointError(f"{path}: no {expert_file(layer_id, e)} for AutoEP expert {e} of {name}")
+                raise CheckpointError(f"{path}: no {os.path.basename(source)} for AutoEP expert {e} of {name}")
             saved = load_file(source)
             if name not in saved:
                 raise CheckpointError(f"{source} has no {name!r} (it holds {sorted(saved)})")

@@ -22,7 +22,6 @@ from ...checkpoint.stream_save import Streamed
 from ...utils.logging import log_dist, logger
 from ..errors import ArgumentError
 from . import moe_io, zero3_io
-from ..engine_moe import refuse_ep_tp_checkpoint
 from .agree import agreed, agreed_gather, describe, raise_if_any
 from .hp_state import HpState, combine_fields
 from .loader import DEEPSPEED_KEYS, apply_plan, read_plan
@@ -75,7 +74,6 @@ def _validate_tag(engine: Any, tags: list[str]) -> str:
 @_state_resident(dirty=False)
 def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: dict | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-    refuse_ep_tp_checkpoint(engine, "save_checkpoint")
     ds_comm.arrive_and_wait("save_checkpoint", hint=_ALL_RANKS)
     wait_for_checkpoint(engine)  # a background save still running: finish it (and agree) first
     what = "save_checkpoint"
@@ -259,7 +257,6 @@ def state_version() -> str:
 def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[Any, Any]:
-    refuse_ep_tp_checkpoint(engine, "load_checkpoint")
     ds_comm.arrive_and_wait("load_checkpoint", hint=_ALL_RANKS)
     wait_for_checkpoint(engine)
     wait_all_local()  # another engine of this process may still be writing what is read here

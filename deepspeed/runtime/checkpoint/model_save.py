@@ -26,7 +26,6 @@ import torch
 from ... import comm as ds_comm
 from ...checkpoint import files
 from ...utils.logging import log_dist, logger
-from ..engine_moe import refuse_ep_tp_checkpoint
 from .agree import raise_if_any
 from .writer import own_storage
 
@@ -35,7 +34,6 @@ _ALL_RANKS = "all ranks must call save_16bit_model (it is collective under ZeRO)
 
 def consolidated_16bit_state_dict(engine: Any, exclude_frozen_parameters: bool = False) -> dict | None:
     """The full state dict on rank 0 (None elsewhere); every rank must call it."""
-    refuse_ep_tp_checkpoint(engine, "the consolidated 16-bit state dict")
     ds_comm.arrive_and_wait("_zero3_consolidated_16bit_state_dict", hint=_ALL_RANKS)
     if engine._stage3 is not None:
         return _gathered_state_dict(engine, exclude_frozen_parameters)
@@ -85,7 +83,6 @@ def _gathered_state_dict(engine: Any, exclude_frozen_parameters: bool) -> dict |
 
 def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_model.bin",
                      exclude_frozen_parameters: bool = False) -> bool:
-    refuse_ep_tp_checkpoint(engine, "save_16bit_model")
     if not save_dir:
         raise ValueError(f"save_16bit_model: save_dir must be a non-empty path, got {save_dir!r}")
     if engine._stage3 is not None and not engine.zero_gather_16bit_weights_on_model_save():

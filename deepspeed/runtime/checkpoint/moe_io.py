@@ -137,10 +137,14 @@ def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool,
     from ...version import __version__
     from .writer import model_states
 
+    from . import ep_tp_io
+    from .writer import dp_rank, mp_rank
+
     renamed = global_names(engine)
     autoep = autoep_params(engine)
     entries: list = []
-    if ds_comm.get_rank() == 0:
+    mp, dp, dp_size = mp_rank(engine), dp_rank(engine), engine.seq_dp_world_size   # [Note: EP x TP checkpoint layout]
+    if (ds_comm.get_rank() if gathered is not None else dp) == 0:
         frozen = None if gathered is None else {   # ZeRO-3: whole frozen values, saved as at ZeRO 1-2
             n: gathered[n] for n, p in engine.module.named_parameters() if not p.requires_grad and n in gathered}
         with local_expert_state():   # rank 0 only: AutoEP's state_dict must not gather here
@@ -154,30 +158,39 @@ def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool,
         state["num_experts"] = list(engine.num_experts)
         if autoep:
             state[AUTOEP_LAYERS_KEY] = layer_metadata(engine)
-        entries.append((files.model_file(0), state))
+        if ep_tp_io.tensor_size(engine) > 1:
+            ep_tp_io.model_record(engine, state, dp, dp_size)
+        entries.append((files.model_file(mp), state))
     with local_expert_state():
         module_state = engine.module.state_dict() if gathered is None else gathered
-    entries += expert_entries(engine, autoep, gathered)
+    layers = [m for _, m in moe_layers(engine.module)]
     by_expert: dict[tuple[int, int], dict] = {}
     for local, (layer_id, expert, name) in renamed.items():
-        layer = moe_layers(engine.module)[layer_id][1]
-        if groups._get_expert_data_parallel_rank(layer.expert_group_name) == 0:
-            by_expert.setdefault((layer_id, expert), {})[name] = module_state[local].detach().cpu().clone()
-    entries += [(expert_file(layer_id, expert), sd) for (layer_id, expert), sd in sorted(by_expert.items())]
+        if groups._get_expert_data_parallel_rank(layers[layer_id].expert_group_name) == 0:
+            by_expert.setdefault((layer_id, expert), ep_tp_io.expert_record(engine, layers[layer_id]))[name] = \
+                module_state[local].detach().cpu().clone()
+    entries += [(expert_file(layer_id, expert, mp), sd) for (layer_id, expert), sd in sorted(by_expert.items())]
+    entries += [(expert_file(*layer_expert, mp), {**ep_tp_io.expert_record(engine, layers[layer_expert[0]]), **sd})
+                for layer_expert, sd in expert_entries(engine, autoep, gathered)]
     if hp is None:
         return entries
     pieces = pieces_state(engine, hp, renamed)
     if engine.zero_optimization_stage() > 0:
-        entries.append((files.optim_file(ds_comm.get_rank(engine.seq_data_parallel_group),
-                                         bf16=engine.bfloat16_enabled()),
-                        {"optimizer_state_dict": pieces, "ds_config": engine.config, "ds_version": __version__}))
+        entries.append((files.optim_file(dp, bf16=engine.bfloat16_enabled(), mp_rank=mp),
+                        {"optimizer_state_dict": pieces, "ds_config": engine.config, "ds_version": __version__,
+                         **ep_tp_io.optimizer_record(engine, dp, dp_size)}))
     else:
-        name = engine.moe_layers[0].expert_group_name if engine.moe_layers else \
-            f"ep_size_{groups._get_max_expert_size()}"
+        layer = engine.moe_layers[0] if engine.moe_layers else None
+        name = layer.expert_group_name if layer is not None else f"ep_size_{groups._get_max_expert_size()}"
         if groups._get_expert_data_parallel_rank(name) == 0:
-            entries.append((expp_file(groups._get_expert_parallel_rank(name)),
-                            {"optimizer": hp.base.state_dict(), **pieces}))
+            entries.append((expp_file(groups._get_expert_parallel_rank(name), mp),
+                            {"optimizer": hp.base.state_dict(), **pieces,
+                             **(ep_tp_io.expert_record(engine, layer) if layer is not None else {})}))
     return entries
+
+
+def _overlap(start: int, numel: int, span: tuple[int, int]) -> int:
+    return max(0, min(start + numel, span[1]) - max(start, span[0]))
 
 
 class MoECheckpointReader(CheckpointReader):
@@ -186,34 +199,52 @@ class MoECheckpointReader(CheckpointReader):
 
     def __init__(self, engine: Any, load_dir: str, tag: str) -> None:
         from ...checkpoint.files import model_file, tag_dir
+        from . import ep_tp_io
+        from .writer import mp_rank
 
         path = tag_dir(load_dir, tag)
         if path is None:
             raise CheckpointError(f"checkpoint tag {tag!r} not found in {load_dir} (no directory {tag})")
-        self.path, self.tag, self.mp_rank = path, tag, 0
+        mp, tp = mp_rank(engine), ep_tp_io.tensor_size(engine)   # [Note: EP x TP checkpoint layout]
+        self.path, self.tag, self.mp_rank = path, tag, mp
         self.universal, self.stage, self.rank_files, self.zero_states = False, 0, [], []
         self.optimizer_state: list = []
-        self.model_states = load_file(os.path.join(path, model_file(0)))
+        own = os.path.join(path, model_file(mp))
+        source = own if os.path.isfile(own) else os.path.join(path, model_file(0))   # (its layout names the refusal)
+        self.model_states = load_file(source)
+        ep_tp_io.check_layout(engine, path, self.model_states)
+        if source != own:   # same layout but no file of this tensor rank: load_file names it
+            self.model_states = load_file(own)
         self._fragment_cache, self._parts, self._partitions = {}, {}, []
         renamed = global_names(engine)
         module = dict(self.model_states.get("module") or {})
         for local, (layer_id, expert, name) in renamed.items():
-            source = os.path.join(path, expert_file(layer_id, expert))
+            source = ep_tp_io.expert_source(path, layer_id, expert, mp)
             if not os.path.isfile(source):
-                raise CheckpointError(f"{path}: no {expert_file(layer_id, expert)} for {local} (global expert "
+                raise CheckpointError(f"{path}: no {os.path.basename(source)} for {local} (global expert "
                                       f"{expert} of MoE layer {layer_id}): saved with fewer experts?")
             saved = load_file(source)
             if name not in saved:
                 raise CheckpointError(f"{source} has no {name!r} (it holds {sorted(saved)})")
             module[local] = saved[name]
         autoep = autoep_params(engine)
-        module.update(read_module(path, autoep))
+        module.update(read_module(path, autoep, mp))
         self.model_states["module"] = module
         wanted = {renamed.get(n, (0, 0, n))[2]: n for n in module}   # global name -> local name
-        found = sorted(glob.glob(os.path.join(path, "expp_rank_*_optim_states.pt")) +
-                       glob.glob(os.path.join(path, "*zero_pp_rank_*_optim_states.pt")))
+        found = ep_tp_io.optimizer_files(sorted(glob.glob(os.path.join(path, "expp_rank_*_optim_states.pt")) +
+                                                glob.glob(os.path.join(path, "*zero_pp_rank_*_optim_states.pt"))), mp, tp)
         full: dict[str, dict[str, torch.Tensor]] = {}
         filled: dict[str, int] = {}
+
+        def needed(local: str) -> tuple[int, int]:
+            """The flat range this rank reads: an AutoEP tensor's own experts' rows (under tensor parallelism
+            the other rows are in other tensor ranks' files), else the whole."""
+            numel = torch.Size(shapes[local]).numel()
+            if local not in autoep:
+                return 0, numel
+            layer = autoep[local][1]
+            per = numel // layer.num_experts
+            return layer.first_expert * per, (layer.first_expert + layer.num_local_experts) * per
         shapes: dict[str, tuple] = {}
         self.param_groups, self._step, self.common_state = [], None, {}
         self._ds_optimizer = None
@@ -239,12 +270,13 @@ class MoECheckpointReader(CheckpointReader):
                     flat = full.setdefault(field, {}).setdefault(local, torch.zeros(  # host: read from files
                         torch.Size(shapes[local]).numel(), dtype=torch.float32))
                     if field == "fp32":
-                        filled[local] = filled.get(local, 0) + numel
+                        filled[local] = filled.get(local, 0) + _overlap(start, numel, needed(local))
                     flat[start:start + numel].copy_(value)
         for local, shape in shapes.items():
-            if filled.get(local, 0) < torch.Size(shape).numel():
+            lo, hi = needed(local)
+            if filled.get(local, 0) < hi - lo:
                 raise CheckpointError(f"{path}: parameter {local!r} is incomplete in the checkpoint's optimizer "
-                                      f"files ({filled.get(local, 0)} of {torch.Size(shape).numel()} elements)")
+                                      f"files ({filled.get(local, 0)} of the {hi - lo} elements this rank reads)")
         self._full = {f: {n: own_rows(autoep, n, t.view(shapes[n])) if n in autoep else t.view(shapes[n])
                           for n, t in values.items()} for f, values in full.items()}
         shapes = {n: tuple(module[n].shape) if n in autoep else s for n, s in shapes.items()}

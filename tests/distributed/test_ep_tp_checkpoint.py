@@ -1,0 +1,114 @@
+"""EP x TP checkpoints ([Note: EP x TP checkpoint layout] in deepspeed/runtime/checkpoint/ep_tp_io.py) on 4 gloo
+ranks, tp 2 x ep 2: AutoEP x AutoTP and deepspeed.moe.layer.MoE with a Megatron-style mpu save in upstream's
+file layout, resume exactly at the same layout, and zero_to_fp32 consolidates the checkpoint into the
+unsharded model's state dict (against one process on the same global batch). Jobs: eptp_ckpt_jobs.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from eptp_ckpt_jobs import (autoep_autotp_checkpoint, layout_change_refused, load_whole, moe_consolidated_names,
+                            moe_mpu_checkpoint, moe_reference, reference)
+from harness import _POOLS, run_distributed
+
+STEPS = 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_ranks_afterwards():
+    """As test_ep_tp.py: these layouts stay current in the pool's processes; close the pool after."""
+    yield
+    for world in list(_POOLS):
+        _POOLS.pop(world).close()
+
+
+def _check_resume(results: list) -> None:
+    """Resuming replays the same operations in the same order on the same values (the weights, the fp32
+    masters and Adam's moments are read back bit for bit, the counters and the RNG too): bit-equal."""
+    for r in results:
+        assert r["resumed"] == r["straight"]
+        assert sorted(r["whole_resumed"]) == sorted(r["whole"])
+        for name, value in r["whole"].items():
+            assert torch.equal(r["whole_resumed"][name], value), name
+
+
+def _check_consolidated(consolidated: dict, at_save: dict, ref: dict) -> None:
+    """zero_to_fp32's state dict is the weights at the save (exactly: fp32 masters) and one process's."""
+    assert sorted(consolidated) == sorted(ref)
+    for name, want in ref.items():
+        torch.testing.assert_close(consolidated[name], at_save[name].float(), rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(consolidated[name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("stage", [1, pytest.param(0, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+def test_autoep_autotp_save_resume_consolidate(tmp_path, stage: int) -> None:
+    results = run_distributed(4, autoep_autotp_checkpoint, "mixtral", str(tmp_path), stage, STEPS)
+    files = results[0]["files"]
+    # upstream's names: one model-states file per tensor rank, each expert once from the tensor rank holding it
+    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+            "layer_0_expert_0_mp_rank_00_model_states.pt", "layer_0_expert_3_mp_rank_01_model_states.pt"} <= set(files)
+    optim = {f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for d in (0, 1) for t in (0, 1)} if stage else \
+        {"expp_rank_0_mp_rank_00_optim_states.pt", "expp_rank_1_mp_rank_01_optim_states.pt"}
+    assert optim <= set(files), files
+    _check_resume(results)
+    _check_consolidated(results[0]["consolidated"], results[0]["at_save"], reference("mixtral", STEPS, 2))
+    sixteen = results[0]["sixteen"]   # save_16bit_model: the whole weights (experts gathered, slices joined)
+    assert sorted(sixteen) == sorted(results[0]["at_save"])
+    for name, value in results[0]["at_save"].items():
+        assert torch.equal(sixteen[name], value), name
+
+
+@pytest.mark.parametrize("stage", [2, pytest.param(0, marks=pytest.mark.slow)])
+def test_moe_mpu_save_resume_consolidate(tmp_path, stage: int) -> None:
+    results = run_distributed(4, moe_mpu_checkpoint, str(tmp_path), stage, STEPS)
+    files = results[0]["files"]
+    # experts replicated over the tensor pair: each tensor rank writes its copy (upstream's mp_rank_XX)
+    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt", "layer_0_expert_3_mp_rank_00_model_states.pt",
+            "layer_0_expert_3_mp_rank_01_model_states.pt"} <= set(files), files
+    _check_resume(results)
+    _check_consolidated(moe_consolidated_names(results[0]["consolidated"]), results[0]["at_save"],
+                        moe_reference(STEPS, 2))
+    # the script save_checkpoint copies beside the checkpoint runs without the package (python -I, from elsewhere)
+    subprocess.run([sys.executable, "-I", str(tmp_path / "zero_to_fp32.py"), str(tmp_path), str(tmp_path / "fp32"),
+                    "-t", "t"], check=True, cwd="/", capture_output=True)
+    script = torch.load(tmp_path / "fp32" / "pytorch_model.bin")
+    assert sorted(script) == sorted(results[0]["consolidated"])
+    for name, value in results[0]["consolidated"].items():
+        assert torch.equal(script[name], value), name
+    from deepspeed.checkpoint.ds_to_universal import convert
+    from deepspeed.checkpoint.files import CheckpointError
+
+    with pytest.raises(CheckpointError, match="expert-parallel checkpoint"):   # not a KeyError deep in the reader
+        convert(str(tmp_path / "t"), str(tmp_path / "universal"))
+    from deepspeed.utils.zero_to_fp32 import ZeroCheckpointError, get_fp32_state_dict_from_zero_checkpoint
+
+    optim = tmp_path / "t" / "zero_pp_rank_0_mp_rank_01_optim_states.pt" if stage else \
+        tmp_path / "t" / "expp_rank_0_mp_rank_01_optim_states.pt"
+    state = torch.load(optim, weights_only=False)
+    state.get("optimizer_state_dict", state)["shapes"]["dense.weight"] = (4, 8)   # a slice the files do not tag
+    torch.save(state, optim)
+    with pytest.raises(ZeroCheckpointError, match="'dense.weight' has shape \\(4, 8\\) on tensor rank 1"):
+        get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="t")   # refused, not joined wrongly
+
+
+def test_autoep_autotp_layout_change_refused(tmp_path) -> None:
+    """A checkpoint saved at tp 2 x ep 2, loaded at tp 2 x ep 4: refused alike on every rank, naming both."""
+    run_distributed(4, autoep_autotp_checkpoint, "mixtral", str(tmp_path), 1, 1)
+    errors = run_distributed(4, layout_change_refused, "mixtral", str(tmp_path), 2, 4)
+    assert len(set(errors)) == 1 and "ep_size [2]" in errors[0] and "ep_size [4]" in errors[0], errors
+
+
+@pytest.mark.slow
+def test_autoep_autotp_resume_at_another_data_size(tmp_path) -> None:
+    """tp 2 x ep 2 keeps its files when only the data-parallel size (and the ZeRO stage) changes: saved on 4
+    ranks (dp 2, ZeRO 1), loaded on 2 (dp 1, ZeRO 2), the whole weights are the saved ones."""
+    saved = run_distributed(4, autoep_autotp_checkpoint, "mixtral", str(tmp_path), 1, 1)[0]["at_save"]
+    _POOLS.pop(4).close()
+    loaded = run_distributed(2, load_whole, "mixtral", str(tmp_path), 2)[0]
+    assert sorted(loaded) == sorted(saved)
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), name
