@@ -35,7 +35,7 @@ from torch import nn
 from .. import comm as ds_comm
 from ..moe.ep_count import count_tokens_per_expert
 from ..moe.ep_kernels import group_by_expert, inverse_permutation, local_ids_by_source
-from ..moe.tp_tokens import join_over_tensor, share_of, split_over_tensor
+from ..moe.ep_tp_dispatch import fold_dispatch, payload_from_routing, sum_gradient_over_tp
 
 # Upstream's name for deepspeed.comm in this module (its tests reach `auto_ep_layer.dist`): the same module object.
 dist = ds_comm
@@ -211,26 +211,30 @@ class ExpertParallelExperts(_WholeExpertState, nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        if self.tensor_fold is not None:   # [Note: EP x TP folding]: this tensor peer's share of the tokens
-            fold, total = self.tensor_fold, hidden_states.shape[0]
-            out = self._routed(split_over_tensor(hidden_states, *fold), share_of(top_k_index, *fold[1:]),
-                               split_over_tensor(top_k_weights, *fold))
-            return join_over_tensor(out, *fold, total)
-        return self._routed(hidden_states, top_k_index, top_k_weights)
-
-    def _routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         order = order[flat[order] < self.num_experts]   # HF's experts skip ids >= num_experts
         expert = flat[order]
         token, slot = order // k, order % k
-        plan = compute_split_plan_from_expert_indices(expert, self.num_experts, self.ep_size, self.num_local_experts,
-                                                      self.ep_group)
-        out = run_on_owners(hidden_states[token], expert, plan, self._compute, self.ep_group, self.ep_size)
+        if self.tensor_fold is not None:   # [Note: folded assignment dispatch] in moe/ep_tp_dispatch.py
+            group, tp, _ = self.tensor_fold
+            x = sum_gradient_over_tp(hidden_states, group, tp)
+            weights = sum_gradient_over_tp(top_k_weights, group, tp)[token, slot]
+            payload = payload_from_routing(token, slot, expert, weights, hidden_states.shape[0], self.ep_size,
+                                           self.num_local_experts)
+            out = fold_dispatch(payload, self.tensor_fold,
+                                lambda local, _rows: self._dispatch(x[local.token_indices], local.expert_indices))
+            return out.to(hidden_states.dtype)
+        out = self._dispatch(hidden_states[token], expert)
         out = out * top_k_weights[token, slot, None]
         return torch.zeros_like(hidden_states).index_add(0, token, out.to(hidden_states.dtype))
+
+    def _dispatch(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """The expert outputs of `rows` (sorted by their global expert ids `expert`)."""
+        plan = compute_split_plan_from_expert_indices(expert, self.num_experts, self.ep_size, self.num_local_experts,
+                                                      self.ep_group)
+        return run_on_owners(rows, expert, plan, self._compute, self.ep_group, self.ep_size)
 
 
 def autoep_layers(module: nn.Module) -> list[nn.Module]:
@@ -312,6 +316,7 @@ class AutoEPMoELayer(_WholeExpertState, nn.Module):
         self.expert_group_name, self.first_expert = self.ep_group_name, ep_rank * self.num_local_experts
         self.score_apply = resolve_score_apply_mode(spec, config.score_apply)
         self.combine_impl = "weighted_sum" if config.combine_impl == "auto" else config.combine_impl
+        self.validate_folding_routing = bool(getattr(config, "validate_folding_routing", False))
         gate = getattr(source_module, spec.router_name)
         bias = getattr(gate, "bias", None)
         correction = getattr(gate, "e_score_correction_bias", None)
@@ -354,7 +359,7 @@ class AutoEPMoELayer(_WholeExpertState, nn.Module):
                                   folding_group_handles: Any = None) -> None:
         """Build (or find) the `ep_size_<ep>` expert groups and take this rank's EP group; with
         `folding_group_handles` (auto_ep_folding.FoldingGroupHandles) take its groups, and under
-        tp > 1 split the tokens over its tensor group ([Note: EP x TP folding])."""
+        tp > 1 share the assignments with its tensor group ([Note: folded assignment dispatch])."""
         from ..utils import groups
 
         if folding_group_handles is not None:
@@ -383,23 +388,41 @@ class AutoEPMoELayer(_WholeExpertState, nn.Module):
                                "(deepspeed.initialize does) before the forward")
         full = hidden_states.reshape(-1, hidden_states.shape[-1])
         top_scores, selected, counts = self.router(full)
-        x, fold = full, self.tensor_fold
-        if fold is not None:   # [Note: EP x TP folding]: this tensor peer's share of the tokens
-            x, top_scores = split_over_tensor(full, *fold), split_over_tensor(top_scores, *fold)
-            selected, counts = share_of(selected, *fold[1:]), None
         flat = selected.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        rows = apply_scores_before_experts_if_enabled(x[order // self.top_k], top_scores.reshape(-1)[order],
-                                                      self.score_apply)
-        plan = compute_split_plan(selected, self.num_experts, self.ep_size, self.num_local_experts, self.ep_group,
-                                  counts)
-        out = run_on_owners(rows, flat[order], plan, self._compute, self.ep_group, self.ep_size)
-        out = combine_from_routed(out, top_scores, order, self.top_k, self.score_apply, self.combine_impl, x.shape)
-        if fold is not None:
-            out = join_over_tensor(out, *fold, full.shape[0])
+        if self.tensor_fold is not None:   # [Note: folded assignment dispatch] in moe/ep_tp_dispatch.py
+            out = self._folded(full, top_scores, flat, order)
+        else:
+            rows = apply_scores_before_experts_if_enabled(full[order // self.top_k], top_scores.reshape(-1)[order],
+                                                          self.score_apply)
+            plan = compute_split_plan(selected, self.num_experts, self.ep_size, self.num_local_experts, self.ep_group,
+                                      counts)
+            out = run_on_owners(rows, flat[order], plan, self._compute, self.ep_group, self.ep_size)
+            out = combine_from_routed(out, top_scores, order, self.top_k, self.score_apply, self.combine_impl,
+                                      full.shape)
         if self.shared_experts is not None:
             shared = self.shared_experts(full)
             if self.shared_experts_gate is not None:
                 shared = torch.sigmoid(self.shared_experts_gate(full)) * shared
             out = out + shared
         return out.reshape(hidden_states.shape)
+
+    def _folded(self, full: torch.Tensor, top_scores: torch.Tensor, flat: torch.Tensor,
+                order: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output when the tensor peers share the assignments ([Note: folded
+        assignment dispatch]): every peer routes every token, dispatches its share, and the shares'
+        outputs are combined on every peer. "pre" scores weight the rows, so the combine weight is 1."""
+        group, tp, _ = self.tensor_fold
+        x = sum_gradient_over_tp(full, group, tp)
+        scores = sum_gradient_over_tp(top_scores, group, tp).reshape(-1)[order]
+        weights = scores if self.score_apply == "post" else torch.ones_like(scores).detach()
+        payload = payload_from_routing(order // self.top_k, order % self.top_k, flat[order], weights, full.shape[0],
+                                       self.ep_size, self.num_local_experts)
+
+        def compute(local: Any, rows: torch.Tensor) -> torch.Tensor:
+            routed = apply_scores_before_experts_if_enabled(x[local.token_indices], scores[rows], self.score_apply)
+            plan = compute_split_plan_from_expert_indices(local.expert_indices, self.num_experts, self.ep_size,
+                                                          self.num_local_experts, self.ep_group)
+            return run_on_owners(routed, local.expert_indices, plan, self._compute, self.ep_group, self.ep_size)
+
+        return fold_dispatch(payload, self.tensor_fold, compute, self.validate_folding_routing)

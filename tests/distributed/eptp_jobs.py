@@ -216,3 +216,42 @@ def autoep_autotp_save_refused(kind: str, save_dir: str) -> str:
     except Exception as exc:   # noqa: BLE001 - the test reads the message
         return f"{type(exc).__name__}: {exc}"
     return ""
+
+
+def folded_layer_grads(score_apply: str) -> dict:
+    """Every rank (tp 2, ep 1): one AutoEPMoELayer (a Mixtral-style block replaced), the same weights and
+    tokens on both ranks, run whole and then with the two ranks sharing its assignments
+    ([Note: folded assignment dispatch]); the output and the gradients of both runs."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from deepspeed.module_inject.auto_ep import AutoEP
+    from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+
+    torch.manual_seed(1)
+    model = nn.Module()
+    model.config = SimpleNamespace(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.Module()])
+    block = model.model.layers[0].mlp = nn.Module()
+    block.gate = nn.Linear(8, 4, bias=False)
+    block.experts = nn.Module()
+    block.experts.gate_up_proj = nn.Parameter(torch.randn(4, 8, 12))
+    block.experts.down_proj = nn.Parameter(torch.randn(4, 6, 8))
+    auto_ep = AutoEP(model, parse_autoep_config({"enabled": True, "score_apply": score_apply}))
+    (spec,) = auto_ep.ep_parser()
+    layer = auto_ep.replace_moe_layer(spec, ep_size=1, ep_rank=0)
+    x = torch.randn(2, 7, 8)
+
+    def run() -> dict:
+        layer.zero_grad(set_to_none=True)
+        inp = x.clone().requires_grad_(True)
+        out = layer(inp)
+        (out * torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+        return {"out": out.detach(), "x": inp.grad.clone(), **grads}
+
+    whole = run()
+    layer.tensor_fold = (None, 2, torch.distributed.get_rank())
+    return {"whole": whole, "folded": run()}

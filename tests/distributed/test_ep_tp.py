@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eptp_jobs import (autoep_autotp_save_refused, moe_reference, reference, refused, train_autoep_autotp,
-                       train_moe_mpu)
+from eptp_jobs import (autoep_autotp_save_refused, folded_layer_grads, moe_reference, reference, refused,
+                       train_autoep_autotp, train_moe_mpu)
 from harness import _POOLS, run_distributed
 
 
@@ -89,3 +89,20 @@ def test_moe_with_mpu_matches_one_process(stage: int) -> None:
     assert all(r["expert_tp"] == 1 for r in results)
     assert min(ref["norms"]) > 0.3
     _same_as(ref, results)
+
+
+@pytest.mark.parametrize("score_apply", ["post", "pre"])
+def test_folded_assignment_dispatch_matches_whole_layer(score_apply: str) -> None:
+    """[Note: folded assignment dispatch]: 2 tensor peers sharing an AutoEPMoELayer's assignments give
+    its whole output and the whole input and router gradients on both peers; each expert row is
+    computed once, so the peers' expert gradients sum to the whole ones."""
+    first, second = run_distributed(2, folded_layer_grads, score_apply)
+    want = first["whole"]
+    assert sorted(first["folded"]) == sorted(want)
+    for got in (first["folded"], second["folded"]):
+        for name in ("out", "x", "router.gate.weight"):
+            torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for name in [n for n in want if n.startswith("experts.")]:
+        torch.testing.assert_close(first["folded"][name] + second["folded"][name], want[name], rtol=1e-5,
+                                   atol=1e-6)
+        assert first["folded"][name].abs().sum() > 0 and second["folded"][name].abs().sum() > 0
