@@ -218,16 +218,29 @@ def autoep_autotp_save_refused(kind: str, save_dir: str) -> str:
     return ""
 
 
-def folded_layer_grads(score_apply: str) -> dict:
-    """Every rank (tp 2, ep 1): one AutoEPMoELayer (a Mixtral-style block replaced), the same weights and
-    tokens on both ranks, run whole and then with the two ranks sharing its assignments
-    ([Note: folded assignment dispatch]); the output and the gradients of both runs."""
+class _SharedMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(8, 6, bias=False), torch.nn.Linear(8, 6, bias=False)
+        self.down_proj = torch.nn.Linear(6, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def folded_layer_grads(score_apply: str, shared: bool = False) -> dict:
+    """Every rank (tp 2, ep 1): one AutoEPMoELayer (a Mixtral-style block replaced; with `shared`, a
+    shared-expert MLP in it), the same weights and tokens on both ranks, run whole and then with the two
+    ranks sharing its assignments ([Note: folded assignment dispatch]) and, with `shared`, AutoTP's
+    automatic plan sharding the shared experts; the output and the gradients of both runs."""
     from types import SimpleNamespace
 
     from torch import nn
 
     from deepspeed.module_inject.auto_ep import AutoEP
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+    from deepspeed import comm as ds_comm
+    from deepspeed.module_inject.auto_tp import shard_model
 
     torch.manual_seed(1)
     model = nn.Module()
@@ -242,6 +255,8 @@ def folded_layer_grads(score_apply: str) -> dict:
     auto_ep = AutoEP(model, parse_autoep_config({"enabled": True, "score_apply": score_apply}))
     (spec,) = auto_ep.ep_parser()
     layer = auto_ep.replace_moe_layer(spec, ep_size=1, ep_rank=0)
+    if shared:
+        layer.shared_experts = _SharedMLP()
     x = torch.randn(2, 7, 8)
 
     def run() -> dict:
@@ -253,5 +268,7 @@ def folded_layer_grads(score_apply: str) -> dict:
         return {"out": out.detach(), "x": inp.grad.clone(), **grads}
 
     whole = run()
-    layer.tensor_fold = (None, 2, torch.distributed.get_rank())
-    return {"whole": whole, "folded": run()}
+    group = ds_comm.new_group([0, 1])
+    plan = shard_model(model, 2, None, group) if shared else {}
+    layer.tensor_fold = (group, 2, ds_comm.get_rank(group))
+    return {"whole": whole, "folded": run(), "plan": plan}

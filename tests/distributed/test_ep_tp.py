@@ -106,3 +106,20 @@ def test_folded_assignment_dispatch_matches_whole_layer(score_apply: str) -> Non
         torch.testing.assert_close(first["folded"][name] + second["folded"][name], want[name], rtol=1e-5,
                                    atol=1e-6)
         assert first["folded"][name].abs().sum() > 0 and second["folded"][name].abs().sum() > 0
+
+
+def test_autotp_shards_autoep_shared_experts() -> None:
+    """AutoTP's automatic plan shards a whole-block AutoEP layer's shared experts (column gate/up, row
+    down; upstream's AutoTP does too), the router and the routed experts stay whole, and the folded
+    layer still gives the whole output and gradients (each rank's shard gradient = its slice of the whole)."""
+    results = run_distributed(2, folded_layer_grads, "post", True)
+    prefix = "model.layers.0.mlp.shared_experts."
+    assert results[0]["plan"] == {"column": [prefix + "gate_proj", prefix + "up_proj"], "row": [prefix + "down_proj"],
+                                  "skip": ["model.layers.0.mlp.router.gate"]}
+    want = results[0]["whole"]
+    for rank, got in enumerate(results):
+        for name in ("out", "x", "router.gate.weight"):
+            torch.testing.assert_close(got["folded"][name], want[name], rtol=1e-6, atol=1e-6)
+        for name, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+            key = f"shared_experts.{name}.weight"
+            torch.testing.assert_close(got["folded"][key], want[key].chunk(2, dim=dim)[rank], rtol=1e-6, atol=1e-6)
