@@ -131,6 +131,7 @@ class _WholeExpertState:
     tensor_fold: Optional[tuple] = None   # (tensor group, size, rank) under AutoTP: [Note: EP x TP folding]
     folding_group_handles: Any = None   # auto_ep_folding.FoldingGroupHandles under AutoTP (upstream's attribute)
     tp_group: Any = None
+    validate_folding_routing = False   # the section's key: check the tensor peers' routing before dispatching
 
     def _whole_expert_state(self) -> None:
         self._register_state_dict_hook(_WholeExpertState._gather_hook)
@@ -224,7 +225,8 @@ class ExpertParallelExperts(_WholeExpertState, nn.Module):
             payload = payload_from_routing(token, slot, expert, weights, hidden_states.shape[0], self.ep_size,
                                            self.num_local_experts)
             out = fold_dispatch(payload, self.tensor_fold,
-                                lambda local, _rows: self._dispatch(x[local.token_indices], local.expert_indices))
+                                lambda local, _rows: self._dispatch(x[local.token_indices], local.expert_indices),
+                                self.validate_folding_routing)
             return out.to(hidden_states.dtype)
         out = self._dispatch(hidden_states[token], expert)
         out = out * top_k_weights[token, slot, None]
@@ -316,7 +318,6 @@ class AutoEPMoELayer(_WholeExpertState, nn.Module):
         self.expert_group_name, self.first_expert = self.ep_group_name, ep_rank * self.num_local_experts
         self.score_apply = resolve_score_apply_mode(spec, config.score_apply)
         self.combine_impl = "weighted_sum" if config.combine_impl == "auto" else config.combine_impl
-        self.validate_folding_routing = bool(getattr(config, "validate_folding_routing", False))
         gate = getattr(source_module, spec.router_name)
         bias = getattr(gate, "bias", None)
         correction = getattr(gate, "e_score_correction_bias", None)

@@ -228,19 +228,14 @@ class _SharedMLP(torch.nn.Module):
         return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def folded_layer_grads(score_apply: str, shared: bool = False) -> dict:
-    """Every rank (tp 2, ep 1): one AutoEPMoELayer (a Mixtral-style block replaced; with `shared`, a
-    shared-expert MLP in it), the same weights and tokens on both ranks, run whole and then with the two
-    ranks sharing its assignments ([Note: folded assignment dispatch]) and, with `shared`, AutoTP's
-    automatic plan sharding the shared experts; the output and the gradients of both runs."""
+def _tiny_autoep_layer(score_apply: str) -> tuple:
+    """(model, its AutoEPMoELayer): a Mixtral-style block replaced at ep 1, the same weights on every rank."""
     from types import SimpleNamespace
 
     from torch import nn
 
     from deepspeed.module_inject.auto_ep import AutoEP
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
-    from deepspeed import comm as ds_comm
-    from deepspeed.module_inject.auto_tp import shard_model
 
     torch.manual_seed(1)
     model = nn.Module()
@@ -254,7 +249,18 @@ def folded_layer_grads(score_apply: str, shared: bool = False) -> dict:
     block.experts.down_proj = nn.Parameter(torch.randn(4, 6, 8))
     auto_ep = AutoEP(model, parse_autoep_config({"enabled": True, "score_apply": score_apply}))
     (spec,) = auto_ep.ep_parser()
-    layer = auto_ep.replace_moe_layer(spec, ep_size=1, ep_rank=0)
+    return model, auto_ep.replace_moe_layer(spec, ep_size=1, ep_rank=0)
+
+
+def folded_layer_grads(score_apply: str, shared: bool = False) -> dict:
+    """Every rank (tp 2, ep 1): one AutoEPMoELayer (with `shared`, a shared-expert MLP in it), the same
+    weights and tokens on both ranks, run whole and then with the two ranks sharing its assignments
+    ([Note: folded assignment dispatch]) and, with `shared`, AutoTP's automatic plan sharding the
+    shared experts; the output and the gradients of both runs."""
+    from deepspeed import comm as ds_comm
+    from deepspeed.module_inject.auto_tp import shard_model
+
+    model, layer = _tiny_autoep_layer(score_apply)
     if shared:
         layer.shared_experts = _SharedMLP()
     x = torch.randn(2, 7, 8)
@@ -272,3 +278,20 @@ def folded_layer_grads(score_apply: str, shared: bool = False) -> dict:
     plan = shard_model(model, 2, None, group) if shared else {}
     layer.tensor_fold = (group, 2, ds_comm.get_rank(group))
     return {"whole": whole, "folded": run(), "plan": plan}
+
+
+def folded_routing_differs() -> str:
+    """Every rank (tp 2): the folded layer with `validate_folding_routing`, rank 1's tokens perturbed, so
+    the peers route differently: the error each rank raises."""
+    from deepspeed import comm as ds_comm
+
+    _, layer = _tiny_autoep_layer("post")
+    x = torch.randn(2, 7, 8)
+    x[0, 0] += ds_comm.get_rank()
+    layer.tensor_fold = (ds_comm.new_group([0, 1]), 2, ds_comm.get_rank())
+    layer.validate_folding_routing = True
+    try:
+        layer(x)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"

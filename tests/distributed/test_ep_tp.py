@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eptp_jobs import (autoep_autotp_save_refused, folded_layer_grads, moe_reference, reference, refused,
-                       train_autoep_autotp, train_moe_mpu)
+from eptp_jobs import (autoep_autotp_save_refused, folded_layer_grads, folded_routing_differs, moe_reference,
+                       reference, refused, train_autoep_autotp, train_moe_mpu)
 from harness import _POOLS, run_distributed
 
 
@@ -106,6 +106,12 @@ def test_folded_assignment_dispatch_matches_whole_layer(score_apply: str) -> Non
         torch.testing.assert_close(first["folded"][name] + second["folded"][name], want[name], rtol=1e-5,
                                    atol=1e-6)
         assert first["folded"][name].abs().sum() > 0 and second["folded"][name].abs().sum() > 0
+
+
+def test_validate_folding_routing_refuses_diverging_peers() -> None:
+    """`validate_folding_routing`: tensor peers that route differently all raise before dispatching."""
+    for message in run_distributed(2, folded_routing_differs):
+        assert "routing decisions differ across tensor-parallel lanes" in message
 
 
 def test_autotp_shards_autoep_shared_experts() -> None:
