@@ -36,6 +36,7 @@ from .. import comm as ds_comm
 from ..moe.ep_count import count_tokens_per_expert
 from ..moe.ep_kernels import group_by_expert, inverse_permutation, local_ids_by_source
 from ..moe.ep_tp_dispatch import fold_dispatch, payload_from_routing, sum_gradient_over_tp
+from .auto_ep_folding import mark_autoep_folding_router_parameter
 
 # Upstream's name for deepspeed.comm in this module (its tests reach `auto_ep_layer.dist`): the same module object.
 dist = ds_comm
@@ -355,6 +356,8 @@ class AutoEPMoELayer(_WholeExpertState, nn.Module):
         for dense in (self.router, self.shared_experts, self.shared_experts_gate):
             if dense is not None:
                 _mark(dense.parameters(), "replicated")
+        for param in self.router.parameters():   # "average" over the tensor peers (auto_ep_folding)
+            mark_autoep_folding_router_parameter(param)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False,
                                   folding_group_handles: Any = None) -> None:

@@ -106,3 +106,24 @@ def test_autotp_class_shards_only_the_shared_experts_of_an_autoep_layer() -> Non
     assert autotp._replace_module(model) is model
     assert isinstance(layer.shared_experts.gate_proj, LinearLayer)
     assert type(layer.router.gate) is nn.Linear
+
+
+def test_folding_gradient_strategy_by_parameter_family() -> None:
+    """auto_ep_folding's families: replicated (router, dense) average, marked partials sum, TP slices and
+    experts skip (experts have no tp factor to cancel in this dispatch), nothing at tp 1."""
+    from deepspeed.module_inject import auto_ep_folding as f
+
+    tp, sp, one = (SimpleNamespace(tp_size=t, mp_mode=m) for t, m in ((2, "tp"), (2, "sp"), (1, "tp")))
+    router, partial, norm, dense, expert, sliced = (nn.Parameter(torch.ones(2)) for _ in range(6))
+    f.mark_autoep_folding_router_parameter(router)
+    f.mark_autoep_folding_partial_router_parameter(partial)
+    f.mark_autoep_folding_sp_sharded_layernorm_parameter(norm)
+    expert.allreduce = False
+    sliced.tensor_model_parallel = True
+    got = {name: (f.autoep_folding_gradient_reduction_strategy(tp, p), f.autoep_folding_gradient_reduction_strategy(
+        sp, p), f.autoep_folding_gradient_reduction_strategy(one, p))
+           for name, p in (("router", router), ("partial", partial), ("norm", norm), ("dense", dense),
+                           ("expert", expert), ("sliced", sliced))}
+    assert got == {"router": ("average", "average", "skip"), "partial": ("sum", "sum", "skip"),
+                   "norm": ("average", "sum", "skip"), "dense": ("average", "average", "skip"),
+                   "expert": ("skip", "skip", "skip"), "sliced": ("skip", "skip", "skip")}
