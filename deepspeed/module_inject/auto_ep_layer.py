@@ -225,19 +225,21 @@ class ExpertParallelExperts(_WholeExpertState, nn.Module):
             weights = sum_gradient_over_tp(top_k_weights, group, tp)[token, slot]
             payload = payload_from_routing(token, slot, expert, weights, hidden_states.shape[0], self.ep_size,
                                            self.num_local_experts)
-            out = fold_dispatch(payload, self.tensor_fold,
-                                lambda local, _rows: self._dispatch(x[local.token_indices], local.expert_indices),
-                                self.validate_folding_routing)
+            def compute(local: Any, _rows: torch.Tensor) -> torch.Tensor:
+                return dispatch_sorted(self, x[local.token_indices], local.expert_indices)
+
+            out = fold_dispatch(payload, self.tensor_fold, compute, self.validate_folding_routing)
             return out.to(hidden_states.dtype)
-        out = self._dispatch(hidden_states[token], expert)
+        out = dispatch_sorted(self, hidden_states[token], expert)
         out = out * top_k_weights[token, slot, None]
         return torch.zeros_like(hidden_states).index_add(0, token, out.to(hidden_states.dtype))
 
-    def _dispatch(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """The expert outputs of `rows` (sorted by their global expert ids `expert`)."""
-        plan = compute_split_plan_from_expert_indices(expert, self.num_experts, self.ep_size, self.num_local_experts,
-                                                      self.ep_group)
-        return run_on_owners(rows, expert, plan, self._compute, self.ep_group, self.ep_size)
+
+def dispatch_sorted(layer: Any, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """`layer`'s expert outputs of `rows`, sorted by their global expert ids `expert` ([Note: AutoEP dispatch])."""
+    plan = compute_split_plan_from_expert_indices(expert, layer.num_experts, layer.ep_size, layer.num_local_experts,
+                                                  layer.ep_group)
+    return run_on_owners(rows, expert, plan, layer._compute, layer.ep_group, layer.ep_size)
 
 
 def autoep_layers(module: nn.Module) -> list[nn.Module]:
@@ -419,14 +421,12 @@ class AutoEPMoELayer(_WholeExpertState, nn.Module):
         group, tp, _ = self.tensor_fold
         x = sum_gradient_over_tp(full, group, tp)
         scores = sum_gradient_over_tp(top_scores, group, tp).reshape(-1)[order]
-        weights = scores if self.score_apply == "post" else torch.ones_like(scores).detach()
+        weights = scores if self.score_apply == "post" else torch.ones_like(scores)
         payload = payload_from_routing(order // self.top_k, order % self.top_k, flat[order], weights, full.shape[0],
                                        self.ep_size, self.num_local_experts)
 
         def compute(local: Any, rows: torch.Tensor) -> torch.Tensor:
             routed = apply_scores_before_experts_if_enabled(x[local.token_indices], scores[rows], self.score_apply)
-            plan = compute_split_plan_from_expert_indices(local.expert_indices, self.num_experts, self.ep_size,
-                                                          self.num_local_experts, self.ep_group)
-            return run_on_owners(routed, local.expert_indices, plan, self._compute, self.ep_group, self.ep_size)
+            return dispatch_sorted(self, routed, local.expert_indices)
 
         return fold_dispatch(payload, self.tensor_fold, compute, self.validate_folding_routing)
