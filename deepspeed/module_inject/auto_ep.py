@@ -49,8 +49,8 @@ def apply_autoep(model: nn.Module, section: dict, ep_size: int, *, broadcast_gro
     first broadcasts each fused expert tensor from the first rank of `broadcast_group` (the whole
     world when None), so every EP rank cuts its slice from the same experts, as AutoTP does. A model
     already swapped for this `ep_size` is left as it is. `tensor_fold` = (tensor group, size, rank)
-    under AutoTP: the expert groups fold over the tensor dim and each tensor peer routes its share of
-    the tokens ([Note: EP x TP folding] in moe/tp_tokens.py)."""
+    under AutoTP: the expert groups fold over the tensor dim and the tensor peers share the routed
+    assignments ([Note: folded assignment dispatch] in moe/ep_tp_dispatch.py)."""
     done = autoep_layers(model)
     if done:
         if any(layer.ep_size != ep_size for layer in done):
@@ -98,6 +98,7 @@ def apply_autoep(model: nn.Module, section: dict, ep_size: int, *, broadcast_gro
     for layer in autoep_layers(model):
         layer.tensor_fold, layer.folding_group_handles = tensor_fold, handles
         layer.tp_group = tensor_fold[0] if tensor_fold is not None else None
+        layer.validate_folding_routing = bool(section.get("validate_folding_routing", False))
     return plans
 
 

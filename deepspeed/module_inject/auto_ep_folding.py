@@ -5,14 +5,30 @@ and data-parallel groups strided by tp (dp = S / tp); experts use EP groups of `
 consecutive ranks (which may span TP lanes) and expert-data-parallel groups strided by ep * etp
 (edp = S / (ep * etp)). With tp = 1 this is the plan of the engine's `ep_size_<ep>` groups
 (utils/groups.py). `validate_folding_global` states the rules DeepSpeed checks for the folded
-configuration. This build's engine does not train AutoEP together with AutoTP
-(runtime/engine_autoep.py refuses it): the plan and the rules are the library API.
+configuration; the engine applies them (runtime/engine_autoep.py) and trains the folded layout
+([Note: folded assignment dispatch] in moe/ep_tp_dispatch.py).
+
+Gradient families: `autoep_folding_gradient_reduction_strategy` is how the optimizer step's
+tensor-group reduction ([Note: TP-replicated gradients] in runtime/tensor_parallel/replicated_grads.py)
+treats a gradient under folding: "average" for what the tensor peers hold whole (dense, norms, the
+router: equal gradients here, since the folded dispatch gives exact ones), "sum" for a parameter
+marked as a per-peer partial, "skip" for tensor-parallel slices and routed experts (reduced over
+their holders, runtime/engine_moe.py). Upstream also returns "expert_tp_cancel" for experts, to
+divide out the tp factor its restore leaves in their gradients; this dispatch leaves none, so
+experts are "skip" here and that value is never returned.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
+
+AUTOEP_FOLDING_GRAD_REDUCE_SKIP = "skip"
+AUTOEP_FOLDING_GRAD_REDUCE_SUM = "sum"
+AUTOEP_FOLDING_GRAD_REDUCE_AVERAGE = "average"
+AUTOEP_FOLDING_GRAD_REDUCE_EXPERT_TP_CANCEL = "expert_tp_cancel"   # upstream's; never returned here (docstring)
+AUTOEP_FOLDING_PARAM_FAMILY_ATTR = "ds_autoep_folding_param_family"
+_ROUTER, _PARTIAL_ROUTER, _SP_NORM = "router_gate_replicated", "router_gate_partial", "sp_sharded_layernorm"
 
 
 @dataclass(frozen=True)
@@ -147,3 +163,38 @@ def validate_folding_global(spec: ParallelFoldingSpec, *, zero_stage: int = 0, s
     for broken, message in rules:
         if broken:
             raise ValueError(message)
+
+
+def mark_autoep_folding_router_parameter(param: Any) -> None:
+    """A router/gate parameter: run on every tensor peer's (identical) tokens, so "average"."""
+    setattr(param, AUTOEP_FOLDING_PARAM_FAMILY_ATTR, _ROUTER)
+
+
+def mark_autoep_folding_partial_router_parameter(param: Any) -> None:
+    """A router parameter whose gradient is a partial on each tensor peer (a router that sees only
+    its peer's tokens): "sum" in the token-split modes ("tp", "sp")."""
+    setattr(param, AUTOEP_FOLDING_PARAM_FAMILY_ATTR, _PARTIAL_ROUTER)
+
+
+def mark_autoep_folding_sp_sharded_layernorm_parameter(param: Any) -> None:
+    """A norm over a sequence shard: a partial ("sum") only when the fold is sequence-parallel."""
+    setattr(param, AUTOEP_FOLDING_PARAM_FAMILY_ATTR, _SP_NORM)
+
+
+def autoep_folding_gradient_reduction_strategy(folding_spec: Any, param: Any, *,
+                                               param_name: Optional[str] = None) -> str:
+    """"skip", "average" or "sum": what the step's tensor-group reduction does with `param`'s
+    gradient under `folding_spec` (its `tp_size`, `mp_mode`; see the module docstring). `param_name`
+    is accepted for upstream's signature; the family comes from the parameter's marks."""
+    from .layers import is_tensor_parallel
+
+    if folding_spec is None or int(getattr(folding_spec, "tp_size", 1)) <= 1:
+        return AUTOEP_FOLDING_GRAD_REDUCE_SKIP
+    if is_tensor_parallel(param) or getattr(param, "model_parallel", False):
+        return AUTOEP_FOLDING_GRAD_REDUCE_SKIP
+    if getattr(param, "allreduce", True) is False:   # a routed expert: reduced over its holders
+        return AUTOEP_FOLDING_GRAD_REDUCE_SKIP
+    family, mode = getattr(param, AUTOEP_FOLDING_PARAM_FAMILY_ATTR, None), getattr(folding_spec, "mp_mode", "tp")
+    if family == _PARTIAL_ROUTER and mode in ("tp", "sp") or family == _SP_NORM and mode == "sp":
+        return AUTOEP_FOLDING_GRAD_REDUCE_SUM
+    return AUTOEP_FOLDING_GRAD_REDUCE_AVERAGE

@@ -35,7 +35,8 @@ from torch import nn
 from .. import comm as ds_comm
 from ..moe.ep_count import count_tokens_per_expert
 from ..moe.ep_kernels import group_by_expert, inverse_permutation, local_ids_by_source
-from ..moe.tp_tokens import join_over_tensor, share_of, split_over_tensor
+from ..moe.ep_tp_dispatch import fold_dispatch, payload_from_routing, sum_gradient_over_tp
+from .auto_ep_folding import mark_autoep_folding_router_parameter
 
 # Upstream's name for deepspeed.comm in this module (its tests reach `auto_ep_layer.dist`): the same module object.
 dist = ds_comm
@@ -131,6 +132,7 @@ class _WholeExpertState:
     tensor_fold: Optional[tuple] = None   # (tensor group, size, rank) under AutoTP: [Note: EP x TP folding]
     folding_group_handles: Any = None   # auto_ep_folding.FoldingGroupHandles under AutoTP (upstream's attribute)
     tp_group: Any = None
+    validate_folding_routing = False   # the section's key: check the tensor peers' routing before dispatching
 
     def _whole_expert_state(self) -> None:
         self._register_state_dict_hook(_WholeExpertState._gather_hook)
@@ -211,26 +213,33 @@ class ExpertParallelExperts(_WholeExpertState, nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        if self.tensor_fold is not None:   # [Note: EP x TP folding]: this tensor peer's share of the tokens
-            fold, total = self.tensor_fold, hidden_states.shape[0]
-            out = self._routed(split_over_tensor(hidden_states, *fold), share_of(top_k_index, *fold[1:]),
-                               split_over_tensor(top_k_weights, *fold))
-            return join_over_tensor(out, *fold, total)
-        return self._routed(hidden_states, top_k_index, top_k_weights)
-
-    def _routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         order = order[flat[order] < self.num_experts]   # HF's experts skip ids >= num_experts
         expert = flat[order]
         token, slot = order // k, order % k
-        plan = compute_split_plan_from_expert_indices(expert, self.num_experts, self.ep_size, self.num_local_experts,
-                                                      self.ep_group)
-        out = run_on_owners(hidden_states[token], expert, plan, self._compute, self.ep_group, self.ep_size)
+        if self.tensor_fold is not None:   # [Note: folded assignment dispatch] in moe/ep_tp_dispatch.py
+            group, tp, _ = self.tensor_fold
+            x = sum_gradient_over_tp(hidden_states, group, tp)
+            weights = sum_gradient_over_tp(top_k_weights, group, tp)[token, slot]
+            payload = payload_from_routing(token, slot, expert, weights, hidden_states.shape[0], self.ep_size,
+                                           self.num_local_experts)
+            def compute(local: Any, _rows: torch.Tensor) -> torch.Tensor:
+                return dispatch_sorted(self, x[local.token_indices], local.expert_indices)
+
+            out = fold_dispatch(payload, self.tensor_fold, compute, self.validate_folding_routing)
+            return out.to(hidden_states.dtype)
+        out = dispatch_sorted(self, hidden_states[token], expert)
         out = out * top_k_weights[token, slot, None]
         return torch.zeros_like(hidden_states).index_add(0, token, out.to(hidden_states.dtype))
+
+
+def dispatch_sorted(layer: Any, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """`layer`'s expert outputs of `rows`, sorted by their global expert ids `expert` ([Note: AutoEP dispatch])."""
+    plan = compute_split_plan_from_expert_indices(expert, layer.num_experts, layer.ep_size, layer.num_local_experts,
+                                                  layer.ep_group)
+    return run_on_owners(rows, expert, plan, layer._compute, layer.ep_group, layer.ep_size)
 
 
 def autoep_layers(module: nn.Module) -> list[nn.Module]:
@@ -349,12 +358,14 @@ class AutoEPMoELayer(_WholeExpertState, nn.Module):
         for dense in (self.router, self.shared_experts, self.shared_experts_gate):
             if dense is not None:
                 _mark(dense.parameters(), "replicated")
+        for param in self.router.parameters():   # "average" over the tensor peers (auto_ep_folding)
+            mark_autoep_folding_router_parameter(param)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False,
                                   folding_group_handles: Any = None) -> None:
         """Build (or find) the `ep_size_<ep>` expert groups and take this rank's EP group; with
         `folding_group_handles` (auto_ep_folding.FoldingGroupHandles) take its groups, and under
-        tp > 1 split the tokens over its tensor group ([Note: EP x TP folding])."""
+        tp > 1 share the assignments with its tensor group ([Note: folded assignment dispatch])."""
         from ..utils import groups
 
         if folding_group_handles is not None:
@@ -383,23 +394,39 @@ class AutoEPMoELayer(_WholeExpertState, nn.Module):
                                "(deepspeed.initialize does) before the forward")
         full = hidden_states.reshape(-1, hidden_states.shape[-1])
         top_scores, selected, counts = self.router(full)
-        x, fold = full, self.tensor_fold
-        if fold is not None:   # [Note: EP x TP folding]: this tensor peer's share of the tokens
-            x, top_scores = split_over_tensor(full, *fold), split_over_tensor(top_scores, *fold)
-            selected, counts = share_of(selected, *fold[1:]), None
         flat = selected.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        rows = apply_scores_before_experts_if_enabled(x[order // self.top_k], top_scores.reshape(-1)[order],
-                                                      self.score_apply)
-        plan = compute_split_plan(selected, self.num_experts, self.ep_size, self.num_local_experts, self.ep_group,
-                                  counts)
-        out = run_on_owners(rows, flat[order], plan, self._compute, self.ep_group, self.ep_size)
-        out = combine_from_routed(out, top_scores, order, self.top_k, self.score_apply, self.combine_impl, x.shape)
-        if fold is not None:
-            out = join_over_tensor(out, *fold, full.shape[0])
+        if self.tensor_fold is not None:   # [Note: folded assignment dispatch] in moe/ep_tp_dispatch.py
+            out = self._folded(full, top_scores, flat, order)
+        else:
+            rows = apply_scores_before_experts_if_enabled(full[order // self.top_k], top_scores.reshape(-1)[order],
+                                                          self.score_apply)
+            plan = compute_split_plan(selected, self.num_experts, self.ep_size, self.num_local_experts, self.ep_group,
+                                      counts)
+            out = run_on_owners(rows, flat[order], plan, self._compute, self.ep_group, self.ep_size)
+            out = combine_from_routed(out, top_scores, order, self.top_k, self.score_apply, self.combine_impl,
+                                      full.shape)
         if self.shared_experts is not None:
             shared = self.shared_experts(full)
             if self.shared_experts_gate is not None:
                 shared = torch.sigmoid(self.shared_experts_gate(full)) * shared
             out = out + shared
         return out.reshape(hidden_states.shape)
+
+    def _folded(self, full: torch.Tensor, top_scores: torch.Tensor, flat: torch.Tensor,
+                order: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output when the tensor peers share the assignments ([Note: folded
+        assignment dispatch]): every peer routes every token, dispatches its share, and the shares'
+        outputs are combined on every peer. "pre" scores weight the rows, so the combine weight is 1."""
+        group, tp, _ = self.tensor_fold
+        x = sum_gradient_over_tp(full, group, tp)
+        scores = sum_gradient_over_tp(top_scores, group, tp).reshape(-1)[order]
+        weights = scores if self.score_apply == "post" else torch.ones_like(scores)
+        payload = payload_from_routing(order // self.top_k, order % self.top_k, flat[order], weights, full.shape[0],
+                                       self.ep_size, self.num_local_experts)
+
+        def compute(local: Any, rows: torch.Tensor) -> torch.Tensor:
+            routed = apply_scores_before_experts_if_enabled(x[local.token_indices], scores[rows], self.score_apply)
+            return dispatch_sorted(self, routed, local.expert_indices)
+
+        return fold_dispatch(payload, self.tensor_fold, compute, self.validate_folding_routing)

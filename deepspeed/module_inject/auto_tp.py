@@ -160,9 +160,23 @@ class AutoTP:
     def _replace_module(self, r_module: nn.Module, prev_name: str = "", prev_class_name: str = "") -> nn.Module:
         for name, child in list(r_module.named_children()):
             full_name = f"{prev_class_name}.{name}" if prev_class_name else name
-            new = self._replace_with_config(child, full_name) if isinstance(child, nn.Linear) else None
-            if new is not None:
-                setattr(r_module, name, new)
-            elif not isinstance(child, nn.Linear):
-                self._replace_module(child, name, full_name)
+            if getattr(child, "_is_autoep_layer", False):
+                self._replace_autoep_shared_experts(child, full_name)
+                continue
+            self._replace_child(r_module, name, child, full_name)
         return r_module
+
+    def _replace_child(self, parent: nn.Module, name: str, child: nn.Module, full_name: str) -> None:
+        new = self._replace_with_config(child, full_name) if isinstance(child, nn.Linear) else None
+        if new is not None:
+            setattr(parent, name, new)
+        elif not isinstance(child, nn.Linear):
+            self._replace_module(child, name, full_name)
+
+    def _replace_autoep_shared_experts(self, autoep_layer: nn.Module, autoep_name: str) -> None:
+        """Inside a whole-block AutoEP layer only the shared experts and their gate are AutoTP's
+        (tp_plan.autoep_shared_expert_names); the router and the routed experts stay whole."""
+        for name in ("shared_experts", "shared_experts_gate"):
+            child = getattr(autoep_layer, name, None)
+            if child is not None:
+                self._replace_child(autoep_layer, name, child, f"{autoep_name}.{name}" if autoep_name else name)

@@ -161,6 +161,14 @@ def _autoep_names(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if id(m) in found]
 
 
+def autoep_shared_expert_names(model: nn.Module) -> list[str]:
+    """The shared experts (and their gates) of the model's whole-block AutoEP layers: dense modules
+    run on every token of the layer's replicated input, which AutoTP shards like any MLP (upstream's
+    AutoTP does too); the router and the routed experts stay whole."""
+    return [f"{name}.{child}" for name, m in model.named_modules() if getattr(m, "_is_autoep_layer", False)
+            for child in ("shared_experts", "shared_experts_gate") if getattr(m, child, None) is not None]
+
+
 def _outside_autoep(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """The plan without the entries addressing an AutoEP layer or anything inside it: AutoEP owns
     those experts ([Note: EP x TP folding] in moe/tp_tokens.py), as upstream's AutoTP skips them."""
@@ -207,9 +215,11 @@ def build_plan(model: nn.Module, tp_size: int, tp_config: dict | None = None) ->
     layer when a sharded dimension does not divide by `tp_size`."""
     specs, source = plan_specs(model, tp_config)
     plan = _automatic(model) if specs is None else _from_specs(model, specs, source)
-    for owner in _autoep_names(model):   # AutoEP's routers and experts stay whole
+    dense = autoep_shared_expert_names(model)
+    for owner in _autoep_names(model):   # AutoEP's routers and experts stay whole; its shared experts follow the plan
         for name in [n for n in plan if n.startswith(owner + ".")]:
-            plan[name] = LayerPlan(SKIP, False, "inside an AutoEP layer")
+            if not any(name == d or name.startswith(d + ".") for d in dense):
+                plan[name] = LayerPlan(SKIP, False, "inside an AutoEP layer")
     for name in _tied_to_embedding(model):   # a vocabulary-parallel embedding is not provided: keep both whole
         plan[name] = LayerPlan(SKIP, False, "tied to an embedding")
     check_plan(model, plan, tp_size)

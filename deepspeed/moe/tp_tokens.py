@@ -20,7 +20,9 @@ auto_ep_folding (runs of ep consecutive ranks, which may span tensor groups; wor
 expert groups {0,1} {2,3} = the tensor groups, expert-data groups {0,2} {1,3}); `MoE` with a client
 `mpu` keeps upstream's E + M + D (expert groups inside each tensor lane: {0,2} {1,3}, tensor peers
 hold the same experts). Upstream splits the capacity dim of `MoE`'s [E, C, M] dispatch buffer the
-same way (its `drop_tokens` / `gather_tokens`).
+same way (its `drop_tokens` / `gather_tokens`), and so does `MoE` here (sharded_moe.py). AutoEP's
+layers share the routed (token, expert) assignments instead of the token rows ([Note: folded
+assignment dispatch] in moe/ep_tp_dispatch.py); the gradient rule above is the same for both.
 """
 
 from __future__ import annotations
@@ -87,7 +89,3 @@ def join_over_tensor(x: torch.Tensor, group: Any, world: int, rank: int, total: 
         return x
     return _Join.apply(x, dim, group, world, rank, total)
 
-
-def share_of(x: torch.Tensor, world: int, rank: int, dim: int = 0) -> torch.Tensor:
-    """This peer's share of a tensor that needs no gradient (expert ids), cut as split_over_tensor cuts."""
-    return x if world <= 1 else x.tensor_split(world, dim=dim)[rank]

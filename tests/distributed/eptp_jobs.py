@@ -241,3 +241,83 @@ def train_moe_mpu(steps: int, tp: int, ep: int, stage: int, lr: float, clip: flo
     dist.barrier()
     groups.mpu = None
     return result
+
+
+
+class _SharedMLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(8, 6, bias=False), torch.nn.Linear(8, 6, bias=False)
+        self.down_proj = torch.nn.Linear(6, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _tiny_autoep_layer(score_apply: str) -> tuple:
+    """(model, its AutoEPMoELayer): a Mixtral-style block replaced at ep 1, the same weights on every rank."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from deepspeed.module_inject.auto_ep import AutoEP
+    from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+
+    torch.manual_seed(1)
+    model = nn.Module()
+    model.config = SimpleNamespace(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.Module()])
+    block = model.model.layers[0].mlp = nn.Module()
+    block.gate = nn.Linear(8, 4, bias=False)
+    block.experts = nn.Module()
+    block.experts.gate_up_proj = nn.Parameter(torch.randn(4, 8, 12))
+    block.experts.down_proj = nn.Parameter(torch.randn(4, 6, 8))
+    auto_ep = AutoEP(model, parse_autoep_config({"enabled": True, "score_apply": score_apply}))
+    (spec,) = auto_ep.ep_parser()
+    return model, auto_ep.replace_moe_layer(spec, ep_size=1, ep_rank=0)
+
+
+def folded_layer_grads(score_apply: str, shared: bool = False) -> dict:
+    """Every rank (tp 2, ep 1): one AutoEPMoELayer (with `shared`, a shared-expert MLP in it), the same
+    weights and tokens on both ranks, run whole and then with the two ranks sharing its assignments
+    ([Note: folded assignment dispatch]) and, with `shared`, AutoTP's automatic plan sharding the
+    shared experts; the output and the gradients of both runs."""
+    from deepspeed import comm as ds_comm
+    from deepspeed.module_inject.auto_tp import shard_model
+
+    model, layer = _tiny_autoep_layer(score_apply)
+    if shared:
+        layer.shared_experts = _SharedMLP()
+    x = torch.randn(2, 7, 8)
+
+    def run() -> dict:
+        layer.zero_grad(set_to_none=True)
+        inp = x.clone().requires_grad_(True)
+        out = layer(inp)
+        (out * torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+        return {"out": out.detach(), "x": inp.grad.clone(), **grads}
+
+    whole = run()
+    group = ds_comm.new_group([0, 1])
+    plan = shard_model(model, 2, None, group) if shared else {}
+    layer.tensor_fold = (group, 2, ds_comm.get_rank(group))
+    return {"whole": whole, "folded": run(), "plan": plan}
+
+
+def folded_routing_differs() -> str:
+    """Every rank (tp 2): the folded layer with `validate_folding_routing`, rank 1's tokens perturbed, so
+    the peers route differently: the error each rank raises."""
+    from deepspeed import comm as ds_comm
+
+    _, layer = _tiny_autoep_layer("post")
+    x = torch.randn(2, 7, 8)
+    x[0, 0] += ds_comm.get_rank()
+    layer.tensor_fold = (ds_comm.new_group([0, 1]), 2, ds_comm.get_rank())
+    layer.validate_folding_routing = True
+    try:
+        layer(x)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eptp_jobs import moe_reference, moe_strided_mpu_refused, reference, refused, train_autoep_autotp, train_moe_mpu
+from eptp_jobs import (folded_layer_grads, folded_routing_differs, moe_reference, moe_strided_mpu_refused, reference,
+                       refused, train_autoep_autotp, train_moe_mpu)
 from harness import run_distributed
 from moe_jobs import reference as plain_moe_reference
 from moe_jobs import train as train_plain_moe
@@ -94,3 +95,43 @@ def test_moe_under_an_mpu_with_strided_tensor_peers_is_refused() -> None:
     errors = run_distributed(4, moe_strided_mpu_refused)
     assert all(e.startswith("ValueError") and "consecutive ranks" in e for e in errors), errors
     assert "[0, 2]" in errors[0] and "[0, 1]" in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("score_apply", ["post", "pre"])
+def test_folded_assignment_dispatch_matches_whole_layer(score_apply: str) -> None:
+    """[Note: folded assignment dispatch]: 2 tensor peers sharing an AutoEPMoELayer's assignments give
+    its whole output and the whole input and router gradients on both peers; each expert row is
+    computed once, so the peers' expert gradients sum to the whole ones."""
+    first, second = run_distributed(2, folded_layer_grads, score_apply)
+    want = first["whole"]
+    assert sorted(first["folded"]) == sorted(want)
+    for got in (first["folded"], second["folded"]):
+        for name in ("out", "x", "router.gate.weight"):
+            torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for name in [n for n in want if n.startswith("experts.")]:
+        torch.testing.assert_close(first["folded"][name] + second["folded"][name], want[name], rtol=1e-5,
+                                   atol=1e-6)
+        assert first["folded"][name].abs().sum() > 0 and second["folded"][name].abs().sum() > 0
+
+
+def test_validate_folding_routing_refuses_diverging_peers() -> None:
+    """`validate_folding_routing`: tensor peers that route differently all raise before dispatching."""
+    for message in run_distributed(2, folded_routing_differs):
+        assert "routing decisions differ across tensor-parallel lanes" in message
+
+
+def test_autotp_shards_autoep_shared_experts() -> None:
+    """AutoTP's automatic plan shards a whole-block AutoEP layer's shared experts (column gate/up, row
+    down; upstream's AutoTP does too), the router and the routed experts stay whole, and the folded
+    layer still gives the whole output and gradients (each rank's shard gradient = its slice of the whole)."""
+    results = run_distributed(2, folded_layer_grads, "post", True)
+    prefix = "model.layers.0.mlp.shared_experts."
+    assert results[0]["plan"] == {"column": [prefix + "gate_proj", prefix + "up_proj"], "row": [prefix + "down_proj"],
+                                  "skip": ["model.layers.0.mlp.router.gate"]}
+    want = results[0]["whole"]
+    for rank, got in enumerate(results):
+        for name in ("out", "x", "router.gate.weight"):
+            torch.testing.assert_close(got["folded"][name], want[name], rtol=1e-6, atol=1e-6)
+        for name, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+            key = f"shared_experts.{name}.weight"
+            torch.testing.assert_close(got["folded"][key], want[key].chunk(2, dim=dim)[rank], rtol=1e-6, atol=1e-6)

@@ -270,6 +270,7 @@ def test_replicated_grad_average_costs_their_grad_bytes(world, stage):
 def test_replicated_sync_averages_and_refuses_misaligned_peers():
     from tp_engine_jobs import replicated_sync_direct
 
-    assert run_distributed(2, replicated_sync_direct, False) == [[[2.0] * 4, [0.0] * 3], [[2.0] * 4, [1.0] * 3]]
+    assert run_distributed(2, replicated_sync_direct, False) == [[[2.0] * 4, [0.0] * 3, [4.0] * 2],
+                                                                 [[2.0] * 4, [1.0] * 3, [4.0] * 2]]
     for result in run_distributed(2, replicated_sync_direct, True):
         assert "laid out differently" in result[0] and "whole.weight" in result[0], result

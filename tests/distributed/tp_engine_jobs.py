@@ -331,19 +331,23 @@ def tp_input_check() -> list[str]:
 
 def replicated_sync_direct(mismatch: bool) -> list:
     """ReplicatedGradSync over the world as a TP group of 2: a replicated gradient (1 on rank 0, 3 on rank 1)
-    becomes 2 on both, a sharded one is left alone; with `mismatch` rank 1's replicated parameter has
-    another shape, and the first-step check raises on both ranks. Returns the grads or the error."""
+    becomes 2 on both, a sharded one is left alone, one marked as a per-peer partial (auto_ep_folding)
+    becomes their sum 4; with `mismatch` rank 1's replicated parameter has another shape, and the
+    first-step check raises on both ranks. Returns the grads or the error."""
     import deepspeed.comm as dist
+    from deepspeed.module_inject.auto_ep_folding import mark_autoep_folding_partial_router_parameter
     from deepspeed.runtime.tensor_parallel.replicated_grads import ReplicatedGradSync
 
     rank = dist.get_rank()
     whole = nn.Parameter(torch.zeros(2, 2) if mismatch and rank == 1 else torch.zeros(4))
     sharded = nn.Parameter(torch.zeros(3))
     sharded.tensor_model_parallel = True   # what AutoTP marks its slices with (layers.is_tensor_parallel)
-    grads = [torch.full((4,), 1.0 + 2 * rank), torch.full((3,), float(rank))]
+    partial = nn.Parameter(torch.zeros(2))
+    mark_autoep_folding_partial_router_parameter(partial)
+    grads = [torch.full((4,), 1.0 + 2 * rank), torch.full((3,), float(rank)), torch.full((2,), 1.0 + 2 * rank)]
     sync = ReplicatedGradSync(None, dist.get_world_size(), {id(whole): "whole.weight"})
     try:
-        sync.average([(grads[0], whole, 0), (grads[1], sharded, 0)], torch.device("cpu"))
+        sync.average([(grads[0], whole, 0), (grads[1], sharded, 0), (grads[2], partial, 0)], torch.device("cpu"))
     except RuntimeError as exc:
         return [str(exc)]
     return [g.tolist() for g in grads]

@@ -86,3 +86,44 @@ def test_layer_equals_the_block_it_replaces() -> None:
 def test_load_balance_coeff_refused(value) -> None:
     with pytest.raises(ValueError, match=r"load_balance_coeff=.*not supported.*expert_bias.*null or omit"):
         parse_autoep_config({"enabled": True, "load_balance_coeff": value})
+
+
+def test_autotp_class_shards_only_the_shared_experts_of_an_autoep_layer() -> None:
+    """Upstream's AutoTP walk hands an AutoEP layer to `_replace_autoep_shared_experts`: a spec matching
+    both the router's gate and the shared expert's gate_proj shards only the latter."""
+    from deepspeed.module_inject.auto_tp import AutoTP, AutoTPConfig
+    from deepspeed.module_inject.layers import LinearLayer
+
+    model = _model()
+    auto_ep = AutoEP(model, parse_autoep_config({"enabled": True}))
+    (spec,) = auto_ep.ep_parser()
+    layer = auto_ep.replace_moe_layer(spec, ep_size=1, ep_rank=0)
+    layer.shared_experts = nn.Module()
+    layer.shared_experts.gate_proj = nn.Linear(8, 6, bias=False)
+    config = AutoTPConfig.from_dict({"layer_specs": [{"patterns": [r".*gate(_proj)?\.weight$"],
+                                                      "partition_type": "column"}]})
+    autotp = AutoTP(module=model, partition_config=config)
+    assert autotp._replace_module(model) is model
+    assert isinstance(layer.shared_experts.gate_proj, LinearLayer)
+    assert type(layer.router.gate) is nn.Linear
+
+
+def test_folding_gradient_strategy_by_parameter_family() -> None:
+    """auto_ep_folding's families: replicated (router, dense) average, marked partials sum, TP slices and
+    experts skip (experts have no tp factor to cancel in this dispatch), nothing at tp 1."""
+    from deepspeed.module_inject import auto_ep_folding as f
+
+    tp, sp, one = (SimpleNamespace(tp_size=t, mp_mode=m) for t, m in ((2, "tp"), (2, "sp"), (1, "tp")))
+    router, partial, norm, dense, expert, sliced = (nn.Parameter(torch.ones(2)) for _ in range(6))
+    f.mark_autoep_folding_router_parameter(router)
+    f.mark_autoep_folding_partial_router_parameter(partial)
+    f.mark_autoep_folding_sp_sharded_layernorm_parameter(norm)
+    expert.allreduce = False
+    sliced.tensor_model_parallel = True
+    got = {name: (f.autoep_folding_gradient_reduction_strategy(tp, p), f.autoep_folding_gradient_reduction_strategy(
+        sp, p), f.autoep_folding_gradient_reduction_strategy(one, p))
+           for name, p in (("router", router), ("partial", partial), ("norm", norm), ("dense", dense),
+                           ("expert", expert), ("sliced", sliced))}
+    assert got == {"router": ("average", "average", "skip"), "partial": ("sum", "sum", "skip"),
+                   "norm": ("average", "sum", "skip"), "dense": ("average", "average", "skip"),
+                   "expert": ("skip", "skip", "skip"), "sliced": ("skip", "skip", "skip")}

@@ -9,7 +9,8 @@ drift apart. So at each optimizer step, after the data-parallel reduction and be
 check, clipping and the base optimizer, every rank averages the gradient of its replicated parameters
 (at ZeRO 1-3: of the fragments it owns) over the TP group with one flat all-reduce per dtype. Every TP
 peer then applies the identical update to identical weights and identical optimizer state: drift is
-impossible, not merely detected.
+impossible, not merely detected. A parameter marked as a per-peer partial
+(auto_ep_folding.mark_autoep_folding_partial_router_parameter) is summed instead of averaged.
 
 Why fragments line up: TP peers hold the same parameters in the same order with the same local sizes
 (sharded parameters are split evenly, uneven splits are refused), so ZeRO's buckets and units, and the
@@ -36,12 +37,20 @@ import torch
 from ... import comm as ds_comm
 
 
-def is_replicated(param: torch.Tensor) -> bool:
-    """A parameter held whole on every TP rank (not sliced by AutoTP). Not an expert: AutoEP's experts
-    differ over the tensor peers when the expert groups fold over them ([Note: EP x TP folding])."""
-    from ...module_inject.layers import is_tensor_parallel
+def tp_reduction(param: torch.Tensor, world: int) -> str:
+    """"average" for a parameter held whole on every TP rank (not sliced by AutoTP), "sum" for one
+    marked as a per-peer partial, "skip" for TP slices and experts (AutoEP's experts differ over the
+    tensor peers when the expert groups fold over them, [Note: EP x TP folding]): the rule of
+    auto_ep_folding.autoep_folding_gradient_reduction_strategy, which holds without AutoEP too."""
+    from ...module_inject.auto_ep_folding import autoep_folding_gradient_reduction_strategy
 
-    return not is_tensor_parallel(param) and getattr(param, "allreduce", True) is not False
+    return autoep_folding_gradient_reduction_strategy(_TensorFold(world), param)
+
+
+@dataclass(frozen=True)
+class _TensorFold:
+    tp_size: int
+    mp_mode: str = "tp"
 
 
 @dataclass
@@ -52,23 +61,31 @@ class ReplicatedGradSync:
     world: int
     names: dict[int, str] = field(default_factory=dict)   # id(param) -> name, for the error message
     checked: bool = False
+    how: dict[int, str] = field(default_factory=dict)   # id(param) -> tp_reduction(param)
 
     def average(self, pieces: list[tuple[torch.Tensor, torch.Tensor, int]], comm_device: torch.device) -> None:
-        """`pieces`: (gradient tensor to average in place, the model parameter it belongs to, its offset in
-        the flattened parameter) for every gradient this rank steps; the replicated ones are averaged."""
-        mine = [(grad, param, start) for grad, param, start in pieces if grad is not None and is_replicated(param)]
+        """`pieces`: (gradient tensor to reduce in place, the model parameter it belongs to, its offset in
+        the flattened parameter) for every gradient this rank steps; the replicated ones are averaged,
+        the marked partials summed (`tp_reduction`)."""
+        for _, param, _ in pieces:
+            if id(param) not in self.how:
+                self.how[id(param)] = tp_reduction(param, self.world)
+        how = self.how
+        mine = [(grad, param, start) for grad, param, start in pieces if grad is not None and how[id(param)] != "skip"]
         if not self.checked:
             self._check_layout(mine, comm_device)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for grad, _, _ in mine:
-            by_dtype.setdefault(grad.dtype, []).append(grad)
+        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, bool]]] = {}
+        for grad, param, _ in mine:
+            by_dtype.setdefault(grad.dtype, []).append((grad, how[id(param)] == "average"))
         for dtype in sorted(by_dtype, key=str):   # the same order on every TP peer
-            grads = by_dtype[dtype]
+            grads = [g for g, _ in by_dtype[dtype]]
             flat = torch.cat([g.reshape(-1) for g in grads]).to(comm_device)
             ds_comm.all_reduce(flat, group=self.group)
-            flat.div_(self.world)
-            torch._foreach_copy_(grads, [part.view_as(g).to(g.device) for part, g in
-                                         zip(flat.split([g.numel() for g in grads]), grads)])
+            parts = flat.split([g.numel() for g in grads])
+            for part, (_, average) in zip(parts, by_dtype[dtype]):
+                if average:
+                    part.div_(self.world)
+            torch._foreach_copy_(grads, [part.view_as(g).to(g.device) for part, g in zip(parts, grads)])
 
     def _check_layout(self, mine: list[tuple[torch.Tensor, torch.Tensor, int]], comm_device: torch.device) -> None:
         """Once: every TP peer must average the same fragments (see the Note); raises on every rank if not."""
