@@ -81,7 +81,7 @@ def main() -> int:
         want = job("ours", args.ds_venv, scratch, ckpt=work, world=tw, tp=ttp, stage=tst, steps=4, start=0, **size)
         for impl in args.impls.split(","):
             runner = "upstream" if impl == "ds" else "ours"
-            ckpt = os.path.join(work, f"{impl}_{name.replace(' ', '_').replace('>', '')}")
+            ckpt = os.path.join(work, impl + "_" + "".join(c if c.isalnum() else "_" for c in name))
             shutil.rmtree(ckpt, ignore_errors=True)
             saved = job(runner, args.ds_venv, scratch, ckpt=ckpt, world=sw, tp=stp, stage=sst, steps=2, start=0,
                         save="t", **size)

@@ -118,8 +118,9 @@ def rank_main(rank: int, spec: dict, port: int, queue) -> None:
         mean = loss.detach().clone()
         tdist.all_reduce(mean)
         losses.append(float(mean) / world)
-    if spec.get("save"):
-        engine.save_checkpoint(spec["ckpt"], tag=spec["save"])
+    if spec.get("save"):   # without TP, DeepSpeed's ds_to_universal wants the client's (empty) universal info
+        client = {"universal_checkpoint_info": {}} if tp == 1 else {}
+        engine.save_checkpoint(spec["ckpt"], tag=spec["save"], client_state=client)
     sums = {n: float(p.detach().double().sum()) for n, p in engine.module.named_parameters()} if tp == 1 else {}
     if rank == 0:
         queue.put({"losses": losses, "param_sums": sums, "deepspeed": deepspeed.__version__,
