@@ -187,6 +187,21 @@ def test_muon_with_tp_equals_unsharded(muon_unsharded, how, world, stage):
         assert result["gathered"] > 0
 
 
+@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_muon_with_tp_checkpoint_resumes_exactly(tmp_path, stage):
+    """Muon x AutoTP checkpoints (each tensor rank's slices and their momentum, the AdamW moments of the
+    rest): 2 steps, save, resume in fresh engines, 1 more step gives the uninterrupted run's weights bit
+    for bit (the same layout runs the same operations in the same order on values read back exactly)."""
+    from tp_engine_jobs import muon_with_tp
+
+    uninterrupted = run_distributed(2, muon_with_tp, "config", 2, stage, 3)
+    run_distributed(2, muon_with_tp, "config", 2, stage, 2, str(tmp_path))
+    resumed = run_distributed(2, muon_with_tp, "config", 2, stage, 1, None, str(tmp_path), 2)
+    for got, want in zip(resumed, uninterrupted):
+        for name, value in want["history"][-1].items():
+            assert torch.equal(got["history"][-1][name], value), name
+
+
 def test_fused_gate_up_shape_split_per_block(tmp_path):
     """`shape: [2, -1]` on a fused [gate; up] Linear: each rank holds half of gate and half of up (an even
     split of the whole weight would give rank 0 all of gate, and wrong maths); ZeRO-2 TP=2 equals one

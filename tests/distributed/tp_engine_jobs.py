@@ -212,10 +212,12 @@ MUON_CONFIG = {"type": "Muon", "params": {"lr": 3e-3, "muon_lr": 0.02, "momentum
                                           "betas": [0.9, 0.95], "eps": 1e-8, "ns_method": "standard"}}
 
 
-def muon_with_tp(how: str, tp: int, stage: int, steps: int = 3) -> dict:
+def muon_with_tp(how: str, tp: int, stage: int, steps: int = 3, save_dir: str | None = None,
+                 load_dir: str | None = None, start: int = 0) -> dict:
     """Muon with AutoTP, three ways in: the config's Muon + autotp_size ("config"), tp_model_init then the
     config's Muon ("tp_model_init"), tp_model_init then a client MuonWithAuxAdam ("client"); tp=1 is the
-    unsharded run. Returns the whole parameters after each step and the all-gathers' bytes of the last."""
+    unsharded run. Returns the whole parameters after each step and the all-gathers' bytes of the last.
+    `save_dir`: save after the steps; `load_dir`: load first, then train on batches start..start+steps."""
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.module_inject.layers import GatherReplacedLayerParams
@@ -239,10 +241,12 @@ def muon_with_tp(how: str, tp: int, stage: int, steps: int = 3) -> dict:
                                      dict(params=others, use_muon=False, lr=params["lr"], betas=(0.9, 0.95), eps=1e-8,
                                           weight_decay=0.1)])
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    if load_dir is not None:
+        engine.load_checkpoint(load_dir, tag="muon")
     dp, dp_rank = engine.dp_world_size, engine.get_data_parallel_rank()
     micro = engine.train_micro_batch_size_per_gpu()
     history = []
-    for ids in make_data(steps, 4):
+    for ids in make_data(start + steps, 4)[start:]:
         x = ids[dp_rank * micro:(dp_rank + 1) * micro]
         dist.comms_counter.reset()
         engine.backward(engine(x, x.roll(-1, dims=1)))
@@ -252,6 +256,8 @@ def muon_with_tp(how: str, tp: int, stage: int, steps: int = 3) -> dict:
         with deepspeed.zero.GatheredParameters(params, enabled=stage == 3), \
                 GatherReplacedLayerParams(params, engine.module, enabled=True):
             history.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir, tag="muon")
     return {"history": history, "gathered": gathered, "sliced": sorted(
         n for n, p in engine.module.named_parameters() if getattr(p, "use_muon", False) and p.ndim == 2)}
 
