@@ -126,6 +126,10 @@ class CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def has_field(self, name: str, field: str) -> bool:
+        """Whether a replicated or universal checkpoint holds `field` for parameter `name`."""
+        return name in self._full.get(field, {})
+
     def fields(self) -> list[str]:
         return sorted(f for f in self._parts if f != "fp32") if self._parts else \
             sorted(f for f in self._full if f != "fp32")
@@ -273,6 +277,10 @@ class CheckpointReader:
                     self._step = float(value)
                     continue
                 full.setdefault(field, {})[name] = value
+            if name not in full.get("fp32", {}):
+                raise CheckpointError(f"{folder} has no fp32.pt: every parameter folder of a universal checkpoint "
+                                      f"holds its fp32 weight ({{'param': tensor}}) beside its optimizer state files "
+                                      f"(found {sorted(os.listdir(folder))})")
             shapes[name] = full["fp32"][name].shape
         self._full = full
         # DeepSpeed also writes fp32.pt for buffers and frozen parameters: the trained ones are those

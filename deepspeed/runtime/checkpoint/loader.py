@@ -281,6 +281,8 @@ def _plan_optimizer_state(plan: LoadPlan) -> None:
     # A checkpoint holds every field for every group; an optimizer whose groups keep different
     # state (MuonWithAuxAdam: momentum_buffer vs exp_avg/exp_avg_sq/step) takes only its own.
     wanted_of = getattr(hp.base, "state_fields", None)
+    if reader.universal:
+        _check_universal_fields(reader, hp, fields, wanted_of)
     wanted = {id(k): wanted_of(g) for g in hp.base.param_groups for k in g["params"]} if wanted_of else {}
     by_key = {id(p.key): p for p in hp.pieces}
     state = {}
@@ -312,6 +314,26 @@ def _plan_optimizer_state(plan: LoadPlan) -> None:
     for group, saved in zip(groups, saved_groups):
         group.update({k: v for k, v in saved.items() if k in group and k != "params"})
     plan.optimizer_state = {"state": state, "param_groups": groups}
+
+
+def _check_universal_fields(reader: CheckpointReader, hp: HpState, fields: list[str], wanted_of: Any) -> None:
+    """Every trained parameter of a universal checkpoint has each optimizer-state file the others have
+    (of those its group keeps): one folder lacking e.g. exp_avg_sq.pt would otherwise load without it and
+    fail at the next step (torch's Adam: KeyError). Checked over all parameters, so every rank raises the
+    same error before any collective, whichever rank holds the parameter."""
+    for g, group in enumerate(hp.groups):
+        own = wanted_of(hp.base.param_groups[g]) if wanted_of is not None and g < len(hp.base.param_groups) \
+            else None
+        expected = [f for f in fields if own is None or f in own]
+        for name, _ in group:
+            lacking = [f for f in expected if reader.has(name) and not reader.has_field(name, f)]
+            if lacking:
+                folder = os.path.join(reader.path, "zero", name)
+                raise files.CheckpointError(
+                    f"{folder}: parameter {name!r} has no {', '.join(f + '.pt' for f in lacking)} in this universal "
+                    f"checkpoint; every trained parameter's folder must hold fp32.pt and the optimizer state the "
+                    f"others have ({', '.join(f + '.pt' for f in expected)}); reconvert with ds_to_universal, "
+                    f"or load with load_optimizer_states=False")
 
 
 def _scaler_state(hp: HpState, reader: CheckpointReader) -> dict | None:
