@@ -27,6 +27,12 @@ from .files import CheckpointError, load_file, model_file, tag_dir, wait_for_bac
 ALIGNMENT = 2  # DeepSpeed pads each ZeRO-1/2 param group to a multiple of 2 * world size
 
 
+def is_universal(path: str) -> bool:
+    """A tag directory in the universal layout: zero/<param>/ folders and no ZeRO optimizer-state files."""
+    return os.path.isdir(os.path.join(path, "zero")) and \
+        not glob.glob(os.path.join(path, "*zero_pp_rank_*_mp_rank_*_optim_states.pt"))
+
+
 class CheckpointReader:
     """One tag of a checkpoint directory; see [Note: resume anywhere]."""
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ...checkpoint import files
-from ...checkpoint.reader import CheckpointReader
+from ...checkpoint.reader import CheckpointReader, is_universal
 from ...utils.progress import NoBar, min_bytes, progress
 from . import moe_io, tp_reslice, zero3_io
 from .hp_state import HpState
@@ -75,6 +75,8 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
         reader = engine._checkpoint_reader(load_dir, str(tag))
     else:
         reader = CheckpointReader(load_dir, str(tag), mp_rank=mp_rank(engine))
+    if reader.universal:   # whole values: this run's tensor slices are cut from them
+        reader = tp_reslice.universal_cut_reader(engine, reader)
     hp = HpState(engine) if engine._has_optimizer else None
     if hp is not None:
         trainable = {n for g in hp.groups for n, _ in g}
@@ -128,6 +130,8 @@ def tensor_parallel_reader(engine: Any, load_dir: str, tag: str) -> Any:
     path, states = tp_reslice.saved_layout(load_dir, tag)
     if states is None:
         return None   # the reader names what is missing
+    if is_universal(path):
+        return None   # universal: whole values, cut after the layout's reader is built (read_plan)
     saved = int(states.get("mp_world_size", 1) or 1) if states.get("tp_partition_dims") else 1
     if saved > 1 and hasattr(engine, "grid"):   # a pipeline's mp_world_size is pipe x slice: count its slice files
         saved = len({m.group(1) for m in map(_LAYER_SLICE.match, os.listdir(path)) if m}) or 1
