@@ -66,16 +66,16 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
         tag = files.read_latest(load_dir, latest)
         if tag is None:
             return None
+    path = files.tag_dir(load_dir, str(tag))
+    universal = path is not None and is_universal(path)
     resliced = tensor_parallel_reader(engine, load_dir, str(tag))
     if resliced is not None:   # [Note: moving a checkpoint across TP sizes]
         reader = resliced
-    elif moe_io.reads_moe(engine, load_dir, str(tag)):   # [Note: MoE checkpoint layout]
+    elif not universal and moe_io.reads_moe(engine, load_dir, str(tag)):   # [Note: MoE checkpoint layout]
         reader = moe_io.MoECheckpointReader(engine, load_dir, str(tag))
     elif hasattr(engine, "_checkpoint_reader"):
         reader = engine._checkpoint_reader(load_dir, str(tag))
     else:   # a universal checkpoint has no tensor ranks' files: one mp_rank_00 (per pipeline stage)
-        path = files.tag_dir(load_dir, str(tag))
-        universal = path is not None and is_universal(path)
         reader = CheckpointReader(load_dir, str(tag), mp_rank=0 if universal else mp_rank(engine))
     if reader.universal:   # whole values: this run's tensor slices are cut from them
         reader = tp_reslice.universal_cut_reader(engine, reader)
