@@ -77,8 +77,8 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
         reader = engine._checkpoint_reader(load_dir, str(tag))
     else:   # a universal checkpoint has no tensor ranks' files: one mp_rank_00 (per pipeline stage)
         reader = CheckpointReader(load_dir, str(tag), mp_rank=0 if universal else mp_rank(engine))
-    if reader.universal:   # whole values: this run's tensor slices are cut from them
-        reader = tp_reslice.universal_cut_reader(engine, reader)
+    if reader.universal:   # whole values: this run's tensor slices and expert rows are cut from them
+        reader = moe_io.universal_reader(engine, tp_reslice.universal_cut_reader(engine, reader))
     hp = HpState(engine) if engine._has_optimizer else None
     if hp is not None:
         trainable = {n for g in hp.groups for n, _ in g}
