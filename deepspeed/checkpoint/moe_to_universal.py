@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 
 import torch
@@ -52,6 +53,13 @@ def _markers(name: str, prefixes: dict[str, dict]) -> dict:
 
 def convert_moe(input_folder: str, output_folder: str) -> int:
     """Write the universal checkpoint of the MoE-layout tag `input_folder`; returns the parameter count."""
+    tensor_sets = sorted({m for f in os.listdir(input_folder)
+                          for m in re.findall(r"_mp_rank_(\d+)_(?:model|optim)_states\.pt$", f)})
+    if len(tensor_sets) > 1:   # EP x TP: each tensor rank's pieces are slices under the same names
+        raise CheckpointError(f"{input_folder} is an expert-parallel checkpoint with tensor-parallel file sets "
+                              f"(mp_rank_{', mp_rank_'.join(tensor_sets)}): ds_to_universal converts MoE / AutoEP "
+                              "checkpoints without tensor parallelism only; load it with load_checkpoint at its "
+                              "EP x TP layout or consolidate it with zero_to_fp32")
     states = load_file(os.path.join(input_folder, model_file()))
     found = _optimizer_files(input_folder)
     if not found:
