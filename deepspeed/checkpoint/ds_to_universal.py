@@ -30,6 +30,7 @@ from ..utils.progress import progress
 from ..utils.zero_to_fp32 import join_tp_slices
 from .constants import CAT_DIM, PARAM, UNIVERSAL_CHECKPOINT_INFO
 from .files import CheckpointError, model_file, save_file, write_text
+from .moe_to_universal import convert_moe, is_moe_layout
 from .reader import CheckpointReader
 
 _PER_ELEMENT = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings",
@@ -178,6 +179,11 @@ def _model_states(unit: _Unit, stages: int) -> dict:
 def convert(input_folder: str, output_folder: str) -> int:
     """Write the universal checkpoint of tag directory `input_folder`; returns the parameter count."""
     input_folder = os.path.normpath(input_folder)
+    if is_moe_layout(input_folder):   # AutoEP / deepspeed.moe: named pieces, whole expert tensors
+        os.makedirs(output_folder, exist_ok=True)
+        count = convert_moe(input_folder, output_folder)
+        _write_latest(output_folder)
+        return count
     units = _open(input_folder)
     reader = units[0].readers[0]
     zero_dir = os.path.join(output_folder, "zero")
@@ -209,9 +215,13 @@ def convert(input_folder: str, output_folder: str) -> int:
             shutil.copyfile(os.path.join(reader.path, model_file(stage)), os.path.join(output_folder, model_file(stage)))
         else:
             save_file(_model_states(unit, len(units)), os.path.join(output_folder, model_file(stage)))
+    _write_latest(output_folder)
+    return len(owners)
+
+
+def _write_latest(output_folder: str) -> None:
     parent = os.path.dirname(os.path.normpath(output_folder)) or "."
     write_text(os.path.join(parent, "latest_universal"), os.path.basename(os.path.normpath(output_folder)))
-    return len(owners)
 
 
 def _read(reader: CheckpointReader, name: str, field: str) -> torch.Tensor | None:

@@ -27,6 +27,12 @@ from .files import CheckpointError, load_file, model_file, tag_dir, wait_for_bac
 ALIGNMENT = 2  # DeepSpeed pads each ZeRO-1/2 param group to a multiple of 2 * world size
 
 
+def is_universal(path: str) -> bool:
+    """A tag directory in the universal layout: zero/<param>/ folders and no ZeRO optimizer-state files."""
+    return os.path.isdir(os.path.join(path, "zero")) and \
+        not glob.glob(os.path.join(path, "*zero_pp_rank_*_mp_rank_*_optim_states.pt"))
+
+
 class CheckpointReader:
     """One tag of a checkpoint directory; see [Note: resume anywhere]."""
 
@@ -125,6 +131,10 @@ class CheckpointReader:
 
     def has(self, name: str) -> bool:
         return name in self._where
+
+    def has_field(self, name: str, field: str) -> bool:
+        """Whether a replicated or universal checkpoint holds `field` for parameter `name`."""
+        return name in self._full.get(field, {})
 
     def fields(self) -> list[str]:
         return sorted(f for f in self._parts if f != "fp32") if self._parts else \
@@ -273,6 +283,10 @@ class CheckpointReader:
                     self._step = float(value)
                     continue
                 full.setdefault(field, {})[name] = value
+            if name not in full.get("fp32", {}):
+                raise CheckpointError(f"{folder} has no fp32.pt: every parameter folder of a universal checkpoint "
+                                      f"holds its fp32 weight ({{'param': tensor}}) beside its optimizer state files "
+                                      f"(found {sorted(os.listdir(folder))})")
             shapes[name] = full["fp32"][name].shape
         self._full = full
         # DeepSpeed also writes fp32.pt for buffers and frozen parameters: the trained ones are those

@@ -253,17 +253,21 @@ def empty_run(kind: str, tokens_by_rank: list[int]) -> dict:
             "input_grad": hidden.grad is not None and tuple(hidden.grad.shape) == tuple(hidden.shape)}
 
 
-def checkpoint_run(kind: str, save_dir: str, stage: int, save_ep: int, load_ep: int, steps: int = 3) -> dict:
+def checkpoint_run(kind: str, save_dir: str, stage: int, save_ep: int, load_ep: int, steps: int = 3,
+                   universal: bool = False, drop: str | None = None) -> dict:
     """Train `steps` (Adam), save_checkpoint at autoep_size `save_ep`, train `steps` more; a fresh engine at
-    `load_ep` loads the checkpoint and trains the same `steps`: both runs' losses and whole weights."""
+    `load_ep` loads the checkpoint and trains the same `steps`: both runs' losses and whole weights.
+    `universal`: rank 0 converts the tag with ds_to_universal (`drop`: then zeroes that optimizer field in
+    every file) and the fresh engine loads the universal form (`checkpoint.load_universal`)."""
     import deepspeed
     import deepspeed.comm as dist
 
-    def engine_at(ep: int) -> Any:
+    def engine_at(ep: int, load_universal: bool = False) -> Any:
         model = build(kind)
         config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6,
                   "zero_optimization": {"stage": stage}, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-                  "expert_parallel": {"enabled": True, "autoep_size": ep}}
+                  "expert_parallel": {"enabled": True, "autoep_size": ep},
+                  "checkpoint": {"load_universal": load_universal}}
         return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
 
     def train(engine: Any, first: int) -> list:
@@ -287,14 +291,28 @@ def checkpoint_run(kind: str, save_dir: str, stage: int, save_ep: int, load_ep: 
         consolidated = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t")
         model_states = torch.load(os.path.join(save_dir, "t", "mp_rank_00_model_states.pt"), weights_only=False)
         consolidated["ds_autoep_layers"] = model_states["ds_autoep_layers"]
+        if universal:
+            _universal_copy(os.path.join(save_dir, "t"), os.path.join(save_dir, "t_universal"), drop)
     dist.barrier()
     straight = train(engine, steps)
     whole = whole_state(engine)
-    resumed = engine_at(load_ep)
-    resumed.load_checkpoint(save_dir, tag="t")
+    resumed = engine_at(load_ep, universal)
+    resumed.load_checkpoint(save_dir, tag="t_universal" if universal else "t")
     again = train(resumed, steps)
     return {"straight": straight, "resumed": again, "whole": whole, "at_save": at_save, "consolidated": consolidated,
             "whole_resumed": whole_state(resumed)}
+
+
+def _universal_copy(tag: str, out: str, drop: str | None) -> None:
+    from deepspeed.checkpoint.ds_to_universal import convert
+
+    convert(tag, out)
+    if drop is not None:
+        for name in os.listdir(os.path.join(out, "zero")):
+            path = os.path.join(out, "zero", name, f"{drop}.pt")
+            if os.path.isfile(path):
+                record = torch.load(path, weights_only=False)
+                torch.save(dict(record, param=torch.zeros_like(record["param"])), path)
 
 
 def whole_state(engine: Any) -> dict:

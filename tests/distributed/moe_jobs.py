@@ -184,9 +184,10 @@ def _whole(engine: Any) -> Any:
 
 
 def checkpoint_roundtrip(ep_save: int, ep_load: int, cfg_kwargs: dict, save_dir: str, before: int = 3,
-                         after: int = 3) -> dict:
+                         after: int = 3, universal: bool = False) -> dict:
     """Train `before` steps at ep_save, save; train `after` more (the uninterrupted run); then a new
-    engine at ep_load loads the checkpoint and trains the same `after` steps."""
+    engine at ep_load loads the checkpoint and trains the same `after` steps. `universal`: rank 0 converts
+    the tag with ds_to_universal and the new engine loads that (`checkpoint.load_universal`)."""
     import deepspeed.comm as dist
 
     steps = batches(dist.get_world_size(), before + after, cfg_kwargs.get("micro_gas", 1))
@@ -196,11 +197,17 @@ def checkpoint_roundtrip(ep_save: int, ep_load: int, cfg_kwargs: dict, save_dir:
     engine.wait_for_checkpoint()
     with _whole(engine):
         saved = global_state(engine.module, ep_save, ep_rank)
+    if universal and dist.get_rank() == 0:
+        from deepspeed.checkpoint.ds_to_universal import convert
+
+        convert(os.path.join(save_dir, "t"), os.path.join(save_dir, "t_universal"))
+    dist.barrier()
     run_steps(engine, steps[before:])
     with _whole(engine):
         uninterrupted = global_state(engine.module, ep_save, ep_rank)
-    resumed, ep_rank2 = make_engine(ep_load, cfg_kwargs)
-    path, client = resumed.load_checkpoint(save_dir, tag="t")
+    load_kwargs = dict(cfg_kwargs, checkpoint={"load_universal": True}) if universal else cfg_kwargs
+    resumed, ep_rank2 = make_engine(ep_load, load_kwargs)
+    path, client = resumed.load_checkpoint(save_dir, tag="t_universal" if universal else "t")
     with _whole(resumed):
         loaded = global_state(resumed.module, ep_load, ep_rank2)
     steps_after_load = resumed.global_steps

@@ -144,10 +144,12 @@ def micro_batches(step: int, replica: int, micro: int, gas: int, dp: int):
 
 
 def train(pp: int, mp: int, micro: int, gas: int, zero: int, steps: int, clip: float, ckpt_dir: str | None = None,
-          save_at: int = 0, autotp: bool = False):
+          save_at: int = 0, autotp: bool = False, universal: str | None = None, start: int = 0):
     """Train 3-D; returns (losses, norms, this rank's params by reference name, meta). With
     `ckpt_dir`, save after `save_at` steps, then build a new engine, load and go on. With `autotp`
-    the blocks are plain (AutoBlock) and `tensor_parallel.autotp_size` shards them in each stage."""
+    the blocks are plain (AutoBlock) and `tensor_parallel.autotp_size` shards them in each stage.
+    `universal`: first load that tag of `ckpt_dir` with `checkpoint.load_universal`, then train steps
+    `start`..`steps`-1 (the global batches of those steps)."""
     import deepspeed
     from deepspeed import comm as ds_comm
     from deepspeed.pipe import LayerSpec, PipelineModule
@@ -178,6 +180,8 @@ def train(pp: int, mp: int, micro: int, gas: int, zero: int, steps: int, clip: f
            "zero_optimization": {"stage": zero}}
     if autotp:
         cfg["tensor_parallel"] = {"autotp_size": mp}
+    if universal is not None:
+        cfg["checkpoint"] = {"load_universal": True}
 
     def build():
         block = AutoBlock if autotp else Block
@@ -191,8 +195,10 @@ def train(pp: int, mp: int, micro: int, gas: int, zero: int, steps: int, clip: f
     grid = engine.grid
     replica, tp_rank = grid.get_data_parallel_id(), grid.get_slice_parallel_rank()
     losses, norms = [], []
-    for step in range(steps):
-        if ckpt_dir and step == save_at:
+    if universal is not None:
+        engine.load_checkpoint(ckpt_dir, tag=universal)
+    for step in range(start, steps):
+        if ckpt_dir and universal is None and step == save_at:
             engine.save_checkpoint(ckpt_dir, tag="mid")
             engine.destroy()
             engine = build()

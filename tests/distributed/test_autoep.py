@@ -193,3 +193,44 @@ def test_autoep_replaces_blocks_that_compute_their_experts() -> None:
         torch.testing.assert_close(torch.cat([ep[0]["state"][f"{layer}.experts.w1"], ep[0]["state"][f"{layer}.experts.w3"]],
                                              dim=1), gate_up, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ep[0]["state"][f"{layer}.experts.w2"], down, rtol=1e-5, atol=1e-5)
+
+
+def _universal_resume(tmp_path, save_ep: int, load_ep: int, drop: str | None = None) -> tuple[list, list]:
+    """AutoEP (Adam, ZeRO-1) saved at autoep_size `save_ep`, converted by ds_to_universal (whole fused expert
+    tensors with upstream's expert markers), loaded with load_universal at `load_ep` (experts re-homed):
+    (each rank's continued losses and whole weights, those of the same run resumed by a plain load_checkpoint
+    at `load_ep`). The reference is the plain load's continuation because the first steps ran at another
+    ep_size (another reduction order: the uninterrupted run at `load_ep` differs from both by ~1e-6 of each
+    weight's norm after Adam); the plain load equals the uninterrupted run (test_autoep_engine_checkpoint_resumes)."""
+    from autoep_jobs import checkpoint_run
+
+    want = run_distributed(2, checkpoint_run, "mixtral", str(tmp_path / "want"), 1, save_ep, load_ep)
+    got = run_distributed(2, checkpoint_run, "mixtral", str(tmp_path / "got"), 1, save_ep, load_ep,
+                          universal=True, drop=drop)
+    return got, want
+
+
+def _assert_same_training(got, want) -> None:
+    for g, w in zip(got, want):
+        assert g["resumed"] == pytest.approx(w["resumed"], rel=1e-6, abs=1e-7)
+        for name, value in w["whole_resumed"].items():
+            torch.testing.assert_close(g["whole_resumed"][name], value, rtol=1e-6, atol=1e-7,
+                                       msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("save_ep,load_ep", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
+def test_autoep_universal_moves_experts(tmp_path, save_ep: int, load_ep: int) -> None:
+    import os
+
+    got, want = _universal_resume(tmp_path, save_ep, load_ep)
+    _assert_same_training(got, want)
+    record = torch.load(os.path.join(tmp_path, "got", "t_universal", "zero", "model.layers.0.mlp.experts.gate_up_proj",
+                                     "exp_avg.pt"), weights_only=False)
+    assert record["is_expert_param"] is True and record["ep_num_experts"] == 4 and record["cat_dim"] == 0
+    assert record["param"].shape[0] == 4
+
+
+def test_autoep_universal_sees_a_dropped_moment(tmp_path) -> None:
+    got, want = _universal_resume(tmp_path, 2, 1, drop="exp_avg_sq")
+    with pytest.raises(AssertionError):
+        _assert_same_training(got, want)

@@ -254,3 +254,21 @@ def test_moe_layers_of_different_ep_sizes(stage: int) -> None:
     plain = merged(run_distributed(4, train_layer, 1, 4, cfg))
     for name, value in plain.items():
         torch.testing.assert_close(mixed[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("ep_load", [4, pytest.param(1, marks=pytest.mark.slow)])
+def test_moe_universal_checkpoint_at_another_ep_size(ep_load: int, tmp_path) -> None:
+    """deepspeed.moe at ep=2 (ZeRO-1, Adam) -> ds_to_universal (each global expert whole under its global
+    name) -> load_universal at ep=1 or 4 (experts re-homed): the loaded parameters are the saved ones, and
+    the continued training equals the same run resumed by a plain load_checkpoint at that ep_size (1e-6),
+    which equals the uninterrupted run (test_moe_checkpoint_resume_at_another_ep_size)."""
+    cfg = {"stage": 1, "opt": "Adam", "lr": 0.01}
+    got = run_distributed(4, checkpoint_roundtrip, 2, ep_load, cfg, str(tmp_path / "u"), universal=True)
+    want = run_distributed(4, checkpoint_roundtrip, 2, ep_load, cfg, str(tmp_path / "p"))
+    assert (tmp_path / "u" / "t_universal" / "zero" / "moes.0.deepspeed_moe.experts.deepspeed_experts.3.weight" /
+            "exp_avg_sq.pt").is_file()
+    for key, ref, results, tol in (("loaded", "saved", got, 0), ("resumed", "resumed", want, 1e-6)):
+        have, expected = _merge(got, key), _merge(results, ref)
+        assert set(have) == set(expected)
+        for name, value in expected.items():
+            torch.testing.assert_close(have[name], value, rtol=tol, atol=tol * 0.1, msg=f"{key} {name}")

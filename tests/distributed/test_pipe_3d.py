@@ -14,18 +14,18 @@ _TP_SPLIT = {"col_weight": 0, "col_bias": 0, "row_weight": 1,   # the dim each t
              "up_proj.weight": 0, "up_proj.bias": 0, "down_proj.weight": 1}
 
 
-def _check(results, steps, micro, gas, dp, clip, autotp=False):
+def _check(results, steps, micro, gas, dp, clip, autotp=False, start=0, rtol=1e-5):
     want_losses, want_norms, want = jobs.reference(steps, micro, gas, dp, clip, autotp)
     seen = set()
     for losses, norms, params, meta in results:
-        assert losses == pytest.approx(want_losses, rel=1e-5, abs=1e-6), meta
-        assert norms == pytest.approx(want_norms, rel=1e-5), meta
+        assert losses == pytest.approx(want_losses[start:], rel=rtol, abs=1e-6), meta
+        assert norms == pytest.approx(want_norms[start:], rel=rtol), meta
         for name, value in params.items():
             full = want[name]
             dim = _TP_SPLIT.get(name.rsplit(".", 1)[-1], _TP_SPLIT.get(".".join(name.rsplit(".", 2)[-2:])))
             if dim is not None:
                 full = full.chunk(meta["tp"], dim=dim)[meta["tp_rank"]]
-            torch.testing.assert_close(value, full, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {meta}: {m}")
+            torch.testing.assert_close(value, full, rtol=rtol, atol=1e-6, msg=lambda m: f"{name} {meta}: {m}")
             seen.add(name)
     assert seen == set(want), set(want) - seen
 
@@ -138,3 +138,36 @@ def test_megatron_3d_example_matches_one_process(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "check against one process" in run.stdout, run.stdout[-3000:]
+
+
+def _universal_into(tmp_path, autotp: bool, targets, drop: str | None = None) -> None:
+    """2 stages x TP 2 trained 2 steps, saved, converted by ds_to_universal, then loaded with
+    `load_universal` into each (stages, tensor size) target on stages x tensor ranks: the 2 continued steps
+    equal the uninterrupted run (the one-process reference: losses, clipped norms, weights). `drop`:
+    that optimizer field zeroed in every universal file first (the comparison must then fail)."""
+    from deepspeed.checkpoint.ds_to_universal import convert
+
+    steps, micro, gas, clip = 4, 2, 2, 0.5
+    run_distributed(4, jobs.train, 2, 2, micro, gas, 1, 3, clip, str(tmp_path), 2, autotp=autotp)
+    convert(str(tmp_path / "mid"), str(tmp_path / "mid_universal"))
+    if drop is not None:
+        for path in (tmp_path / "mid_universal" / "zero").glob(f"*/{drop}.pt"):
+            record = torch.load(path, weights_only=False)
+            torch.save(dict(record, param=torch.zeros_like(record["param"])), path)
+    for pp, mp in targets:
+        results = run_distributed(pp * mp, jobs.train, pp, mp, micro, gas, 1, steps, clip, str(tmp_path),
+                                  autotp=autotp, universal="mid_universal", start=2)
+        _check(results, steps, micro, gas, 1, clip, autotp=autotp, start=2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("autotp", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_universal_from_pipe_tensor_loads_into_other_layouts(tmp_path, autotp):
+    """Pipeline x AutoTP (and pipeline x Megatron-style mpu layers): universal from 2 x 2, loaded into
+    2 x 2, 1 stage x TP 2 and 2 stages x TP 1."""
+    _universal_into(tmp_path, autotp, [(2, 2), (1, 2), (2, 1)])
+
+
+def test_universal_from_pipe_tensor_sees_a_dropped_moment(tmp_path):
+    """The comparison above sees the moments: exp_avg_sq zeroed in the universal files, the run differs."""
+    with pytest.raises(AssertionError):
+        _universal_into(tmp_path, True, [(1, 2)], drop="exp_avg_sq")

@@ -110,3 +110,23 @@ def test_deepspeed_pattern_description_converts_the_same(tmp_path):
             if os.path.isfile(path):
                 torch.testing.assert_close(torch.load(os.path.join(theirs, "zero", name, field))["param"],
                                            torch.load(path)["param"], rtol=0, atol=0)
+
+
+def test_missing_moment_file_fails_at_load_on_every_rank(tmp_path):
+    """One parameter's exp_avg_sq.pt deleted: load_checkpoint itself (no step taken) raises on both ranks,
+    naming the parameter, the file and the files expected, instead of torch's KeyError at the next step."""
+    from harness import DistributedTestError
+
+    run_distributed(2, train_tp, "glu", 1, 2, 1, micro=2, lr=0.01, adam=True, save_dir=str(tmp_path))
+    out = _to_universal(tmp_path)
+    name = sorted(n for n in os.listdir(os.path.join(out, "zero")) if os.path.isdir(os.path.join(out, "zero", n)))[0]
+    os.remove(os.path.join(out, "zero", name, "exp_avg_sq.pt"))
+    with pytest.raises(DistributedTestError) as caught:
+        run_distributed(2, train_tp, "glu", 0, 1, 1, micro=1, lr=0.01, adam=True, load_dir=str(tmp_path),
+                        extra=UNIVERSAL)
+    text = str(caught.value)
+    assert "failed on 2/2 ranks" in text, text
+    for rank in (0, 1):
+        message = text.split(f"--- rank {rank} ---")[1].split("--- rank")[0]
+        assert f"parameter {name!r} has no exp_avg_sq.pt" in message and "exp_avg.pt, exp_avg_sq.pt" in message, \
+            message

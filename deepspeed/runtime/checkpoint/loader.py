@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ...checkpoint import files
-from ...checkpoint.reader import CheckpointReader
+from ...checkpoint.reader import CheckpointReader, is_universal
 from ...utils.progress import NoBar, min_bytes, progress
 from . import moe_io, tp_reslice, zero3_io
 from ..swap_tensor.optimizer_swapper import placeholder
@@ -70,15 +70,19 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
         tag = files.read_latest(load_dir, latest)
         if tag is None:
             return None
+    path = files.tag_dir(load_dir, str(tag))
+    universal = path is not None and is_universal(path)
     resliced = tensor_parallel_reader(engine, load_dir, str(tag))
     if resliced is not None:   # [Note: moving a checkpoint across TP sizes]
         reader = resliced
-    elif moe_io.reads_moe(engine, load_dir, str(tag)):   # [Note: MoE checkpoint layout]
+    elif not universal and moe_io.reads_moe(engine, load_dir, str(tag)):   # [Note: MoE checkpoint layout]
         reader = moe_io.MoECheckpointReader(engine, load_dir, str(tag))
     elif hasattr(engine, "_checkpoint_reader"):
         reader = engine._checkpoint_reader(load_dir, str(tag))
-    else:
-        reader = CheckpointReader(load_dir, str(tag), mp_rank=mp_rank(engine))
+    else:   # a universal checkpoint has no tensor ranks' files: one mp_rank_00 (per pipeline stage)
+        reader = CheckpointReader(load_dir, str(tag), mp_rank=0 if universal else mp_rank(engine))
+    if reader.universal:   # whole values: this run's tensor slices and expert rows are cut from them
+        reader = moe_io.universal_reader(engine, tp_reslice.universal_cut_reader(engine, reader))
     hp = HpState(engine) if engine._has_optimizer else None
     if hp is not None:
         trainable = {n for g in hp.groups for n, _ in g}
@@ -132,6 +136,8 @@ def tensor_parallel_reader(engine: Any, load_dir: str, tag: str) -> Any:
     path, states = tp_reslice.saved_layout(load_dir, tag)
     if states is None:
         return None   # the reader names what is missing
+    if is_universal(path):
+        return None   # universal: whole values, cut after the layout's reader is built (read_plan)
     saved = int(states.get("mp_world_size", 1) or 1) if states.get("tp_partition_dims") else 1
     if saved > 1 and hasattr(engine, "grid"):   # a pipeline's mp_world_size is pipe x slice: count its slice files
         saved = len({m.group(1) for m in map(_LAYER_SLICE.match, os.listdir(path)) if m}) or 1
@@ -296,6 +302,8 @@ def _plan_optimizer_state(plan: LoadPlan) -> None:
     # A checkpoint holds every field for every group; an optimizer whose groups keep different
     # state (MuonWithAuxAdam: momentum_buffer vs exp_avg/exp_avg_sq/step) takes only its own.
     wanted_of = getattr(hp.base, "state_fields", None)
+    if reader.universal:
+        _check_universal_fields(reader, hp, fields, wanted_of)
     wanted = {id(k): wanted_of(g) for g in hp.base.param_groups for k in g["params"]} if wanted_of else {}
     by_key = {id(p.key): p for p in hp.pieces}
     state = {}
@@ -334,6 +342,26 @@ def _plan_optimizer_state(plan: LoadPlan) -> None:
     for group, saved in zip(groups, saved_groups):
         group.update({k: v for k, v in saved.items() if k in group and k != "params"})
     plan.optimizer_state = {"state": state, "param_groups": groups}
+
+
+def _check_universal_fields(reader: CheckpointReader, hp: HpState, fields: list[str], wanted_of: Any) -> None:
+    """Every trained parameter of a universal checkpoint has each optimizer-state file the others have
+    (of those its group keeps): one folder lacking e.g. exp_avg_sq.pt would otherwise load without it and
+    fail at the next step (torch's Adam: KeyError). Checked over all parameters, so every rank raises the
+    same error before any collective, whichever rank holds the parameter."""
+    for g, group in enumerate(hp.groups):
+        own = wanted_of(hp.base.param_groups[g]) if wanted_of is not None and g < len(hp.base.param_groups) \
+            else None
+        expected = [f for f in fields if own is None or f in own]
+        for name, _ in group:
+            lacking = [f for f in expected if reader.has(name) and not reader.has_field(name, f)]
+            if lacking:
+                folder = os.path.join(reader.path, "zero", name)
+                raise files.CheckpointError(
+                    f"{folder}: parameter {name!r} has no {', '.join(f + '.pt' for f in lacking)} in this universal "
+                    f"checkpoint; every trained parameter's folder must hold fp32.pt and the optimizer state the "
+                    f"others have ({', '.join(f + '.pt' for f in expected)}); reconvert with ds_to_universal, "
+                    f"or load with load_optimizer_states=False")
 
 
 def _scaler_state(hp: HpState, reader: CheckpointReader) -> dict | None:

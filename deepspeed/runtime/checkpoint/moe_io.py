@@ -326,3 +326,47 @@ def _deepspeed_optimizer(engine: Any, path: str, found: list[str], states: list[
         raise CheckpointError(f"{path}: saved by DeepSpeed at ep_size {len(expp)} (expp_rank_* files), this model has "
                               f"ep_size {ep_size}; load DeepSpeed's MoE checkpoints at the ep_size they were saved at")
     return expp[ep_rank]["optimizer"]
+
+
+class GlobalNamedReader:
+    """A universal checkpoint of a `deepspeed.moe` model as this rank sees it: each expert is a folder under
+    its GLOBAL name (`...deepspeed_experts.{E}...`, as ds_to_universal writes it), read under this rank's
+    local name; other EP ranks' experts are not this rank's parameters and are left out."""
+
+    def __init__(self, reader: Any, renamed: dict[str, tuple[int, int, str]]) -> None:
+        self.reader = reader
+        self._global = {local: name for local, (_, _, name) in renamed.items()}
+        self._local = {name: local for local, name in self._global.items()}
+
+    def __getattr__(self, name: str) -> Any:   # path, model_states, common_state, step, fields, universal, ...
+        return getattr(self.__dict__["reader"], name)
+
+    def _mine(self, name: str) -> bool:
+        return EXPERT_RE.match(name) is None or name in self._local
+
+    def has(self, name: str) -> bool:
+        return self.reader.has(self._global.get(name, name))
+
+    def has_field(self, name: str, field: str) -> bool:
+        return self.reader.has_field(self._global.get(name, name), field)
+
+    def read(self, name: str, field: str, start: int = 0, numel: int | None = None) -> torch.Tensor | None:
+        return self.reader.read(self._global.get(name, name), field, start, numel)
+
+    def module_tensor(self, name: str) -> torch.Tensor | None:
+        return self.reader.module_tensor(self._global.get(name, name))
+
+    def param_names(self) -> list[str]:
+        return [self._local.get(n, n) for n in self.reader.param_names() if self._mine(n)]
+
+    def groups(self) -> list[list[tuple[str, torch.Size]]]:
+        return [[(self._local.get(n, n), s) for n, s in g if self._mine(n)] for g in self.reader.groups()]
+
+    def bind_replicated_names(self, *args: Any, **kwargs: Any) -> None:
+        self.reader.bind_replicated_names(*args, **kwargs)
+
+
+def universal_reader(engine: Any, reader: Any) -> Any:
+    """`reader` (a universal checkpoint) under this rank's local expert names (deepspeed.moe layers)."""
+    renamed = global_names(engine) if getattr(engine, "_expert_comm", None) else {}
+    return GlobalNamedReader(reader, renamed) if renamed else reader

@@ -184,3 +184,53 @@ def resliced_reader(engine: Any, load_dir: str, tag: str, saved_tp: int, states:
                                     f"this run has autotp_size {new_tp}: moving universal checkpoints across "
                                     "tensor-parallel sizes is not supported")
     return TPReslicedReader(readers, dims, blocks, new_tp, new_index)
+
+
+def engine_tensor_layout(engine: Any) -> tuple[int, int, dict[str, int], dict[str, list[int]]]:
+    """(tensor-parallel size, this rank's index, {name: partition dim}, {name: fused blocks}) of the running
+    engine, from its AutoTP layers or, without them, from its Megatron-style layers' `partition_dim` tags on
+    the pipeline grid's slice group or the client mpu's tensor group. A tag without a usable partition dim
+    is refused by name (its slice cannot be cut from the whole value)."""
+    from ...module_inject.layers import tp_layers
+    from .writer import _megatron_partition_dims, _tp_partition_dims
+
+    dims, blocks = _tp_partition_dims(engine.module)
+    layers = tp_layers(engine.module)
+    if layers:
+        return layers[0].tp_world_size, layers[0].tp_index, dims, blocks
+    grid, mpu = getattr(engine, "grid", None), getattr(engine, "mpu", None)
+    if grid is not None:
+        size, index = grid.get_slice_parallel_world_size(), grid.get_slice_parallel_rank()
+    elif mpu is not None and hasattr(mpu, "get_tensor_model_parallel_world_size"):
+        size, index = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    else:
+        return 1, 0, {}, {}
+    tagged = _megatron_partition_dims(engine.module)
+    unknown = sorted(n for n, d in tagged.items() if d is None)
+    if size > 1 and unknown:
+        raise files.CheckpointError(f"parameters {unknown} are tagged tensor_model_parallel without a partition_dim "
+                                    "(or with a partition_stride other than 1): their slice of a universal "
+                                    "checkpoint's whole value cannot be cut; set partition_dim")
+    return int(size), int(index), {n: d for n, d in tagged.items() if d is not None}, {}
+
+
+def universal_cut_reader(engine: Any, reader: Any) -> Any:
+    """A universal checkpoint holds whole values (TP=1): at tensor-parallel size > 1 (AutoTP or Megatron-style
+    layers, with or without a pipeline) each rank reads its own slice of them through the TP=1 -> TP=t plan;
+    at TP=1 the reader itself."""
+    from .autoep_io import autoep_params
+
+    size, index, dims, blocks = engine_tensor_layout(engine)
+    experts = autoep_params(engine)
+    if experts:   # AutoEP: each fused expert tensor's rows of this rank's experts (dim 0 cut ep_size ways)
+        layers = [layer for _, layer in experts.values()]
+        if size > 1 or len({layer.ep_size for layer in layers}) > 1:
+            raise files.CheckpointError(f"{reader.path}: loading a universal checkpoint into AutoEP with "
+                                        f"tensor parallelism (autotp_size {size}) or with AutoEP layers of "
+                                        f"different ep_size is not supported")
+        first = layers[0]
+        if first.ep_size == 1:
+            return reader
+        return TPReslicedReader([reader], {n: 0 for n in experts}, {}, first.ep_size,
+                                first.first_expert // first.num_local_experts)
+    return reader if size == 1 else TPReslicedReader([reader], dims, blocks, size, index)

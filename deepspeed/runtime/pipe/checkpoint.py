@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ...checkpoint.files import CheckpointError, load_file, tag_dir
-from ...checkpoint.reader import CheckpointReader
+from ...checkpoint.reader import CheckpointReader, is_universal
 
 
 def saved_stage_count(path: str) -> int:
@@ -103,7 +103,11 @@ def checkpoint_reader(engine: Any, load_dir: str, tag: str) -> Any:
         raise CheckpointError(f"checkpoint tag {tag!r} not found in {load_dir} (no directory {tag})")
     module_state = module_state_from_layers(engine.module, path)
     saved = saved_stage_count(path)
-    if saved == engine.num_stages * engine.grid.get_slice_parallel_world_size():
+    if is_universal(path):   # one mp_rank file per stage, whole values (the loader cuts tensor slices)
+        module_state = module_state or None   # no layer files: the module entries of the model states
+        if saved == engine.num_stages:
+            return CheckpointReader(load_dir, tag, mp_rank=engine.stage_id, module_state=module_state)
+    elif saved == engine.num_stages * engine.grid.get_slice_parallel_world_size():
         return CheckpointReader(load_dir, tag, mp_rank=mp_rank(engine), module_state=module_state)
     readers = []
     for m in range(saved):   # each saved stage's file names only its own parameters: give it its part
