@@ -52,13 +52,6 @@ def _open(input_folder: str) -> list[_Unit]:
     every later stage's parameters), each with its tensor ranks' readers (AutoTP writes one `mp_rank_XX` set
     per tensor rank; a 3-D pipeline numbers them stage x tp + tensor rank)."""
     load_dir, tag = os.path.dirname(input_folder) or ".", os.path.basename(input_folder)
-    experts = sorted(f for f in os.listdir(input_folder) if f.startswith("layer_") and "_expert_" in f) \
-        if os.path.isdir(input_folder) else []
-    if experts:   # (its optimizer files hold named pieces, not flat partitions: the reader would fail on a key)
-        raise CheckpointError(f"{input_folder} is an expert-parallel checkpoint (the MoE layout: {experts[0]}, ...): "
-                              "this converter does not write universal checkpoints of it; load it with "
-                              "load_checkpoint (any ep size without tensor parallelism, the saving EP x TP layout "
-                              "with it) or consolidate it with zero_to_fp32")
     first = CheckpointReader(load_dir, tag)
     if first.universal:
         raise CheckpointError(f"{input_folder} is already a universal checkpoint")
