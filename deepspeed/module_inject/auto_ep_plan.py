@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from ..runtime.zero.stage3 import init_context
 from .auto_ep_presets.base import MoEModelPreset
 from .auto_ep_presets.registry import PRESET_MODELS
 
@@ -154,13 +155,10 @@ def build_plan(model: nn.Module, section: dict, ep_size: int) -> list[BlockPlan]
             raise NeedsBlockReplacement(f"expert_parallel: {name}.{preset.expert_pattern} is an nn.ModuleList of "
                                         "expert modules, not a Transformers 5.x fused experts module")
         w1, w2 = getattr(experts, preset.expert_w1, None), getattr(experts, preset.expert_w2, None)
-        if any(hasattr(w, "ds_id") and hasattr(w, "ds_shape") for w in (w1, w2)):   # zero.Init's placeholders
-            from ..runtime.errors import NotSupportedYet
-
-            raise NotSupportedYet(f"expert_parallel (AutoEP) on a model built under deepspeed.zero.Init: "
-                                  f"{name}.{preset.expert_pattern} holds partitioned placeholders that AutoEP would "
-                                  "have to gather to cut the experts; build the model outside zero.Init (ZeRO-3 "
-                                  "partitions it at deepspeed.initialize)")
+        if any(init_context.init_shard(w) is not None for w in (w1, w2) if isinstance(w, nn.Parameter)):
+            raise ValueError(f"expert_parallel: {name}.{preset.expert_pattern} holds zero.Init placeholders; "
+                             "deepspeed.initialize makes MoE blocks whole before the swap (runtime/engine_autoep.py): "
+                             "call apply_autoep through it, or materialize the block first")
         if not isinstance(w1, nn.Parameter) or not isinstance(w2, nn.Parameter) or w1.dim() != 3 or w2.dim() != 3:
             raise ValueError(f"expert_parallel: {name}.{preset.expert_pattern} has no fused 3-D expert parameters "
                              f"{preset.expert_w1!r}/{preset.expert_w2!r} (Transformers 5.x layout); set "

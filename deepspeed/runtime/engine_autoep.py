@@ -27,11 +27,33 @@ def setup_autoep(engine: Any, tensor_fold: Optional[tuple] = None) -> None:
                               f"{engine.sequence_parallel_size}), pipeline parallelism or a client mpu: the expert "
                               "groups fold over data (and AutoTP's tensor) ranks only in this build; AutoEP combines "
                               "with data parallelism, ZeRO 0-3 and tensor_parallel.autotp_size")
+    _materialize_zero_init_moe_blocks(engine.module, section)
     engine.autoep_plan = apply_autoep(engine.module, section, ep,
                                       broadcast_group=None if tensor_fold else engine.seq_data_parallel_group,
                                       use_data_before_expert_parallel=bool(
                                           engine.config.get("use_data_before_expert_parallelism", False)),
                                       tensor_fold=tensor_fold)
+
+
+def _materialize_zero_init_moe_blocks(model: Any, section: dict) -> None:
+    """A model built under zero.Init holds its MoE blocks as partitioned placeholders; AutoEP cuts each
+    rank's experts from the whole fused tensors (and a whole-block swap copies the router), so those
+    blocks are made whole and plain first (one block at a time; collective, in module order, the same on
+    every rank). The rest of the model stays partitioned; ZeRO-3 then partitions the swapped experts over
+    their expert-data-parallel group like any expert (the blocks' memory is what a model built without
+    zero.Init needs at this point)."""
+    import re
+
+    from ..module_inject.auto_ep_plan import resolve_preset
+    from .zero.stage3 import init_context
+
+    if not any(init_context.init_shard(p) is not None for p in model.parameters()):
+        return
+    _, preset = resolve_preset(model, section)
+    pattern = re.compile(preset.moe_layer_pattern)
+    for name, module in model.named_modules():
+        if pattern.fullmatch(name) and any(init_context.init_shard(p) is not None for p in module.parameters()):
+            init_context.materialize(module)
 
 
 def _check_folding(engine: Any, section: dict, ep: int, tp: int) -> None:

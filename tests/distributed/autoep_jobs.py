@@ -48,10 +48,21 @@ def build(kind: str, experts: int = 4, seed: int = 0) -> torch.nn.Module:
         model = (transformers.DeepseekV3ForCausalLM if kind == "deepseek_v3" else transformers.DeepseekV2ForCausalLM)(cfg)
     else:
         raise ValueError(kind)
-    with torch.no_grad():   # HF leaves the fused experts at torch.empty until post_init's init: make them sane
-        for name, p in model.named_parameters():
-            if "experts" in name:
-                p.normal_(0.0, 0.3)
+    import deepspeed
+
+    experts = [p for name, p in model.named_parameters() if "experts" in name]
+    zero_init = hasattr(experts[0], "ds_id")
+    # HF leaves the fused experts at torch.empty until post_init's init: make them sane. Under zero.Init
+    # (no HfDeepSpeedConfig here) post_init ran on placeholders: run it again on the whole tensors, rank
+    # 0's values kept, as transformers does under ZeRO-3.
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0, enabled=zero_init), \
+            torch.no_grad():
+        if zero_init:   # (init_weights skips modules post_init marked as done: the routers are still empty)
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, 0.02)
+        for p in experts:
+            p.normal_(0.0, 0.3)
     model.config._attn_implementation = "eager"
     return model.float()
 
@@ -124,17 +135,21 @@ def train_steps(engine: Any, steps: int, data_rank: int) -> dict:
     return {"losses": losses, "norms": norms}
 
 
-def train_run(kind: str, ep: int, steps: int, stage: int = 1, save: str = "") -> dict:
-    """`steps` SGD steps through the engine (ep=0: no expert_parallel section); whole weights."""
+def train_run(kind: str, ep: int, steps: int, stage: int = 1, save: str = "", zero_init: bool = False) -> dict:
+    """`steps` SGD steps through the engine (ep=0: no expert_parallel section); whole weights.
+    `zero_init`: the model is built under deepspeed.zero.Init (partitioned placeholders)."""
     import deepspeed
     import deepspeed.comm as dist
 
-    model = build(kind)
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
               "zero_optimization": {"stage": stage}, "gradient_clipping": 1.0,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     if ep:
         config["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": kind}
+    with deepspeed.zero.Init(config_dict_or_path=config, enabled=zero_init):
+        model = build(kind)
+    if zero_init:
+        assert any(hasattr(p, "ds_id") for p in model.parameters())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     rank = dist.get_rank()
     result = train_steps(engine, steps, rank)

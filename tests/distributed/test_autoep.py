@@ -115,6 +115,20 @@ def test_autoep_zero3_matches_no_ep_and_zero2(kind: str, world: int) -> None:
     assert any(".experts." in n for n in ep[0]["pieces"])
 
 
+def test_autoep_zero3_on_a_zero_init_model_matches_no_ep() -> None:
+    """A model built under zero.Init (upstream's test_zero3_ep_source_zero_init_* path): its MoE blocks are
+    made whole for the swap, the rest stays partitioned; 4 steps at ZeRO-3 ep=2 equal the same zero.Init-built
+    model without EP (losses, clipped norms, whole weights); the experts end partitioned over their EDP
+    group (one rank each here), the dense parameters over the world."""
+    base = run_distributed(2, train_run, "mixtral", 0, 4, 3, "", True)
+    ep = run_distributed(2, train_run, "mixtral", 2, 4, 3, "", True)
+    for a, b in zip(ep, base):
+        _same(a, b)
+        assert a["norms"] == pytest.approx(b["norms"], rel=1e-5)
+        for name, (numel, piece) in a["pieces"].items():
+            assert piece == (numel if ".experts." in name else -(-numel // 2)), (name, numel, piece)
+
+
 @pytest.mark.parametrize("world,stage,save_ep,load_ep", [(2, 1, 2, 2), (2, 0, 2, 2), (2, 2, 2, 1), (4, 3, 2, 2),
                                                          pytest.param(4, 3, 2, 1, marks=pytest.mark.slow)])
 def test_autoep_engine_checkpoint_resumes(tmp_path, world: int, stage: int, save_ep: int, load_ep: int) -> None:
