@@ -118,9 +118,7 @@ def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
 
 def get_all_ranks_from_group(group: Any = None) -> list[int]:
     """The global ranks of `group` in group-rank order (upstream's name)."""
-    if not is_initialized():
-        return [0]
-    return list(_tdist.get_process_group_ranks(group if group is not None else _tdist.group.WORLD))
+    return list(_group_ranks(group) or (0,))
 
 
 def get_world_group() -> Any:
