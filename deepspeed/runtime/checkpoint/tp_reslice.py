@@ -151,15 +151,18 @@ class TPReslicedReader:
                         self.dims[name], self._plan(name, saved))
 
 
-def saved_layout(load_dir: str, tag: str) -> tuple[str | None, dict | None]:
-    """(tag path, tensor rank 0's model states) or (path, None) when there is none to read."""
+def saved_layout(load_dir: str, tag: str, mp: int = 0, dp: int = 0) -> tuple[str | None, dict | None, str | None]:
+    """(tag path, model states, that file's name), or (path, None, None) when there is none to read. The
+    states are tensor rank `mp`'s (ZeRO-3: data rank `dp`'s) when that file exists, as the loading rank
+    reads them anyway, else tensor rank 0's: every file records the same saved layout."""
     path = files.tag_dir(load_dir, tag)
     if path is None:
-        return None, None
-    for name in (files.model_file(0), files.model_file(0, zero3_dp_rank=0)):
+        return None, None, None
+    for name in dict.fromkeys((files.model_file(mp), files.model_file(mp, zero3_dp_rank=dp), files.model_file(0),
+                               files.model_file(0, zero3_dp_rank=0))):
         if os.path.isfile(os.path.join(path, name)):
-            return path, files.load_file(os.path.join(path, name))
-    return path, None
+            return path, files.load_file(os.path.join(path, name)), name
+    return path, None, None
 
 
 def resliced_reader(engine: Any, load_dir: str, tag: str, saved_tp: int, states: dict,
