@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 CHUNK_BYTES = 8 << 20
+MIN_FILE_BYTES = 1 << 20   # smaller files are not looked up (reading /proc/self/maps costs ~1 ms)
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 _libc: Any = None
 
@@ -58,9 +59,11 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
 
 def mapping_of(path: str, obj: Any) -> Mapping | None:
     """The private file mapping of `path` that `obj`'s tensors (just loaded memory-mapped) live in;
-    None when there is none to find (no tensors, no /proc, madvise unavailable)."""
+    None when there is none to find (no tensors, no /proc, madvise unavailable) or the file is small."""
+    if _DONTNEED is None or not os.path.exists("/proc/self/maps") or os.path.getsize(path) < MIN_FILE_BYTES:
+        return None
     tensor = _first_tensor(obj)
-    if tensor is None or _DONTNEED is None or not os.path.exists("/proc/self/maps"):
+    if tensor is None:
         return None
     address, real = tensor.untyped_storage().data_ptr(), os.path.realpath(path)
     with open("/proc/self/maps") as maps:
