@@ -376,7 +376,7 @@ class CheckpointReader:
                 if not entry.endswith(".pt"):
                     continue
                 field = entry[:-3]
-                value = load_file(os.path.join(folder, entry))
+                value = self._load(os.path.join(folder, entry))
                 value = value.get("param", value) if isinstance(value, dict) else value
                 if field == "step":
                     self._step = float(value)
