@@ -301,7 +301,10 @@ class _Pending:
         return 4
 
     def copy_to(self, target: torch.Tensor) -> None:
-        self.reader.read_into(target.view(-1), self.name, self.field, self.start)
+        if target.is_contiguous():
+            self.reader.read_into(target.view(-1), self.name, self.field, self.start)
+        else:
+            target.copy_(self.reader.read(self.name, self.field, self.start, self._numel).view(target.shape))
 
 
 _FP32 = torch.empty(0, dtype=torch.float32, device="cpu")   # host: what reader.read returns (dtype only)
