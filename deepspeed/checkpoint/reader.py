@@ -12,14 +12,17 @@ own rank owns, so a checkpoint saved by N ranks at stage s loads on M ranks at s
 conversion step and without materialising the whole model on any rank.
 
 [Note: reading only what a rank needs]
-What every rank's optimizer-state file holds alike (ZeRO stage, rank count, param groups, step,
-loss scaler) is read from one file: the loading rank's own when it exists (`own_rank`). The
-partition geometry then follows from the model-states file's `param_shapes` and that rank count
-alone, so `sources` (pure: `placements` of the saved partition) says which saved ranks hold
-elements [start, start+numel) of a parameter, and only those ranks' files are opened, when a slice
-of them is first asked for. At the same layout a rank thus opens its own optimizer-state file, the
-model-states file and its RNG file, nothing else; at another layout only the saved ranks whose
-shards overlap its own slices (tests/distributed/test_checkpoint_reads.py counts them).
+No optimizer-state file is opened up front. The partition geometry follows from the model-states
+file's `param_shapes`, the number of optimizer-state files (a glob) and whether the tag has per-rank
+model-states files (ZeRO-3), so `sources` (pure: `placements` of the saved partition) says which saved
+ranks hold elements [start, start+numel) of a parameter, and a rank's file is opened (and unpickled,
+once) when a slice of it is first asked for. What every rank's file holds alike (ZeRO stage, rank
+count, param groups, step, loss scaler) comes from the first file opened, checked against the glob,
+else from `own_rank`'s. A ZeRO-3 rank at the same layout thus opens its own optimizer-state and
+model-states files only; a ZeRO-1/2 rank the saved shards its bucket slices lie in (this runtime's
+buckets run in reverse parameter order, the files in parameter order: a few files, not N); at another
+layout, only the saved ranks whose shards overlap its slices (tests/distributed/test_checkpoint_reads.py
+counts them).
 """
 
 from __future__ import annotations
@@ -53,9 +56,10 @@ class CheckpointReader:
 
     def __init__(self, load_dir: str, tag: str, mp_rank: int = 0, module_state: dict | None = None,
                  own_rank: int | None = None, loaded: tuple[str, dict] | None = None) -> None:
-        """`own_rank`: the loading rank's data-parallel rank; its files are the ones opened first (at the
-        same layout, the only ones: [Note: reading only what a rank needs]). `loaded`: (file name, content)
-        of a model-states file the caller has loaded already; used when it is the one this reader reads."""
+        """`own_rank`: the loading rank's data-parallel rank (its ZeRO-3 model-states file is read, and its
+        optimizer-state file when metadata is needed before any slice: [Note: reading only what a rank
+        needs]). `loaded`: (file name, content) of a model-states file the caller has loaded already; used
+        when it is the one this reader reads."""
         wait_for_background_saves()
         path = tag_dir(load_dir, tag)
         if path is None:
@@ -204,10 +208,6 @@ class CheckpointReader:
 
     def has(self, name: str) -> bool:
         return name in self._where
-
-    def has_field(self, name: str, field: str) -> bool:
-        """Whether a replicated or universal checkpoint holds `field` for parameter `name`."""
-        return name in self._full.get(field, {})
 
     def fields(self) -> list[str]:
         if self._partitions:
