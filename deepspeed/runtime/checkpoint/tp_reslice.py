@@ -11,9 +11,11 @@ rank's *new* slice:
 * `slice_sources` is the pure plan: which saved tensor rank's slice, at which offset along the
   partition dim, lands where in the new slice, block by block for fused weights (each block is split
   on its own, as `TensorParallel_Layer._slice` does);
-* `assemble` is the one executor: it reads the saved ranks' slices named by the plan one at a time and
-  copies the planned pieces into the new slice. It never holds a parameter's whole value unless the
-  new slice is the whole value (TP=1), and the reader keeps one assembled (parameter, field) at a time.
+* the executor copies the planned pieces into the new slice, reading the saved slices one at a time:
+  `TPReslicedReader.read` asks each saved file set only for the rows that hold the elements asked for
+  (a data-parallel piece of the new slice opens only the saved files holding them), `assemble` (module
+  tensors) for whole saved slices. Neither holds a parameter's whole value unless the new slice is the
+  whole value (TP=1).
 
 Replicated parameters come from tensor rank 0's file set. Everything else (counters, scheduler, loss
 scaler, param groups, step) is the same in every file set and is read from rank 0's.
@@ -21,6 +23,7 @@ scaler, param groups, step) is the same in every file set and is read from rank 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -97,7 +100,6 @@ class TPReslicedReader:
                  new_tp: int, new_index: int) -> None:
         self.readers, self.dims, self.blocks = readers, dims, blocks
         self.saved_tp, self.new_tp, self.new_index = len(readers), new_tp, new_index
-        self._cache: tuple[tuple[str, str], torch.Tensor | None] | None = None
         self._saved_shapes = {n: s for g in readers[0].groups() for n, s in g}
         self._groups = [[(n, self._new_shape(n, s)) for n, s in g] for g in readers[0].groups()]
 
@@ -123,21 +125,46 @@ class TPReslicedReader:
         self._groups = [[(n, self._new_shape(n, s)) for n, s in g] for g in self.readers[0].groups()]
 
     def read(self, name: str, field: str, start: int = 0, numel: int | None = None) -> torch.Tensor | None:
+        """Elements [start, start+numel) of this rank's new slice of `name`, read from only the rows of the
+        saved slices that hold them: with the slice viewed as [outer, dim, inner], the outer rows the range
+        spans (the dim's own rows when nothing precedes it), so a data-parallel piece opens only the saved
+        files holding those rows ([Note: reading only what a rank needs] in checkpoint/reader.py)."""
         if name not in self.dims:
             return self.readers[0].read(name, field, start, numel)
-        key = (name, field)
-        if self._cache is None or self._cache[0] != key:
-            self._cache = None   # drop the previous parameter's slice before assembling this one
-            saved = self._saved_shapes[name]
-            value = assemble(lambda r: self.readers[r].read(name, field), saved, self._new_shape(name, saved),
-                             self.dims[name], self._plan(name, saved))
-            self._cache = (key, value)
-        value = self._cache[1]
-        if value is None:
-            return None
-        flat = value.reshape(-1)
-        numel = flat.numel() - start if numel is None else numel
-        return flat[start:start + numel].clone()
+        saved, dim = self._saved_shapes[name], self.dims[name]
+        new = self._new_shape(name, saved)
+        numel = new.numel() - start if numel is None else numel
+        outer, inner = math.prod(new[:dim]), math.prod(new[dim + 1:])
+        if numel == 0:
+            return torch.empty(0, dtype=torch.float32)   # host: an empty read
+        if outer == 1:   # the dim leads: read its rows [lo, hi) only
+            lo, hi = start // inner, -(-(start + numel) // inner)
+            out = torch.empty(hi - lo, inner, dtype=torch.float32)   # host: read from files, copied by the caller
+            for seg in self._plan(name, saved):
+                a, z = max(lo, seg.dst), min(hi, seg.dst + seg.length)
+                if a >= z:
+                    continue
+                value = self.readers[seg.saved_rank].read(name, field, (seg.src + a - seg.dst) * inner, (z - a) * inner)
+                if value is None:
+                    return None
+                out[a - lo:z - lo].copy_(value.view(z - a, inner))
+            base = lo * inner
+        else:   # outer rows [lo, hi) of every saved slice, each cut along the dim
+            new_w, saved_w = new[dim] * inner, saved[dim] * inner
+            lo, hi = start // new_w, -(-(start + numel) // new_w)
+            out = torch.empty(hi - lo, new[dim], inner, dtype=torch.float32)   # host: read from files, copied by the caller
+            plan = self._plan(name, saved)
+            for rank in sorted({seg.saved_rank for seg in plan}):
+                value = self.readers[rank].read(name, field, lo * saved_w, (hi - lo) * saved_w)
+                if value is None:
+                    return None
+                value = value.view(hi - lo, saved[dim], inner)
+                for seg in plan:
+                    if seg.saved_rank == rank:
+                        out[:, seg.dst:seg.dst + seg.length].copy_(value[:, seg.src:seg.src + seg.length])
+                del value
+            base = lo * new_w
+        return out.view(-1)[start - base:start - base + numel].clone()
 
     def module_tensor(self, name: str) -> torch.Tensor | None:
         if name not in self.dims:
