@@ -276,7 +276,9 @@ def _plan_masters(plan: LoadPlan, strict: bool) -> None:
             if name in shapes and torch.Size(shapes[name]) != torch.Size(shape):
                 raise files.CheckpointError(f"{reader.path}: {name} has shape {tuple(shapes[name])} in the "
                                             f"checkpoint, {tuple(shape)} in the model")
-    direct = isinstance(reader, CheckpointReader)   # wrappers (TP reslice, pipeline merge) answer `read` only
+    # readers that can check now and copy later (the pipeline's merged reader answers `read` only; looked up
+    # on the class: wrappers forward unknown attributes to their first reader)
+    direct = callable(getattr(type(reader), "read_into", None)) and callable(getattr(type(reader), "check", None))
     for piece in hp.pieces:
         if reader.has(piece.name):
             if hp.swapper is not None:   # the master is on disk: read and written shard by shard in apply_plan
@@ -291,7 +293,7 @@ def _plan_masters(plan: LoadPlan, strict: bool) -> None:
 class _Pending:
     """A checked read whose copy into its target waits for apply_plan ([Note: released reads])."""
 
-    def __init__(self, reader: CheckpointReader, name: str, field: str, start: int, numel: int) -> None:
+    def __init__(self, reader: Any, name: str, field: str, start: int, numel: int) -> None:
         self.reader, self.name, self.field, self.start, self._numel = reader, name, field, start, numel
 
     def numel(self) -> int:

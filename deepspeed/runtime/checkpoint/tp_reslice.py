@@ -124,47 +124,69 @@ class TPReslicedReader:
         self._saved_shapes = {n: s for g in self.readers[0].groups() for n, s in g}
         self._groups = [[(n, self._new_shape(n, s)) for n, s in g] for g in self.readers[0].groups()]
 
-    def read(self, name: str, field: str, start: int = 0, numel: int | None = None) -> torch.Tensor | None:
-        """Elements [start, start+numel) of this rank's new slice of `name`, read from only the rows of the
-        saved slices that hold them: with the slice viewed as [outer, dim, inner], the outer rows the range
-        spans (the dim's own rows when nothing precedes it), so a data-parallel piece opens only the saved
-        files holding those rows ([Note: reading only what a rank needs] in checkpoint/reader.py)."""
-        if name not in self.dims:
-            return self.readers[0].read(name, field, start, numel)
+    def _reads(self, name: str, start: int, numel: int) -> tuple[tuple[int, ...], int, list[tuple[int, int, int, Any]]]:
+        """The plan of reading elements [start, start+numel) of the new slice of `name` (partitioned):
+        (shape of the rows read, the flat offset of their first element, [(saved rank, start, numel in its
+        slice, the (src, dst, length) runs along the dim to copy from it)]). With the slice viewed as
+        [outer, dim, inner], only the outer rows the range spans are read (the dim's own rows when nothing
+        precedes it), so a data-parallel piece opens only the saved files holding those rows
+        ([Note: reading only what a rank needs] in checkpoint/reader.py)."""
         saved, dim = self._saved_shapes[name], self.dims[name]
         new = self._new_shape(name, saved)
-        numel = new.numel() - start if numel is None else numel
         outer, inner = math.prod(new[:dim]), math.prod(new[dim + 1:])
+        plan = self._plan(name, saved)
+        if outer == 1:   # the dim leads: its rows [lo, hi)
+            lo, hi = start // inner, -(-(start + numel) // inner)
+            reads = []
+            for seg in plan:
+                a, z = max(lo, seg.dst), min(hi, seg.dst + seg.length)
+                if a < z:
+                    reads.append((seg.saved_rank, (seg.src + a - seg.dst) * inner, (z - a) * inner, [(0, a - lo, z - a)]))
+            return (hi - lo, inner), lo * inner, reads
+        new_w, saved_w = new[dim] * inner, saved[dim] * inner   # outer rows [lo, hi) of every saved slice
+        lo, hi = start // new_w, -(-(start + numel) // new_w)
+        return (hi - lo, new[dim], inner), lo * new_w, [
+            (rank, lo * saved_w, (hi - lo) * saved_w, [(g.src, g.dst, g.length) for g in plan if g.saved_rank == rank])
+            for rank in sorted({g.saved_rank for g in plan})]
+
+    def read(self, name: str, field: str, start: int = 0, numel: int | None = None) -> torch.Tensor | None:
+        """Elements [start, start+numel) of this rank's new slice of `name`, reading only the saved rows
+        that hold them (`_reads`); None when a saved rank lacks the field."""
+        if name not in self.dims:
+            return self.readers[0].read(name, field, start, numel)
+        numel = self._new_shape(name, self._saved_shapes[name]).numel() - start if numel is None else numel
         if numel == 0:
             return torch.empty(0, dtype=torch.float32)   # host: an empty read
-        if outer == 1:   # the dim leads: read its rows [lo, hi) only
-            lo, hi = start // inner, -(-(start + numel) // inner)
-            out = torch.empty(hi - lo, inner, dtype=torch.float32)   # host: read from files, copied by the caller
-            for seg in self._plan(name, saved):
-                a, z = max(lo, seg.dst), min(hi, seg.dst + seg.length)
-                if a >= z:
-                    continue
-                value = self.readers[seg.saved_rank].read(name, field, (seg.src + a - seg.dst) * inner, (z - a) * inner)
-                if value is None:
-                    return None
-                out[a - lo:z - lo].copy_(value.view(z - a, inner))
-            base = lo * inner
-        else:   # outer rows [lo, hi) of every saved slice, each cut along the dim
-            new_w, saved_w = new[dim] * inner, saved[dim] * inner
-            lo, hi = start // new_w, -(-(start + numel) // new_w)
-            out = torch.empty(hi - lo, new[dim], inner, dtype=torch.float32)   # host: read from files, copied by the caller
-            plan = self._plan(name, saved)
-            for rank in sorted({seg.saved_rank for seg in plan}):
-                value = self.readers[rank].read(name, field, lo * saved_w, (hi - lo) * saved_w)
-                if value is None:
-                    return None
-                value = value.view(hi - lo, saved[dim], inner)
-                for seg in plan:
-                    if seg.saved_rank == rank:
-                        out[:, seg.dst:seg.dst + seg.length].copy_(value[:, seg.src:seg.src + seg.length])
-                del value
-            base = lo * new_w
+        shape, base, reads = self._reads(name, start, numel)
+        out = torch.empty(shape, dtype=torch.float32)   # host: read from files, copied by the caller
+        for rank, first, count, runs in reads:
+            value = self.readers[rank].read(name, field, first, count)
+            if value is None:
+                return None
+            value = value.view(-1, *shape[1:]) if len(shape) == 2 else value.view(shape[0], -1, shape[2])
+            for src, dst, length in runs:
+                if len(shape) == 2:   # rows along the leading dim
+                    out[dst:dst + length].copy_(value)
+                else:
+                    out[:, dst:dst + length].copy_(value[:, src:src + length])
+            del value
         return out.view(-1)[start - base:start - base + numel].clone()
+
+    def read_into(self, out: torch.Tensor, name: str, field: str, start: int = 0) -> None:
+        """`read` into `out` (1-D): the loader's copy into a master, run in its apply phase."""
+        value = self.read(name, field, start, out.numel())
+        if value is None:
+            raise files.CheckpointError(f"{self.readers[0].path}: no {field!r} for parameter {name!r}")
+        out.copy_(value)
+
+    def check(self, name: str, field: str, start: int = 0, numel: int | None = None) -> None:
+        """What `read` needs is there (each saved reader checks its rows), without copying."""
+        if name not in self.dims:
+            self.readers[0].check(name, field, start, numel)
+            return
+        numel = self._new_shape(name, self._saved_shapes[name]).numel() - start if numel is None else numel
+        for rank, first, count, _ in self._reads(name, start, numel)[2] if numel else ():
+            self.readers[rank].check(name, field, first, count)
 
     def module_tensor(self, name: str) -> torch.Tensor | None:
         if name not in self.dims:
