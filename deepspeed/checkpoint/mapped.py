@@ -5,13 +5,13 @@ Checkpoint files are loaded memory-mapped (files.load_file): unpickling reads on
 pickle, and a value's bytes are read when it is sliced. Every page a copy touches, though, stays
 mapped into the process (it counts in RSS as RssFile) until the whole file is unmapped, so a load
 that copies this rank's 100 MB shard into its optimizer peaks at shard + copy. Here a copy out of a
-mapping this process recorded (`Mapping`, made right after the file was loaded, from the
-/proc/self/maps line that holds one of its tensors) goes in chunks, and after each chunk the
-chunk's whole pages are dropped with madvise(MADV_DONTNEED). The mapping is private and its pages
-were never written, so a later read faults them back from the file (the page cache): nothing
-changes but the resident size. Anything not known to lie in such a mapping (a fresh tensor, a file
-of another reader) is copied plainly: dropping anonymous pages would lose their contents. Linux
-only; elsewhere every copy is plain.
+mapping this process recorded (`Mapping`: made right after the file was loaded, from the
+/proc/self/maps line that holds one of its tensors, and holding that tensor, which keeps the whole
+mapping alive) goes in chunks, and after each chunk its whole pages are dropped with
+madvise(MADV_DONTNEED). The mapping is private and the loader only reads it, so a later read faults
+the pages back from the file (the page cache): nothing changes but the resident size. Anything not
+known to lie in such a mapping (a fresh tensor, a file of another reader) is copied plainly: dropping
+anonymous pages would lose their contents. Linux only; elsewhere every copy is plain.
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ _libc: Any = None
 
 
 class Mapping:
-    """The address range [start, end) of one loaded file's mapping; holds `obj` (what was loaded
-    from it) so the mapping, and so the range, stays valid while this object lives."""
+    """The address range [start, end) of one loaded file's mapping. `anchor`, a tensor of that file,
+    keeps the whole mapping alive (every storage torch slices from it holds the mapping), so the range
+    cannot be unmapped and reused by other memory while this object lives, whatever happens to the
+    loaded object's other entries."""
 
-    def __init__(self, start: int, end: int, obj: Any) -> None:
-        self.start, self.end, self.obj = start, end, obj
+    def __init__(self, start: int, end: int, anchor: torch.Tensor) -> None:
+        self.start, self.end, self.anchor = start, end, anchor
 
     def holds(self, tensor: torch.Tensor) -> bool:
         if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
@@ -72,7 +74,7 @@ def mapping_of(path: str, obj: Any) -> Mapping | None:
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
             if lo <= address < hi:
                 ok = len(fields) == 6 and fields[1].endswith("p") and fields[5].strip() == real
-                return Mapping(lo, hi, obj) if ok else None
+                return Mapping(lo, hi, tensor) if ok else None
     return None
 
 
