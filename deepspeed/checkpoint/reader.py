@@ -51,8 +51,10 @@ def is_universal(path: str) -> bool:
 class CheckpointReader:
     """One tag of a checkpoint directory; see [Note: resume anywhere]."""
 
-    mappings: Any = ()   # readers built without this __init__ (moe_io) record none
+    # defaults for readers built without this __init__ (moe_io, autoep_zero3_io)
+    mappings: Any = ()
     _zero3 = False
+    model_name: str | None = None   # the model-states file read (ZeRO-3: this rank's)
 
     def __init__(self, load_dir: str, tag: str, mp_rank: int = 0, module_state: dict | None = None,
                  own_rank: int | None = None, loaded: tuple[str, dict] | None = None) -> None:
@@ -74,7 +76,7 @@ class CheckpointReader:
         if found is None:
             raise CheckpointError(f"{path}: no {model_file()} (nor {model_file(zero3_dp_rank=0)}); not a "
                                   "DeepSpeed checkpoint tag directory")
-        self.model_file = found
+        self.model_name = found
         if loaded is not None and loaded[0] == found:
             self.model_states = dict(loaded[1])
             mapping = mapping_of(os.path.join(path, found), loaded[1])
@@ -97,7 +99,6 @@ class CheckpointReader:
         self._partitions: list[Any] = []
         self._parts: dict[str, list[list[Any]]] = {}  # field -> group -> rank -> flat (None: not read yet)
         self._read_ranks: set[int] = set()
-        self._frozen_files: dict[str, dict] = {}   # ZeRO-3: other ranks' model-states files (frozen pieces)
         if self.universal:
             self._init_universal()
         elif self.rank_files:
@@ -110,7 +111,7 @@ class CheckpointReader:
         obj = load_file(path)
         mapping = mapping_of(path, obj)
         if mapping is not None:
-            self.mappings.append(mapping)
+            self.mappings = [*self.mappings, mapping]
         return obj
 
     @property
@@ -127,7 +128,7 @@ class CheckpointReader:
         stage = state.get("optimizer_state_dict", {}).get("zero_stage")
         if (stage is not None and int(stage) == 3) != self._zero3:
             raise CheckpointError(f"{self.rank_files[rank]}: written at ZeRO stage {stage}, but the tag's model-states "
-                                  f"file is {self.model_file}: optimizer-state files of another checkpoint?")
+                                  f"file is {self.model_name}: optimizer-state files of another checkpoint?")
 
     @property
     def stage(self) -> int:
@@ -482,7 +483,7 @@ class CheckpointReader:
         value = (self.model_states.get("module") or {}).get(name)
         if value is not None and value.numel() > 0:
             return value
-        if self._zero3:
+        if self._zero3 or getattr(self, "_stage_value", None) == 3:   # (readers that set their stage)
             return self._zero3_frozen(name)
         fragments = self.model_states.get("frozen_param_fragments") or {}
         if name in fragments:
@@ -495,11 +496,13 @@ class CheckpointReader:
         if shape is None:
             return None
         pieces = []
+        others = self.__dict__.setdefault("_frozen_files", {})   # other ranks' model-states files, kept
         for rank in range(len(self.rank_files)):
             file = model_file(self.mp_rank, zero3_dp_rank=rank)
-            states = self.model_states if file == self.model_file else self._frozen_files.get(file)
+            states = self.model_states if file == (self.model_name or model_file(self.mp_rank, zero3_dp_rank=0)) \
+                else others.get(file)
             if states is None:
-                states = self._frozen_files[file] = self._load(os.path.join(self.path, file))
+                states = others[file] = self._load(os.path.join(self.path, file))
             pieces.append(states["frozen_param_fragments"][name].reshape(-1))
         numel = torch.Size(shape).numel()
         return torch.cat(pieces)[:numel].view(shape)  # slices of ceil(numel/N), the last zero-padded
