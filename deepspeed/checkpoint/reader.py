@@ -48,6 +48,14 @@ def is_universal(path: str) -> bool:
         not glob.glob(os.path.join(path, "*zero_pp_rank_*_mp_rank_*_optim_states.pt"))
 
 
+def checks_then_copies(reader: Any) -> bool:
+    """Whether `reader` can check a read now (`check`) and copy it later (`read_into`): the class that
+    defines its `read` defines both (a subclass with its own `read`, or a wrapper answering `read` only
+    and forwarding other attributes to its first reader, must be asked to `read`)."""
+    owner = next((c for c in type(reader).__mro__ if "read" in vars(c)), None)
+    return owner is not None and "read_into" in vars(owner) and "check" in vars(owner)
+
+
 class CheckpointReader:
     """One tag of a checkpoint directory; see [Note: resume anywhere]."""
 

@@ -28,7 +28,7 @@ import torch
 
 from ...checkpoint import files
 from ...checkpoint.mapped import copy_released
-from ...checkpoint.reader import CheckpointReader, is_universal
+from ...checkpoint.reader import CheckpointReader, checks_then_copies, is_universal
 from ...utils.progress import NoBar, min_bytes, progress
 from . import moe_io, tp_reslice, zero3_io
 from ..swap_tensor.optimizer_swapper import placeholder
@@ -276,7 +276,7 @@ def _plan_masters(plan: LoadPlan, strict: bool) -> None:
             if name in shapes and torch.Size(shapes[name]) != torch.Size(shape):
                 raise files.CheckpointError(f"{reader.path}: {name} has shape {tuple(shapes[name])} in the "
                                             f"checkpoint, {tuple(shape)} in the model")
-    direct = _checks_then_copies(reader)
+    direct = checks_then_copies(reader)
     for piece in hp.pieces:
         if reader.has(piece.name):
             if hp.swapper is not None:   # the master is on disk: read and written shard by shard in apply_plan
@@ -286,14 +286,6 @@ def _plan_masters(plan: LoadPlan, strict: bool) -> None:
                 plan.copies.append((piece.master, _Pending(reader, piece.name, "fp32", piece.start, piece.numel)))
             else:
                 plan.copies.append((piece.master, reader.read(piece.name, "fp32", piece.start, piece.numel)))
-
-
-def _checks_then_copies(reader: Any) -> bool:
-    """Whether `reader` can check a read now and copy it later: the class that defines its `read` also
-    defines `read_into` and `check` (a subclass with its own `read`, or a wrapper answering `read` only
-    and forwarding other attributes to its first reader, reads in the read phase as before)."""
-    owner = next((c for c in type(reader).__mro__ if "read" in vars(c)), None)
-    return owner is not None and "read_into" in vars(owner) and "check" in vars(owner)
 
 
 class _Pending:

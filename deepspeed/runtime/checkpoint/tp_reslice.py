@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ...checkpoint import files
-from ...checkpoint.reader import CheckpointReader
+from ...checkpoint.reader import CheckpointReader, checks_then_copies
 
 
 @dataclass(frozen=True)
@@ -182,11 +182,11 @@ class TPReslicedReader:
     def check(self, name: str, field: str, start: int = 0, numel: int | None = None) -> None:
         """What `read` needs is there (each saved reader checks its rows), without copying."""
         if name not in self.dims:
-            self.readers[0].check(name, field, start, numel)
+            _check(self.readers[0], name, field, start, numel)
             return
         numel = self._new_shape(name, self._saved_shapes[name]).numel() - start if numel is None else numel
         for rank, first, count, _ in self._reads(name, start, numel)[2] if numel else ():
-            self.readers[rank].check(name, field, first, count)
+            _check(self.readers[rank], name, field, first, count)
 
     def module_tensor(self, name: str) -> torch.Tensor | None:
         if name not in self.dims:
@@ -198,6 +198,14 @@ class TPReslicedReader:
         del first
         return assemble(lambda r: self.readers[r].module_tensor(name), saved, self._new_shape(name, saved),
                         self.dims[name], self._plan(name, saved))
+
+
+def _check(reader: Any, name: str, field: str, start: int, numel: int | None) -> None:
+    """`reader.check`, or a read (which checks by reading) of a reader that answers `read` only."""
+    if checks_then_copies(reader):
+        reader.check(name, field, start, numel)
+    elif reader.read(name, field, start, numel) is None:
+        raise files.CheckpointError(f"{reader.path}: no {field!r} for parameter {name!r} in the checkpoint")
 
 
 def saved_layout(load_dir: str, tag: str, mp: int = 0, dp: int = 0) -> tuple[str | None, dict | None, str | None]:
