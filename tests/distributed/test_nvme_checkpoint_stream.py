@@ -109,8 +109,6 @@ class _Big(torch.nn.Module):
 def _memory_job(cfg: dict, save_dir: str) -> dict:
     """Peak anonymous RSS rise during save_checkpoint, and during load_checkpoint into an engine that
     trained a step (its swap buffers exist already, as in any run that saves or resumes)."""
-    import gc
-
     import deepspeed
 
     def engine_after_a_step(seed: int) -> Any:
@@ -121,13 +119,20 @@ def _memory_job(cfg: dict, save_dir: str) -> dict:
         engine.step()
         return engine
 
+    return save_and_load_peaks(engine_after_a_step, save_dir)
+
+
+def save_and_load_peaks(engine_after_a_step: Any, save_dir: str) -> dict:
+    """The sub-groups' sizes and the peak anonymous RSS rises of a save by engine_after_a_step(0) and a
+    load into engine_after_a_step(1)."""
+    import gc
+
     engine = engine_after_a_step(0)
-    swapper = engine.optimizer.swapper
-    shards = [layout[-1].offset + layout[-1].nbytes for layout in swapper._layouts]
+    shards = [layout[-1].offset + layout[-1].nbytes for layout in engine.optimizer.swapper._layouts]
     gc.collect()
     _, save_peak = peak_anon_rise(lambda: engine.save_checkpoint(save_dir, tag="m"))
     engine.destroy()
-    del engine, swapper
+    del engine
     gc.collect()
     other = engine_after_a_step(1)
     gc.collect()

@@ -112,6 +112,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         cut = zero3_io.optimizer_state if zero3 else partitioned_optimizer_state
         optimizer_state = cut(engine, hp, dp_rank(engine), engine.seq_dp_world_size, later=later,
                               fields_step=fields_step, stream=True)
+    if moe and hp is not None:   # its pieces stream in save_entries, with no re-cut ([Note: MoE checkpoint layout])
+        hp.streamed = hp.swapper is not None
     streamed = hp is not None and hp.streamed   # [Note: streamed checkpoint file]: read from the swap files
     if streamed and background:   # while writing: the next step would change them under the writer
         log_dist("save_checkpoint: NVMe-offloaded optimizer state is streamed from its swap files, so this "

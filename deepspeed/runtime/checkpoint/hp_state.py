@@ -295,12 +295,7 @@ class HpState:
                 pos = 0
                 for at, n, piece, src in segments[g]:
                     yield from _zeros(at - pos)
-                    source = self._stored(piece, field)
-                    if source is None:
-                        yield from _zeros(n)
-                    else:
-                        i, fragment, key, offset = source
-                        yield from self.swapper.read_slice(i, fragment, key, offset + src, n)
+                    yield from self._stored_chunks(piece, field, src, n)
                     pos = at + n
                 yield from _zeros(numel - pos)
             return chunks
@@ -312,6 +307,24 @@ class HpState:
                 numel = layout.shard_numel - (layout.padding(rank) if field in strip_padding else 0)
                 out[field].append(StreamedTensor(numel, torch.float32, produce(field, g, numel)))
         return out
+
+    def streamed_piece(self, piece: Piece, field: str) -> Any:
+        """The piece's master (`field="fp32"`) or optimizer state as a StreamedTensor read from the NVMe
+        swap files when the file is written; None when the piece has no such state (MoE pieces)."""
+        from ...checkpoint.stream_save import StreamedTensor
+
+        if self._stored(piece, field) is None:
+            return None
+        return StreamedTensor(piece.numel, torch.float32, lambda: self._stored_chunks(piece, field, 0, piece.numel))
+
+    def _stored_chunks(self, piece: Piece, field: str, src: int, n: int) -> Iterator[torch.Tensor]:
+        """Elements [src, src + n) of the piece's `field` as fp32 chunks from the swap files (zeros: none)."""
+        source = self._stored(piece, field)
+        if source is None:
+            yield from _zeros(n)
+            return
+        i, fragment, key, offset = source
+        yield from self.swapper.read_slice(i, fragment, key, offset + src, n)
 
     def _stored(self, piece: Piece, field: str) -> tuple[int, Any, Any, int] | None:
         """(shard, fragment or None for the master, state key, element offset) of the piece's
