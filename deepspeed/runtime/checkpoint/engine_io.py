@@ -119,6 +119,12 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         log_dist("save_checkpoint: NVMe-offloaded optimizer state is streamed from its swap files, so this "
                  "save is written before save_checkpoint returns (async_save does not apply)", ranks=[0])
         background = False
+    optim, optim_name = None, files.optim_file(dp_rank(engine), bf16=engine.bfloat16_enabled(), mp_rank=mp_rank(engine))
+    if optimizer_state is not None:
+        optim = {"optimizer_state_dict": optimizer_state, "ds_config": engine.config, "ds_version": state_version()}
+        optim = Streamed(optim) if streamed else optim
+        if hp.exchange is not None:   # [Note: streamed re-cut]: written now, while exchanging; raised when agreed
+            optim = hp.exchange.write(optim, os.path.join(files.staging_dir(save_dir, tag), optim_name))
     frozen = zero3_io.frozen_fragments(engine, dp_rank(engine), engine.seq_dp_world_size) \
         if zero3 and not moe and not exclude_frozen_parameters else None
     gathered = moe_io.gather_for_save(engine) if moe else None   # ZeRO-3: the whole values the files hold
@@ -137,18 +143,12 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
             entries.append((files.model_file(mp, zero3_dp_rank=dp_rank(engine) if zero3 else None), state))
             entries += engine._extra_checkpoint_files(exclude_frozen_parameters) \
                 if hasattr(engine, "_extra_checkpoint_files") else []
-        if optimizer_state is not None:
-            optim = {"optimizer_state_dict": optimizer_state, "ds_config": engine.config, "ds_version": state_version()}
-            entries.append((files.optim_file(dp_rank(engine), bf16=engine.bfloat16_enabled(), mp_rank=mp),
-                            Streamed(optim) if streamed else optim))
+        if optim is not None:
+            entries.append((optim_name, optim))
         entries.append((f"rng_state_{rank}.pt", rng_state()))
         return SaveJob(save_dir, tag, rank, ds_comm.get_world_size(), entries, save_latest, prepare=later)
 
-    try:
-        return _write_and_publish(engine, hp, save_dir, tag, background, snapshot, what, rank)
-    finally:
-        if hp is not None and hp.spill is not None:   # [Note: streamed re-cut]: written (or failed)
-            hp.spill.drop()
+    return _write_and_publish(engine, hp, save_dir, tag, background, snapshot, what, rank)
 
 
 def _write_and_publish(engine: Any, hp: Any, save_dir: str, tag: str, background: bool, snapshot: Callable,

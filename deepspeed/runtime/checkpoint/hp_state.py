@@ -51,7 +51,7 @@ class HpState:
         self.sources = (wrapper.units if self.stage3 else wrapper.buckets) if self.zero else []
         self.swapper = getattr(wrapper, "swapper", None) if self.zero else None   # offload_optimizer nvme
         self.streamed = False   # the last `recut` gave StreamedTensors
-        self.spill = None       # ... read from this SpilledRecut's file (drop() it after the write)
+        self.exchange = None    # ... produced by this ExchangedRecut while it writes the file
         # ZeRO-3 parameters are released between uses: their shapes come from their units
         shapes = {id(p): s for u in wrapper.coordinator.units for p, s in zip(u.params, u.shapes)} \
             if self.stage3 else {}
@@ -267,19 +267,19 @@ class HpState:
         """`recut_fields`' result as StreamedTensors whose bytes are read from the NVMe swap files
         when the file is written, one chunk at a time ([Note: streamed checkpoint file]); None
         (re-cut in memory) without NVMe offload. When elements change rank (ZeRO-1/2 at more than
-        one rank) the all-to-all runs here, window by window, into a spill file ([Note: streamed
-        re-cut]): collective then."""
+        one rank) they are produced by `self.exchange`, whose all-to-all runs window by window while
+        it writes the file ([Note: streamed re-cut]): collective then."""
         from ...checkpoint.stream_save import StreamedTensor
 
         if self.swapper is None:
             return None
         if self.zero and self.wrapper.dp_world > 1:
             sends, receives, local, crossing = self._plan(layouts, rank)
-            if crossing:   # [Note: streamed re-cut]: exchanged now (collective), written from a spill file
-                from .stream_recut import SpilledRecut
+            if crossing:   # [Note: streamed re-cut]: exchanged while the file is written (collective)
+                from .stream_recut import ExchangedRecut
 
-                self.spill = SpilledRecut(self, fields, layouts, rank, strip_padding, sends, receives, local)
-                return self.spill.tensors()
+                self.exchange = ExchangedRecut(self, fields, layouts, rank, strip_padding, sends, receives, local)
+                return self.exchange.parts
         else:
             cuts = self._cutter(layouts)
             local = [(p, src, n, g, at) for p in self.pieces
