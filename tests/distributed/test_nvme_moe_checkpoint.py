@@ -18,11 +18,12 @@ import moe_jobs as M
 from harness import run_distributed
 
 
-def _config(kind: str, stage: int, ep: int, swap: str | None) -> dict:
+def _config(kind: str, stage: int, ep: int, swap: str | None, background: bool = False) -> dict:
     offload = {"device": "nvme", "nvme_path": swap} if swap else {"device": "cpu"}
     cfg = {"train_micro_batch_size_per_gpu": 2 if kind == "mixtral" else 1, "gradient_accumulation_steps": 1,
            "steps_per_print": 10**6, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "offload_optimizer": offload}}
+    cfg["checkpoint"] = {"async_save": background}
     if stage == 3 and swap:   # parameter shards on NVMe too
         cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": swap}
     if kind == "mixtral":
@@ -30,7 +31,7 @@ def _config(kind: str, stage: int, ep: int, swap: str | None) -> dict:
     return cfg
 
 
-def _engine(kind: str, stage: int, ep: int, swap: str | None) -> Any:
+def _engine(kind: str, stage: int, ep: int, swap: str | None, background: bool = False) -> Any:
     import deepspeed
 
     if kind == "mixtral":
@@ -40,7 +41,7 @@ def _engine(kind: str, stage: int, ep: int, swap: str | None) -> Any:
     else:
         model = M.LayerModel(ep)
     return deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                config=_config(kind, stage, ep, swap))[0]
+                                config=_config(kind, stage, ep, swap, background))[0]
 
 
 def _train(engine: Any, kind: str, first: int, steps: int) -> list[float]:
@@ -76,36 +77,40 @@ def _records(source: Any) -> dict[str, bytes]:
                 if not i.filename.endswith(".data/serialization_id")}
 
 
-def _save_resume_job(kind: str, stage: int, ep: int, swap: str, save_dir: str) -> dict:
-    """Train, save (streamed), compare the optimizer file with torch.save of the in-memory pieces, train
-    on (the uninterrupted run); a fresh engine loads the checkpoint and trains the same steps."""
+def _save_resume_job(kind: str, stage: int, ep: int, swap: str, save_dir: str, background: bool = False) -> dict:
+    """Train, save (streamed; with `background`, async_save: written while training goes on), compare the
+    optimizer file with torch.save of the in-memory pieces at the save, train on (the uninterrupted run);
+    a fresh engine loads the checkpoint and trains the same steps."""
     import os
 
     from deepspeed.checkpoint import files, stream_save
     from deepspeed.runtime.checkpoint import engine_io, ep_tp_io
     from deepspeed.runtime.checkpoint.writer import dp_rank
 
-    engine = _engine(kind, stage, ep, swap)
+    engine = _engine(kind, stage, ep, swap, background)
     _train(engine, kind, 0, 2)
-    stream_save.peak_chunk_bytes = 0
-    engine.save_checkpoint(save_dir, tag="t")
-    streamed = stream_save.peak_chunk_bytes > 0
-    saved = _whole(engine, kind)
     dp = dp_rank(engine)
     in_memory = {"optimizer_state_dict": engine_io.optimizer_partition_state(engine), "ds_config": engine.config,
                  "ds_version": engine_io.state_version(), **ep_tp_io.optimizer_record(engine, dp,
                                                                                        engine.seq_dp_world_size)}
     buffer = io.BytesIO()
     torch.save(in_memory, buffer)
+    saved = _whole(engine, kind)
+    stream_save.peak_chunk_bytes = 0
+    engine.save_checkpoint(save_dir, tag="t")
+    pending = engine._pending_checkpoint
+    in_background = pending is not None and pending.target == pending.job.run_background
+    straight = _train(engine, kind, 2, 2)
+    engine.wait_for_checkpoint()
+    streamed = stream_save.peak_chunk_bytes > 0
     ours = _records(os.path.join(save_dir, "t", files.optim_file(dp, bf16=False)))
     today = _records(io.BytesIO(buffer.getvalue()))
-    straight = _train(engine, kind, 2, 2)
     whole = _whole(engine, kind)
     resumed = _engine(kind, stage, ep, swap)
     resumed.load_checkpoint(save_dir, tag="t")
     loaded = _whole(resumed, kind)
     again = _train(resumed, kind, 2, 2)
-    return {"streamed": streamed, "records": len(ours), "differ": sorted(k for k in set(ours) | set(today)
+    return {"streamed": streamed, "background": in_background, "records": len(ours), "differ": sorted(k for k in set(ours) | set(today)
                                                                           if ours.get(k) != today.get(k)),
             "saved": saved, "loaded": loaded, "straight": straight, "again": again, "whole": whole,
             "resumed": _whole(resumed, kind)}
@@ -124,15 +129,17 @@ def _assert_equal(got: dict, want: dict, what: str) -> None:
         assert torch.equal(got[name], value), f"{what}: {name}"
 
 
-@pytest.mark.parametrize("kind, stage", [("layer", 2), ("mixtral", 1), ("layer", 3)])
-def test_moe_nvme_checkpoint_streams_resumes_and_loads_elsewhere(tmp_path, kind, stage):
-    """ep=2 on 2 ranks: the streamed file equals the in-memory one record for record; resumed at the same
-    layout bit-equal; loaded on 1 rank at ep 1 (CPU offload) with the same parameters."""
+@pytest.mark.parametrize("kind, stage, background", [("layer", 2, False), ("mixtral", 1, True), ("layer", 3, False)])
+def test_moe_nvme_checkpoint_streams_resumes_and_loads_elsewhere(tmp_path, kind, stage, background):
+    """ep=2 on 2 ranks: the streamed file (AutoEP: written in the background while training goes on)
+    equals the in-memory one at the save record for record; resumed at the same layout bit-equal; loaded
+    on 1 rank at ep 1 (CPU offload) with the same parameters."""
     (tmp_path / "swap").mkdir()
     swap, ckpt = str(tmp_path / "swap"), str(tmp_path / "ckpt")
-    results = run_distributed(2, _save_resume_job, kind, stage, 2, swap, ckpt)
+    results = run_distributed(2, _save_resume_job, kind, stage, 2, swap, ckpt, background)
     for r in results:
         assert r["streamed"], "the optimizer file was not streamed from the swap files"
+        assert r["background"] == background
         assert r["differ"] == [] and r["records"] > 5, r["differ"]
         _assert_equal(r["loaded"], r["saved"], "loaded")
         assert r["again"] == r["straight"]

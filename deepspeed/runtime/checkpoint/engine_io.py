@@ -115,10 +115,6 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     if moe and hp is not None:   # its pieces stream in save_entries, with no re-cut ([Note: MoE checkpoint layout])
         hp.streamed = hp.swapper is not None
     streamed = hp is not None and hp.streamed   # [Note: streamed checkpoint file]: read from the swap files
-    if streamed and background:   # while writing: the next step would change them under the writer
-        log_dist("save_checkpoint: NVMe-offloaded optimizer state is streamed from its swap files, so this "
-                 "save is written before save_checkpoint returns (async_save does not apply)", ranks=[0])
-        background = False
     optim, optim_name = None, files.optim_file(dp_rank(engine), bf16=engine.bfloat16_enabled(), mp_rank=mp_rank(engine))
     if optimizer_state is not None:
         optim = {"optimizer_state_dict": optimizer_state, "ds_config": engine.config, "ds_version": state_version()}
@@ -128,6 +124,14 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     frozen = zero3_io.frozen_fragments(engine, dp_rank(engine), engine.seq_dp_world_size) \
         if zero3 and not moe and not exclude_frozen_parameters else None
     gathered = moe_io.gather_for_save(engine) if moe else None   # ZeRO-3: the whole values the files hold
+    if streamed and background:   # [Note: swap files under a background save]
+        hp.view = hp.swapper.save_view() if hp.exchange is None else None
+        if hp.view is None:
+            log_dist("save_checkpoint: this NVMe-offloaded optimizer file is written before save_checkpoint returns "
+                     "(async_save does not apply: " + ("it is written during the re-cut's exchange" if hp.exchange
+                     else "optimizer state is in memory") + ")", ranks=[0])
+            background = False
+    release = [hp.view.close] if streamed and hp.view is not None else []
 
     def snapshot() -> SaveJob:
         """This rank's files as objects; with a background write, nothing in them aliases live state."""
@@ -146,9 +150,15 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         if optim is not None:
             entries.append((optim_name, optim))
         entries.append((f"rng_state_{rank}.pt", rng_state()))
-        return SaveJob(save_dir, tag, rank, ds_comm.get_world_size(), entries, save_latest, prepare=later)
+        return SaveJob(save_dir, tag, rank, ds_comm.get_world_size(), entries, save_latest, prepare=later,
+                       release=release)
 
-    return _write_and_publish(engine, hp, save_dir, tag, background, snapshot, what, rank)
+    try:
+        return _write_and_publish(engine, hp, save_dir, tag, background, snapshot, what, rank)
+    except BaseException:
+        for done in release:   # not handed to a writer
+            done()
+        raise
 
 
 def _write_and_publish(engine: Any, hp: Any, save_dir: str, tag: str, background: bool, snapshot: Callable,

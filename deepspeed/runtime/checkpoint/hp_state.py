@@ -52,6 +52,7 @@ class HpState:
         self.swapper = getattr(wrapper, "swapper", None) if self.zero else None   # offload_optimizer nvme
         self.streamed = False   # the last `recut` gave StreamedTensors
         self.exchange = None    # ... produced by this ExchangedRecut while it writes the file
+        self.view = None        # ... read through this SaveView (a background save: optimizer_swapper.py)
         # ZeRO-3 parameters are released between uses: their shapes come from their units
         shapes = {id(p): s for u in wrapper.coordinator.units for p, s in zip(u.params, u.shapes)} \
             if self.stage3 else {}
@@ -324,7 +325,7 @@ class HpState:
             yield from _zeros(n)
             return
         i, fragment, key, offset = source
-        yield from self.swapper.read_slice(i, fragment, key, offset + src, n)
+        yield from self.swapper.read_slice(i, fragment, key, offset + src, n, view=self.view)
 
     def _stored(self, piece: Piece, field: str) -> tuple[int, Any, Any, int] | None:
         """(shard, fragment or None for the master, state key, element offset) of the piece's
