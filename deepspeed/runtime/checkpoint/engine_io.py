@@ -115,7 +115,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     if moe and hp is not None:   # its pieces stream in save_entries, with no re-cut ([Note: MoE checkpoint layout])
         hp.streamed = hp.swapper is not None
     streamed = hp is not None and hp.streamed   # [Note: streamed checkpoint file]: read from the swap files
-    optim, optim_name = None, files.optim_file(dp_rank(engine), bf16=engine.bfloat16_enabled(), mp_rank=mp_rank(engine))
+    optim, optim_name = None, files.optim_file(dp_rank(engine), bf16=engine.bfloat16_enabled(),
+                                               mp_rank=mp_rank(engine))
     if optimizer_state is not None:
         optim = {"optimizer_state_dict": optimizer_state, "ds_config": engine.config, "ds_version": state_version()}
         optim = Streamed(optim) if streamed else optim
@@ -124,12 +125,11 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     frozen = zero3_io.frozen_fragments(engine, dp_rank(engine), engine.seq_dp_world_size) \
         if zero3 and not moe and not exclude_frozen_parameters else None
     gathered = moe_io.gather_for_save(engine) if moe else None   # ZeRO-3: the whole values the files hold
-    if streamed and background:   # [Note: swap files under a background save]
-        hp.view = hp.swapper.save_view() if hp.exchange is None else None
+    if streamed and background and hp.exchange is None:   # [Note: swap files under a background save]
+        hp.view = hp.swapper.save_view()
         if hp.view is None:
-            log_dist("save_checkpoint: this NVMe-offloaded optimizer file is written before save_checkpoint returns "
-                     "(async_save does not apply: " + ("it is written during the re-cut's exchange" if hp.exchange
-                     else "optimizer state is in memory") + ")", ranks=[0])
+            log_dist("save_checkpoint: NVMe-offloaded optimizer state is in memory now, so this save is written "
+                     "before save_checkpoint returns (async_save does not apply)", ranks=[0])
             background = False
     release = [hp.view.close] if streamed and hp.view is not None else []
 
