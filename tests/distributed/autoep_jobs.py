@@ -298,14 +298,17 @@ def checkpoint_run(kind: str, save_dir: str, stage: int, save_ep: int, load_ep: 
     engine = engine_at(save_ep)
     train(engine, 0)
     engine.save_checkpoint(save_dir, tag="t")
-    at_save = whole_state(engine)   # whole (HF layout)
-    consolidated = {}
+    at_save, state_at_save = whole_state(engine), hp_snapshot(engine)   # whole (HF layout); this rank's state
+    consolidated, files = {}, sorted(os.listdir(os.path.join(save_dir, "t")))
     if dist.get_rank() == 0:   # zero_to_fp32 joins the experts' pieces into the whole HF tensors
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         consolidated = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t")
-        model_states = torch.load(os.path.join(save_dir, "t", "mp_rank_00_model_states.pt"), weights_only=False)
+        zero3 = os.path.join(save_dir, "t", "zero_pp_rank_0_mp_rank_00_model_states.pt")   # AutoEP ZeRO-3: per rank
+        model_states = torch.load(zero3 if os.path.isfile(zero3) else os.path.join(save_dir, "t", "mp_rank_00_model_states.pt"),
+                                  weights_only=False)
         consolidated["ds_autoep_layers"] = model_states["ds_autoep_layers"]
+        consolidated["param_shapes"] = model_states["param_shapes"]
         if universal:
             _universal_copy(os.path.join(save_dir, "t"), os.path.join(save_dir, "t_universal"), drop)
     dist.barrier()
@@ -313,9 +316,23 @@ def checkpoint_run(kind: str, save_dir: str, stage: int, save_ep: int, load_ep: 
     whole = whole_state(engine)
     resumed = engine_at(load_ep, universal)
     resumed.load_checkpoint(save_dir, tag="t_universal" if universal else "t")
+    state_loaded = hp_snapshot(resumed) if load_ep == save_ep else None
     again = train(resumed, steps)
     return {"straight": straight, "resumed": again, "whole": whole, "at_save": at_save, "consolidated": consolidated,
-            "whole_resumed": whole_state(resumed)}
+            "whole_resumed": whole_state(resumed), "files": files, "state_at_save": state_at_save,
+            "state_loaded": state_loaded}
+
+
+def hp_snapshot(engine: Any) -> dict:
+    """This rank's fp32 masters and optimizer state, piece by piece, and the step (local): what a resume at
+    the same layout must restore bit for bit."""
+    from deepspeed.runtime.checkpoint.hp_state import HpState
+
+    hp = HpState(engine)
+    fields, step = hp.local_fields()
+    return {"step": step, "fields": fields,
+            "pieces": {(p.name, p.start): [hp.value(p, f).detach().float().cpu().clone() for f in ["fp32"] + fields]
+                       for p in hp.pieces}}
 
 
 def _universal_copy(tag: str, out: str, drop: str | None) -> None:

@@ -139,10 +139,27 @@ def test_autoep_engine_checkpoint_resumes(tmp_path, world: int, stage: int, save
 
     results = run_distributed(world, checkpoint_run, "mixtral", str(tmp_path), stage, save_ep, load_ep)
     consolidated = results[0]["consolidated"]
-    assert consolidated.pop("ds_autoep_layers") == [   # DeepSpeed's description of the AutoEP layers
+    layers = consolidated.pop("ds_autoep_layers")
+    assert [{k: e[k] for k in ("moe_layer_id", "module_path", "expert_key_prefix", "num_experts", "num_local_experts",
+                               "ep_size")} for e in layers] == [   # DeepSpeed's description of the AutoEP layers
         {"moe_layer_id": i, "module_path": f"model.layers.{i}.mlp", "expert_key_prefix": f"model.layers.{i}.mlp.experts",
          "num_experts": 4,
          "num_local_experts": 4 // save_ep, "ep_size": save_ep} for i in range(2)]
+    shapes = consolidated.pop("param_shapes")
+    if stage == 3:   # upstream's partition-native layout: experts inside the ZeRO-3 files, in their own sub-group
+        assert not [f for f in results[0]["files"] if f.startswith("layer_")], results[0]["files"]
+        assert all(e["checkpoint_format"] == "zero3_partitioned" and e["checkpoint_format_version"] == 1
+                   for e in layers)
+        assert list(shapes[1]) == [f"model.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj",
+                                                                                                    "down_proj")]
+    for r in results:   # the same layout: masters, Adam moments and step restored bit for bit
+        if r["state_loaded"] is not None:
+            assert r["state_loaded"]["step"] == r["state_at_save"]["step"]
+            assert r["state_loaded"]["fields"] == r["state_at_save"]["fields"] == ["exp_avg", "exp_avg_sq"]
+            assert r["state_loaded"]["pieces"].keys() == r["state_at_save"]["pieces"].keys()
+            for key, values in r["state_at_save"]["pieces"].items():
+                for want, got in zip(values, r["state_loaded"]["pieces"][key]):
+                    assert torch.equal(got, want), key
     assert sorted(consolidated) == sorted(results[0]["at_save"])
     for name, value in results[0]["at_save"].items():   # zero_to_fp32: the whole HF tensors
         torch.testing.assert_close(consolidated[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
