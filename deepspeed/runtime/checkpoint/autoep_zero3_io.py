@@ -25,8 +25,11 @@ from typing import Any
 import torch
 
 from ... import comm as ds_comm
-from ...checkpoint.constants import (AUTOEP_LAYERS_KEY, UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                     UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+from ...checkpoint.constants import (AUTOEP_LAYERS_KEY, AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY as FORMAT_KEY,
+                                     AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION as VERSION,
+                                     AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION_KEY as VERSION_KEY,
+                                     AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT as FORMAT, UNIVERSAL_CHECKPOINT_INFO,
+                                     UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 from ...checkpoint.files import CheckpointError, load_file, model_file, optim_file, tag_dir
 from ...checkpoint.reader import CheckpointReader
 from ...moe.utils import is_moe_param
@@ -37,7 +40,6 @@ from .autoep_io import autoep_params, layer_metadata, own_rows
 from .hp_state import HpState
 from .zero3_io import stage3_header
 
-FORMAT_KEY, FORMAT, VERSION_KEY, VERSION = "checkpoint_format", "zero3_partitioned", "checkpoint_format_version", 1
 SOURCE_GROUP = "ds_optimizer_group"   # ours, in each saved param group: the optimizer group it came from
 
 
