@@ -55,6 +55,7 @@ AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY = "checkpoint_format"
 AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT = "zero3_partitioned"
 AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION_KEY = "checkpoint_format_version"
 AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION = 1
+AUTOEP_ZERO3_SOURCE_GROUP = "ds_optimizer_group"   # ours, in each saved param group: the optimizer group it came from
 
 # --- EP x TP folding metadata (AutoEP with AutoTP; upstream's keys): a dict under FOLDING_METADATA_KEY
 # in each model-states, expert and optimizer file of a folded checkpoint (checkpoint/autoep_universal.py)

@@ -305,8 +305,8 @@ def checkpoint_run(kind: str, save_dir: str, stage: int, save_ep: int, load_ep: 
 
         consolidated = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t")
         zero3 = os.path.join(save_dir, "t", "zero_pp_rank_0_mp_rank_00_model_states.pt")   # AutoEP ZeRO-3: per rank
-        model_states = torch.load(zero3 if os.path.isfile(zero3) else os.path.join(save_dir, "t", "mp_rank_00_model_states.pt"),
-                                  weights_only=False)
+        single = os.path.join(save_dir, "t", "mp_rank_00_model_states.pt")
+        model_states = torch.load(zero3 if os.path.isfile(zero3) else single, weights_only=False)
         consolidated["ds_autoep_layers"] = model_states["ds_autoep_layers"]
         consolidated["param_shapes"] = model_states["param_shapes"]
         if universal:

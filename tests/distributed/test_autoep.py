@@ -226,8 +226,9 @@ def test_autoep_replaces_blocks_that_compute_their_experts() -> None:
         torch.testing.assert_close(ep[0]["state"][f"{layer}.experts.w2"], down, rtol=1e-5, atol=1e-5)
 
 
-def _universal_resume(tmp_path, save_ep: int, load_ep: int, drop: str | None = None) -> tuple[list, list]:
-    """AutoEP (Adam, ZeRO-1) saved at autoep_size `save_ep`, converted by ds_to_universal (whole fused expert
+def _universal_resume(tmp_path, save_ep: int, load_ep: int, drop: str | None = None,
+                      stage: int = 1) -> tuple[list, list]:
+    """AutoEP (Adam, ZeRO-`stage`) saved at autoep_size `save_ep`, converted by ds_to_universal (whole fused expert
     tensors with upstream's expert markers), loaded with load_universal at `load_ep` (experts re-homed):
     (each rank's continued losses and whole weights, those of the same run resumed by a plain load_checkpoint
     at `load_ep`). The reference is the plain load's continuation because the first steps ran at another
@@ -235,8 +236,8 @@ def _universal_resume(tmp_path, save_ep: int, load_ep: int, drop: str | None = N
     weight's norm after Adam); the plain load equals the uninterrupted run (test_autoep_engine_checkpoint_resumes)."""
     from autoep_jobs import checkpoint_run
 
-    want = run_distributed(2, checkpoint_run, "mixtral", str(tmp_path / "want"), 1, save_ep, load_ep)
-    got = run_distributed(2, checkpoint_run, "mixtral", str(tmp_path / "got"), 1, save_ep, load_ep,
+    want = run_distributed(2, checkpoint_run, "mixtral", str(tmp_path / "want"), stage, save_ep, load_ep)
+    got = run_distributed(2, checkpoint_run, "mixtral", str(tmp_path / "got"), stage, save_ep, load_ep,
                           universal=True, drop=drop)
     return got, want
 
@@ -249,11 +250,12 @@ def _assert_same_training(got, want) -> None:
                                        msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("save_ep,load_ep", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
-def test_autoep_universal_moves_experts(tmp_path, save_ep: int, load_ep: int) -> None:
+@pytest.mark.parametrize("save_ep,load_ep,stage", [(2, 1, 1), (2, 1, 3), pytest.param(1, 2, 1, marks=pytest.mark.slow)])
+def test_autoep_universal_moves_experts(tmp_path, save_ep: int, load_ep: int, stage: int) -> None:
+    """(At ZeRO-3 the tag is upstream's AutoEP ZeRO-3 layout: ds_to_universal joins the ranks' partitions.)"""
     import os
 
-    got, want = _universal_resume(tmp_path, save_ep, load_ep)
+    got, want = _universal_resume(tmp_path, save_ep, load_ep, stage=stage)
     _assert_same_training(got, want)
     record = torch.load(os.path.join(tmp_path, "got", "t_universal", "zero", "model.layers.0.mlp.experts.gate_up_proj",
                                      "exp_avg.pt"), weights_only=False)

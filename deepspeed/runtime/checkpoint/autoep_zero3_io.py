@@ -28,9 +28,11 @@ from ... import comm as ds_comm
 from ...checkpoint.constants import (AUTOEP_LAYERS_KEY, AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY as FORMAT_KEY,
                                      AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION as VERSION,
                                      AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION_KEY as VERSION_KEY,
-                                     AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT as FORMAT, UNIVERSAL_CHECKPOINT_INFO,
+                                     AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT as FORMAT,
+                                     AUTOEP_ZERO3_SOURCE_GROUP as SOURCE_GROUP, UNIVERSAL_CHECKPOINT_INFO,
                                      UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 from ...checkpoint.files import CheckpointError, load_file, model_file, optim_file, tag_dir
+from ...checkpoint.moe_to_universal import source_groups
 from ...checkpoint.reader import CheckpointReader
 from ...moe.utils import is_moe_param
 from ...module_inject.auto_ep_layer import local_expert_state
@@ -40,7 +42,6 @@ from .autoep_io import autoep_params, layer_metadata, own_rows
 from .hp_state import HpState
 from .zero3_io import stage3_header
 
-SOURCE_GROUP = "ds_optimizer_group"   # ours, in each saved param group: the optimizer group it came from
 
 
 def uses_layout(engine: Any) -> bool:
@@ -231,16 +232,7 @@ class AutoEPZero3Reader(CheckpointReader):
         self.common_state = self.optimizer_state[0]
         base = self.optimizer_state[0]["optimizer_state_dict"]
         self._step = self._find_step([base["state"][k] for k in sorted(base["state"])], {})
-        self.param_groups = _source_groups(base["param_groups"], len(engine.optimizer.param_groups)
-                                           if engine._has_optimizer else 0)
+        groups = source_groups(base["param_groups"])   # (upstream's split groups: this engine's own kept)
+        self.param_groups = groups if engine._has_optimizer and len(groups) == len(engine.optimizer.param_groups) \
+            else []
 
-
-def _source_groups(saved: list[dict], count: int) -> list[dict]:
-    """The saved hyperparameters per optimizer group of this engine: the first sub-group each of ours
-    became (ours record it; upstream's split puts each original group's dense part first, in order)."""
-    firsts: dict[int, dict] = {}
-    for i, group in enumerate(saved):
-        firsts.setdefault(int(group.get(SOURCE_GROUP, i)), group)
-    out = [firsts[g] for g in range(count) if g in firsts]
-    drop = {"params", SOURCE_GROUP, "name", "moe"}
-    return [{k: v for k, v in g.items() if k not in drop} for g in out] if len(out) == count else []
