@@ -733,7 +733,7 @@ def join_autoep_zero3(model_states, optim_states, where):
     `ds_zero_partition_groups[g]` gives count and p: dense sub-groups are cut over the data-parallel ranks,
     expert sub-groups (this EP rank's rows, [num_local_experts, ...]) over the expert's replica group. An
     expert's whole tensor [num_experts, ...] holds EP rank e's rows from its `global_expert_start`."""
-    pieces, shapes, filled = {}, OrderedDict(), {}
+    pieces, shapes, spans = {}, OrderedDict(), {}
     for r, (ms, osd) in enumerate(zip(model_states, optim_states)):
         layers = [(e["expert_key_prefix"] + ".", e) for e in ms.get(AUTOEP_LAYERS) or [] if isinstance(e, dict)]
         param_shapes, groups = ms.get(PARAM_SHAPES) or [], osd.get(ZERO_PARTITION_GROUPS)
@@ -765,15 +765,19 @@ def join_autoep_zero3(model_states, optim_states, where):
                 for field, flat in flats.items():
                     if take and flat[g] is not None:
                         pieces.setdefault(field, {}).setdefault(name, []).append((flat[g], offset, take, dst))
-                filled[name] = filled.get(name, 0) + take
+                spans.setdefault(name, []).append((dst, dst + take, r))
                 offset += size
             if offset != flats["fp32"][g].numel():
                 raise ZeroCheckpointError(f"'{where}' rank {r} sub-group {g}: the parameters use {offset} elements, "
                                           f"the rank saved {flats['fp32'][g].numel()}")
-    for name, shape in shapes.items():
-        if filled.get(name, 0) != _numel(shape):
-            raise ZeroCheckpointError(f"'{where}': '{name}' {shape} has {filled.get(name, 0)} of its {_numel(shape)} "
-                                      "elements in the optimizer files (ranks missing or saved twice)")
+    for name, shape in shapes.items():   # every element exactly once
+        end = 0
+        for lo, hi, r in sorted(s for s in spans.get(name, []) if s[1] > s[0]) + [(_numel(shape), None, None)]:
+            if lo != end:
+                raise ZeroCheckpointError(f"'{where}': '{name}' {shape}: elements [{min(lo, end)}, {max(lo, end)}) "
+                                          f"are {'missing from' if lo > end else 'saved twice in'} the optimizer "
+                                          f"files{'' if r is None else f' (rank {r})'}")
+            end = hi if hi is not None else end
     values = {field: {n: _LazyTensor(n, shapes[n], torch.float32, p) for n, p in by_name.items()}
               for field, by_name in pieces.items()}
     return values, shapes

@@ -465,3 +465,34 @@ def self_computing_run(ep: int, steps: int) -> dict:
     layers = [m for m in engine.module.modules() if isinstance(m, AutoEPMoELayer)]
     return {"losses": losses, "state": {k: v.clone() for k, v in engine.module.state_dict().items()},
             "local_experts": [m.experts.w1.shape[0] for m in layers]}
+
+
+def deepspeed_autoep_zero3_run(fixture: str) -> dict:
+    """DeepSpeed 0.19.8's AutoEP ZeRO-3 checkpoint (tests/fixtures/ds_0_19_8_autoep_zero3) loaded into the same
+    model here (ZeRO-3, ep 2): this rank's optimizer state as save_checkpoint would write it now, DeepSpeed's
+    file for this rank, the whole weights, the step count and one more step's loss."""
+    import sys
+
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.runtime.checkpoint.engine_io import optimizer_partition_state
+
+    sys.path.insert(0, fixture)
+    import autoep_model
+
+    engine, *_ = deepspeed.initialize(model=autoep_model.Model(), config=autoep_model.config())
+    # upstream's AutoEPMoELayer also registers its router as `mlp.gate`: its module state lists
+    # mlp.gate.gate.weight beside mlp.router.gate.weight (one tensor); ours has no alias
+    engine.load_checkpoint(os.path.join(fixture, "ckpt"), tag="t", load_module_strict=False)
+    rank = dist.get_rank()
+    mine = optimizer_partition_state(engine)
+    theirs = torch.load(os.path.join(fixture, "ckpt", "t", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"),
+                        weights_only=False)["optimizer_state_dict"]
+    whole = whole_state(engine)
+    loss = engine(autoep_model.batch(2, rank))
+    engine.backward(loss)
+    engine.step()
+    keys = ("fp32_flat_groups", "ds_zero_partition_groups", "partition_count")
+    return {"mine": {k: mine[k] for k in keys}, "theirs": {k: theirs[k] for k in keys},
+            "state": (mine["optimizer_state_dict"]["state"], theirs["optimizer_state_dict"]["state"]),
+            "whole": whole, "steps": engine.global_steps, "loss": loss.item()}

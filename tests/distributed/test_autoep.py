@@ -170,6 +170,32 @@ def test_autoep_engine_checkpoint_resumes(tmp_path, world: int, stage: int, save
                                        msg=lambda m: f"{name}: {m}")
 
 
+def test_deepspeed_autoep_zero3_checkpoint_loads() -> None:
+    """DeepSpeed 0.19.8's AutoEP ZeRO-3 checkpoint (its partition-native layout, 2 ranks, ep 2, Adam): loaded
+    here, each rank's optimizer state as this build would save it equals DeepSpeed's file bit for bit (fp32
+    partitions, both moments, step, partition groups), the whole weights equal DeepSpeed's, training goes on."""
+    import os
+
+    from autoep_jobs import deepspeed_autoep_zero3_run
+
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "ds_0_19_8_autoep_zero3")
+    expected = torch.load(os.path.join(fixture, "expected.pt"), weights_only=False)["whole"]
+    for r in run_distributed(2, deepspeed_autoep_zero3_run, fixture):
+        assert r["steps"] == 3 and r["mine"]["partition_count"] == r["theirs"]["partition_count"] == 2
+        assert r["mine"]["ds_zero_partition_groups"] == r["theirs"]["ds_zero_partition_groups"]
+        for got, want in zip(r["mine"]["fp32_flat_groups"], r["theirs"]["fp32_flat_groups"], strict=True):
+            assert torch.equal(got, want.float())
+        mine, theirs = r["state"]
+        assert sorted(mine) == sorted(theirs)
+        for g, fields in theirs.items():
+            assert sorted(mine[g]) == sorted(fields)
+            for field, value in fields.items():
+                assert torch.equal(mine[g][field].float(), value.float()), (g, field)
+        assert sorted(r["whole"]) == sorted(expected)
+        for name, value in expected.items():
+            assert torch.equal(r["whole"][name], value), name
+
+
 def test_autoep_hf_trainer_checkpoint_resume(tmp_path) -> None:
     """The Trainer saves a checkpoint at step 2 (engine.save_checkpoint under AutoEP) and a second Trainer
     resumes from it: steps 3-4 and the saved weights equal the uninterrupted run's."""
