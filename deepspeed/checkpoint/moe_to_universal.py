@@ -100,10 +100,11 @@ def convert_moe(input_folder: str, output_folder: str) -> int:
 
 
 def write_universal(output_folder: str, states: dict, whole: dict[str, dict[str, torch.Tensor]], shapes: dict,
-                    steps: set, param_groups: list[dict], loss_scaler: Any) -> None:
+                    steps: set, param_groups: list[dict], loss_scaler: Any, raw_dense: bool = False) -> None:
     """Upstream's universal layout from whole values ({field: {name: flat tensor}}): `zero/<name>/<field>.pt`
-    (AutoEP expert tensors with their markers), `step.pt`, `zero/optimizer_state.pt`, and the model states
-    `states` with every trained parameter, experts whole, in `param_shapes`."""
+    (AutoEP expert tensors with their markers; with `raw_dense` the other parameters as bare tensors, as
+    upstream writes a ZeRO-3 tag's), `step.pt`, `zero/optimizer_state.pt`, and the model states `states`
+    with every trained parameter, experts whole, in `param_shapes`."""
     prefixes = _expert_markers(states)
     zero_dir = os.path.join(output_folder, "zero")
     for name in sorted(whole["fp32"]):
@@ -112,7 +113,9 @@ def write_universal(output_folder: str, states: dict, whole: dict[str, dict[str,
         extra = _markers(name, prefixes)
         for field, values in whole.items():
             if name in values:
-                save_file({PARAM: values[name].view(shapes[name]), **extra}, os.path.join(folder, f"{field}.pt"))
+                value = values[name].view(shapes[name])
+                save_file(value if raw_dense and not extra else {PARAM: value, **extra},
+                          os.path.join(folder, f"{field}.pt"))
         if steps:
             save_file(torch.tensor(float(next(iter(steps)))), os.path.join(folder, "step.pt"))  # host: a file
     common = {"param_groups": [dict(g, params=[i]) for i, g in enumerate(param_groups)]}
@@ -152,7 +155,7 @@ def convert_autoep_zero3(input_folder: str, output_folder: str) -> int:
     steps = {float(entry["step"]) for entry in base["state"].values() if "step" in entry}
     states = dict(models[0], param_shapes=[{n: torch.Size(shapes[n]) for n in g} for g in models[0]["param_shapes"]])
     write_universal(output_folder, states, whole, shapes, steps, source_groups(base["param_groups"]),
-                    optim[0].get("loss_scaler"))
+                    optim[0].get("loss_scaler"), raw_dense=True)
     return len(shapes)
 
 

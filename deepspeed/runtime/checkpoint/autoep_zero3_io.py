@@ -43,7 +43,6 @@ from .hp_state import HpState
 from .zero3_io import stage3_header
 
 
-
 def uses_layout(engine: Any) -> bool:
     """ZeRO-3 with AutoEP experts on their expert-data-parallel units and no other expert parameters
     (`deepspeed.moe.layer.MoE` at stage 3 keeps the MoE layout: upstream refuses that layer there)."""
@@ -121,10 +120,10 @@ def _flats(hp: HpState, groups: list[FileGroup], fields: list[str]) -> dict[str,
     return flats
 
 
-def optimizer_state(engine: Any, hp: HpState, groups: list[FileGroup]) -> dict:
-    """This rank's `optimizer_state_dict` in upstream's layout (local: no collective). Every rank holds a
-    piece of every unit, so the fields and step each rank finds are the group's."""
-    fields, step = hp.local_fields()
+def optimizer_state(engine: Any, hp: HpState, groups: list[FileGroup], fields_step: tuple | None = None) -> dict:
+    """This rank's `optimizer_state_dict` in upstream's layout (local: no collective); `fields_step`: the
+    optimizer fields and step of every rank (HpState.agreed_fields), else this rank's own."""
+    fields, step = fields_step if fields_step is not None else hp.local_fields()
     flats = _flats(hp, groups, fields)
     state, param_groups = {}, []
     for g, fg in enumerate(groups):
@@ -171,9 +170,9 @@ def layers_record(engine: Any) -> list[dict]:
 
 
 def save_entries(engine: Any, hp: HpState | None, client_state: dict, exclude_frozen: bool, snapshot: bool,
-                 frozen: Any) -> list:
+                 frozen: Any, fields_step: tuple | None = None) -> list:
     """This rank's two files ([Note: AutoEP ZeRO-3 layout]), as (name, object); `frozen`: this rank's pieces
-    of the frozen parameters (zero3_io.frozen_fragments)."""
+    of the frozen parameters (zero3_io.frozen_fragments); `fields_step`: see optimizer_state."""
     from ...version import __version__
     from .writer import dp_rank, model_states
 
@@ -199,8 +198,8 @@ def save_entries(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
     entries: list = [(model_file(0, zero3_dp_rank=dp), state)]
     if hp is not None:
         entries.append((optim_file(dp, bf16=engine.bfloat16_enabled(), mp_rank=0),
-                        {"optimizer_state_dict": optimizer_state(engine, hp, groups), "ds_config": engine.config,
-                         "ds_version": __version__}))
+                        {"optimizer_state_dict": optimizer_state(engine, hp, groups, fields_step),
+                         "ds_config": engine.config, "ds_version": __version__}))
     return entries
 
 

@@ -102,7 +102,7 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
             files.discard_staging(save_dir, shared[0][0])
         raise
     fields_step = None
-    if partitioned and hp.zero and not moe and not autoep3:  # the data-parallel group's optimizer fields, from what was gathered
+    if partitioned and hp.zero and not moe:  # the data-parallel group's optimizer fields, from what was gathered
         group = engine.seq_data_parallel_group
         fields_step = combine_fields([shared[ds_comm.get_global_rank(group, r)][1]
                                       for r in range(ds_comm.get_world_size(group))])
@@ -131,7 +131,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
             entries = moe_io.save_entries(engine, hp, client, exclude_frozen_parameters, background, gathered)
         elif autoep3:
             client = copy.deepcopy(client_state or {}) if background else dict(client_state or {})
-            entries = autoep_zero3_io.save_entries(engine, hp, client, exclude_frozen_parameters, background, frozen)
+            entries = autoep_zero3_io.save_entries(engine, hp, client, exclude_frozen_parameters, background, frozen,
+                                                   fields_step)
         elif dp_rank(engine) == 0 or zero3:  # ZeRO-3: every rank writes its own model-states file
             client = copy.deepcopy(client_state or {}) if background else dict(client_state or {})
             state = model_states(engine, hp, client, exclude_frozen_parameters, partitioned,
