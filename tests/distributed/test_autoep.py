@@ -130,11 +130,13 @@ def test_autoep_zero3_on_a_zero_init_model_matches_no_ep() -> None:
 
 
 @pytest.mark.parametrize("world,stage,save_ep,load_ep", [(2, 1, 2, 2), (2, 0, 2, 2), (2, 2, 2, 1), (4, 3, 2, 2),
-                                                         pytest.param(4, 3, 2, 1, marks=pytest.mark.slow)])
+                                                         pytest.param(4, 3, 2, 1, marks=pytest.mark.slow),
+                                                         pytest.param(4, 3, 2, 4, marks=pytest.mark.slow)])
 def test_autoep_engine_checkpoint_resumes(tmp_path, world: int, stage: int, save_ep: int, load_ep: int) -> None:
-    """save_checkpoint / load_checkpoint under AutoEP (experts one file each, optimizer pieces under the HF
-    names): the resumed run trains like the uninterrupted one, also at another autoep_size; at ZeRO-3
-    (experts partitioned over their expert-data-parallel groups: ep=2 x EDP 2) the same way."""
+    """save_checkpoint / load_checkpoint under AutoEP (ZeRO 0-2: experts one file each, optimizer pieces under
+    the HF names; ZeRO-3, experts partitioned over their expert-data-parallel groups (ep=2 x EDP 2): upstream's
+    partition-native layout): the resumed run trains like the uninterrupted one, also at another autoep_size;
+    at the same layout the masters, Adam moments and step are restored bit for bit."""
     from autoep_jobs import checkpoint_run
 
     results = run_distributed(world, checkpoint_run, "mixtral", str(tmp_path), stage, save_ep, load_ep)
