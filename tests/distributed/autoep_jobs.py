@@ -496,3 +496,24 @@ def deepspeed_autoep_zero3_run(fixture: str) -> dict:
     return {"mine": {k: mine[k] for k in keys}, "theirs": {k: theirs[k] for k in keys},
             "state": (mine["optimizer_state_dict"]["state"], theirs["optimizer_state_dict"]["state"]),
             "whole": whole, "steps": engine.global_steps, "loss": loss.item()}
+
+
+def frozen_expert_save_run(save_dir: str) -> str:
+    """AutoEP at ZeRO-3 with one expert tensor frozen: what save_checkpoint raises on this rank."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    model = build("mixtral")
+    model.model.layers[0].mlp.experts.gate_up_proj.requires_grad_(False)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "expert_parallel": {"enabled": True, "autoep_size": 2}}
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+    ids = batch(0, dist.get_rank())
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    try:
+        engine.save_checkpoint(save_dir, tag="t")
+    except Exception as exc:   # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"

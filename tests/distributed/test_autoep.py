@@ -198,6 +198,18 @@ def test_deepspeed_autoep_zero3_checkpoint_loads() -> None:
             assert torch.equal(r["whole"][name], value), name
 
 
+def test_autoep_zero3_frozen_experts_refused_at_save(tmp_path) -> None:
+    """Frozen expert tensors have no place in upstream's AutoEP ZeRO-3 files (their pieces would live only in the
+    optimizer files): save_checkpoint refuses on every rank, naming the parameter, and publishes nothing."""
+    import os
+
+    from autoep_jobs import frozen_expert_save_run
+
+    for message in run_distributed(2, frozen_expert_save_run, str(tmp_path)):
+        assert "model.layers.0.mlp.experts.gate_up_proj" in message and "frozen" in message, message
+    assert not os.path.isdir(tmp_path / "t")
+
+
 def test_autoep_hf_trainer_checkpoint_resume(tmp_path) -> None:
     """The Trainer saves a checkpoint at step 2 (engine.save_checkpoint under AutoEP) and a second Trainer
     resumes from it: steps 3-4 and the saved weights equal the uninterrupted run's."""

@@ -188,7 +188,8 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
 
     # upstream's attribute is a tensor (tests call torch.isfinite on it); stored as a float here
     _global_grad_norm = property(
-        lambda self: None if self._norm_value is None else torch.tensor(self._norm_value, dtype=torch.float64),  # host: a scalar
+        lambda self: None if self._norm_value is None else
+        torch.tensor(self._norm_value, dtype=torch.float64),  # host: a scalar
         lambda self, value: setattr(self, "_norm_value", None if value is None else float(value)))
 
     def __repr__(self) -> str:
