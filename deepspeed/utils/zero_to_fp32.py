@@ -348,6 +348,17 @@ class _LazyTensor:
 
     materialize = contiguous
 
+    def flat_slice(self, start, numel, dtype=None):
+        """Elements [start, start + numel) of the flattened tensor as a fresh CPU tensor: only those are copied
+        (read) out of the mapped partitions."""
+        out = torch.empty(numel, dtype=dtype or self.dtype)  # host: offline tool
+        with torch.no_grad():
+            for src, src_start, n, dst_start in self._pieces:
+                lo, hi = max(start, dst_start), min(start + numel, dst_start + n)
+                if lo < hi:
+                    out.narrow(0, lo - start, hi - lo).copy_(src.narrow(0, src_start + lo - dst_start, hi - lo))
+        return out
+
     def to(self, dtype=None):
         return self.contiguous(dtype)
 

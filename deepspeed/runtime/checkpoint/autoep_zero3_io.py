@@ -38,7 +38,7 @@ from ...moe.utils import is_moe_param
 from ...module_inject.auto_ep_layer import local_expert_state
 from ...utils.zero_to_fp32 import ZERO_PARTITION_GROUPS, is_autoep_zero3_partitioned, join_autoep_zero3
 from ..zero.partition import ParamwisePartition
-from .autoep_io import autoep_params, layer_metadata, own_rows
+from .autoep_io import autoep_params, layer_metadata
 from .hp_state import HpState
 from .zero3_io import stage3_header
 
@@ -204,8 +204,9 @@ def save_entries(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
 
 
 class AutoEPZero3Reader(CheckpointReader):
-    """A checkpoint in upstream's AutoEP ZeRO-3 layout as this rank's model sees it: whole tensors joined
-    from every rank's partitions, AutoEP expert tensors cut to this rank's rows (any ep size)."""
+    """A checkpoint in upstream's AutoEP ZeRO-3 layout as this rank's model sees it: each parameter whole (the
+    ranks' partitions joined), an AutoEP expert tensor as this rank's rows (any ep size). Lazy: the files are
+    memory-mapped and `read` copies only the slice asked for out of the partitions that hold it."""
 
     def __init__(self, engine: Any, load_dir: str, tag: str) -> None:
         path = tag_dir(load_dir, tag)
@@ -222,12 +223,17 @@ class AutoEPZero3Reader(CheckpointReader):
         self.optimizer_state = [s["optimizer_state_dict"] for s in self.zero_states]
         models = [self.model_states] + [load_file(os.path.join(path, model_file(0, zero3_dp_rank=r)))
                                         for r in range(1, len(self.rank_files))]
-        values, shapes = join_autoep_zero3(models, self.optimizer_state, path)
+        self._lazy, shapes = join_autoep_zero3(models, self.optimizer_state, path)
         autoep = autoep_params(engine)
-        self._full = {f: {n: (own_rows(autoep, n, v.contiguous()) if n in autoep else v.contiguous())
-                          for n, v in by_name.items()} for f, by_name in values.items()}
-        self._set_groups([{n: (self._full["fp32"][n].shape if n in autoep else s) for n, s in shapes.items()}])
-        self._fragment_cache, self._parts, self._partitions = {}, {}, []
+        self._first_row: dict[str, int] = {}   # an AutoEP tensor: where this rank's rows start in the whole
+        for name in autoep:
+            if name in shapes:
+                layer = autoep[name][1]
+                rows = (layer.num_local_experts,) + tuple(shapes[name][1:])
+                self._first_row[name] = layer.first_expert * torch.Size(rows[1:]).numel()
+                shapes[name] = rows
+        self._set_groups([shapes])
+        self._full, self._fragment_cache, self._parts, self._partitions = {}, {}, {}, []
         self.common_state = self.optimizer_state[0]
         base = self.optimizer_state[0]["optimizer_state_dict"]
         self._step = self._find_step([base["state"][k] for k in sorted(base["state"])], {})
@@ -235,3 +241,18 @@ class AutoEPZero3Reader(CheckpointReader):
         self.param_groups = groups if engine._has_optimizer and len(groups) == len(engine.optimizer.param_groups) \
             else []
 
+    def fields(self) -> list[str]:
+        return sorted(f for f in self._lazy if f != "fp32")
+
+    def has_field(self, name: str, field: str) -> bool:
+        return self._lazy.get(field, {}).get(name) is not None
+
+    def read(self, name: str, field: str, start: int = 0, numel: int | None = None) -> torch.Tensor | None:
+        if name not in self._where:
+            raise CheckpointError(f"{self.path}: no parameter named {name!r} in the checkpoint")
+        g, i = self._where[name]
+        numel = self._groups[g][i][1].numel() - start if numel is None else numel
+        lazy = self._lazy.get(field, {}).get(name)
+        if lazy is None:
+            return None
+        return lazy.flat_slice(self._first_row.get(name, 0) + start, numel, torch.float32)
