@@ -50,6 +50,12 @@ CAT_DIM = "cat_dim"
 EP_IS_EXPERT_PARAM = "is_expert_param"   # an AutoEP expert tensor: dim 0 over all experts
 EP_NUM_EXPERTS = "ep_num_experts"
 AUTOEP_LAYERS_KEY = "ds_autoep_layers"   # model states: each AutoEP layer's place and expert split
+# ... at ZeRO-3 each entry marks upstream's partition-native layout (runtime/checkpoint/autoep_zero3_io.py)
+AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY = "checkpoint_format"
+AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT = "zero3_partitioned"
+AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION_KEY = "checkpoint_format_version"
+AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION = 1
+AUTOEP_ZERO3_SOURCE_GROUP = "ds_optimizer_group"   # ours, in each saved param group: the optimizer group it came from
 
 # --- EP x TP folding metadata (AutoEP with AutoTP; upstream's keys): a dict under FOLDING_METADATA_KEY
 # in each model-states, expert and optimizer file of a folded checkpoint (checkpoint/autoep_universal.py)

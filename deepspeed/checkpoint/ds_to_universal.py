@@ -30,7 +30,7 @@ from ..utils.progress import progress
 from ..utils.zero_to_fp32 import join_tp_slices
 from .constants import CAT_DIM, PARAM, UNIVERSAL_CHECKPOINT_INFO
 from .files import CheckpointError, model_file, save_file, write_text
-from .moe_to_universal import convert_moe, is_moe_layout
+from .moe_to_universal import convert_autoep_zero3, convert_moe, is_autoep_zero3_layout, is_moe_layout
 from .reader import CheckpointReader
 
 _PER_ELEMENT = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings",
@@ -172,9 +172,10 @@ def _model_states(unit: _Unit, stages: int) -> dict:
 def convert(input_folder: str, output_folder: str) -> int:
     """Write the universal checkpoint of tag directory `input_folder`; returns the parameter count."""
     input_folder = os.path.normpath(input_folder)
-    if is_moe_layout(input_folder):   # AutoEP / deepspeed.moe: named pieces, whole expert tensors
+    moe, autoep3 = is_moe_layout(input_folder), is_autoep_zero3_layout(input_folder)
+    if moe or autoep3:   # AutoEP / deepspeed.moe: named pieces or AutoEP ZeRO-3 partitions; whole expert tensors
         os.makedirs(output_folder, exist_ok=True)
-        count = convert_moe(input_folder, output_folder)
+        count = (convert_moe if moe else convert_autoep_zero3)(input_folder, output_folder)
         _write_latest(output_folder)
         return count
     units = _open(input_folder)

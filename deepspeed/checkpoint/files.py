@@ -146,13 +146,50 @@ class _Sink:
         pass
 
 
+class Written:
+    """`<path>.tmp` already written (or failed: `error`, not raised yet; `size`: the bytes it needed),
+    for save_file to finish: [Note: streamed re-cut] in runtime/checkpoint/stream_recut.py writes the
+    file during the save's collective phase and raises its failure in the agreed write phase."""
+
+    def __init__(self, error: BaseException | None, size: int) -> None:
+        self.error, self.size = error, size
+
+
+def write_tmp(obj: Any, path: str, dir_fd: int | None = None, fsync: bool = False) -> Written:
+    """torch.save `obj` (or write a Streamed one) to `<path>.tmp`, fsynced if `fsync`; a failure is
+    returned in the result, not raised (BaseExceptions such as KeyboardInterrupt are)."""
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=dir_fd)
+    sink = _Sink(fd)
+    error = None
+    try:
+        try:
+            if isinstance(obj, Streamed):   # [Note: streamed checkpoint file]
+                write_streamed(obj.obj, sink)
+            else:
+                torch.save(obj, sink)
+        except Exception as failure:  # noqa: BLE001 - returned; torch's own error hides the sink's errno
+            error = failure
+        error = sink.error or error
+        if error is None and fsync:
+            os.fsync(fd)
+    except OSError as failure:
+        error = failure
+    except BaseException:
+        os.close(fd)
+        _unlink(path + ".tmp", dir_fd)
+        raise
+    os.close(fd)
+    return Written(error, sink.size)
+
+
 def save_file(obj: Any, path: str, dir_fd: int | None = None, shown: str | None = None,
               fsync: bool = True) -> None:
     """torch.save to `path` through `<path>.tmp`, fsync, rename: `path` is complete or absent, and
     a failed write leaves nothing behind. With `dir_fd`, `path` is a name in that directory (the
     directory may be renamed meanwhile: [Note: background save] in runtime/checkpoint/save_job.py);
     `shown` is the path errors name; `fsync=False` leaves durability to the caller (the default
-    save: [Note: durable later] in runtime/checkpoint/save_job.py).
+    save: [Note: durable later] in runtime/checkpoint/save_job.py). `obj` may be `Written`: the
+    tmp file is there already (or its failure), only the rest is done.
 
     [Note: disk full]
     torch.save given a file name hides the errno behind its C++ writer ("unexpected pos 36416 vs
@@ -160,30 +197,24 @@ def save_file(obj: Any, path: str, dir_fd: int | None = None, shown: str | None 
     fsync) becomes `OSError(ENOSPC, "No space left on device (the file needs N bytes, F bytes free
     ...)", path)`, measured once the partial file is removed."""
     shown = shown or path
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=dir_fd)
-    sink = _Sink(fd)
-    try:
+    durable = FSYNC and fsync
+    done = obj if isinstance(obj, Written) else write_tmp(obj, path, dir_fd, durable)
+    error = done.error
+    if error is None and durable and obj is done:   # written earlier, not flushed then
         try:
-            if isinstance(obj, Streamed):   # [Note: streamed checkpoint file]
-                write_streamed(obj.obj, sink)
-            else:
-                torch.save(obj, sink)
-        except Exception:
-            if sink.error is None:
-                raise
-        if sink.error is not None:
-            raise sink.error
-        if FSYNC and fsync:
-            os.fsync(fd)
-    except BaseException as error:
-        os.close(fd)
-        _unlink(tmp, dir_fd)
+            fd = os.open(path + ".tmp", os.O_RDONLY, dir_fd=dir_fd)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as failure:
+            error = failure
+    if error is not None:
+        _unlink(path + ".tmp", dir_fd)
         if isinstance(error, OSError) and error.errno in _FULL:
-            raise disk_full(error, shown, sink.size, os.path.dirname(shown) if dir_fd is None else dir_fd) from error
-        raise
-    os.close(fd)
-    os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            raise disk_full(error, shown, done.size, os.path.dirname(shown) if dir_fd is None else dir_fd) from error
+        raise error
+    os.replace(path + ".tmp", path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
 def disk_full(error: OSError, path: str, needed: int | None, where: Any) -> OSError:

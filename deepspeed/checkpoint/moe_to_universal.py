@@ -19,10 +19,11 @@ import glob
 import os
 import re
 import shutil
+from typing import Any
 
 import torch
 
-from .constants import AUTOEP_LAYERS_KEY, CAT_DIM, EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS, PARAM
+from .constants import AUTOEP_LAYERS_KEY, AUTOEP_ZERO3_SOURCE_GROUP, CAT_DIM, EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS, PARAM
 from .files import CheckpointError, load_file, model_file, save_file
 
 PIECES = "ds_moe_pieces"   # runtime/checkpoint/moe_io.py writes them
@@ -92,26 +93,77 @@ def convert_moe(input_folder: str, output_folder: str) -> int:
     steps = {s["step"] for s in loaded if s.get("step") is not None}
     if len(steps) > 1:
         raise CheckpointError(f"{input_folder}: the optimizer files record different steps {sorted(steps)}")
+    write_universal(output_folder, states, whole, shapes, steps, first["param_groups"], first.get("loss_scaler"))
+    for source in glob.glob(os.path.join(input_folder, "layer_*_expert_*_model_states.pt")):
+        shutil.copyfile(source, os.path.join(output_folder, os.path.basename(source)))
+    return len(covered)
+
+
+def write_universal(output_folder: str, states: dict, whole: dict[str, dict[str, torch.Tensor]], shapes: dict,
+                    steps: set, param_groups: list[dict], loss_scaler: Any, raw_dense: bool = False) -> None:
+    """Upstream's universal layout from whole values ({field: {name: flat tensor}}): `zero/<name>/<field>.pt`
+    (AutoEP expert tensors with their markers; with `raw_dense` the other parameters as bare tensors, as
+    upstream writes a ZeRO-3 tag's), `step.pt`, `zero/optimizer_state.pt`, and the model states `states`
+    with every trained parameter, experts whole, in `param_shapes`."""
     prefixes = _expert_markers(states)
     zero_dir = os.path.join(output_folder, "zero")
-    for name in sorted(covered):
+    for name in sorted(whole["fp32"]):
         folder = os.path.join(zero_dir, name)
         os.makedirs(folder, exist_ok=True)
         extra = _markers(name, prefixes)
         for field, values in whole.items():
             if name in values:
-                save_file({PARAM: values[name].view(shapes[name]), **extra}, os.path.join(folder, f"{field}.pt"))
+                value = values[name].view(shapes[name])
+                save_file(value if raw_dense and not extra else {PARAM: value, **extra},
+                          os.path.join(folder, f"{field}.pt"))
         if steps:
             save_file(torch.tensor(float(next(iter(steps)))), os.path.join(folder, "step.pt"))  # host: a file
-    common = {"param_groups": [dict(g, params=[i]) for i, g in enumerate(first["param_groups"])]}
-    if first.get("loss_scaler") is not None:
-        common["loss_scaler"] = first["loss_scaler"]
+    common = {"param_groups": [dict(g, params=[i]) for i, g in enumerate(param_groups)]}
+    if loss_scaler is not None:
+        common["loss_scaler"] = loss_scaler
     save_file(common, os.path.join(zero_dir, "optimizer_state.pt"))
     # param_shapes names the trained parameters (the universal reader's list): the experts too, whole
     listed = [dict(g) for g in (states.get("param_shapes") or [{}])] or [{}]
     known = {n for g in listed for n in g}
-    listed[-1].update({n: torch.Size(shapes[n]) for n in sorted(covered) if n not in known})
+    listed[-1].update({n: torch.Size(shapes[n]) for n in sorted(whole["fp32"]) if n not in known})
     save_file(dict(states, param_shapes=listed), os.path.join(output_folder, model_file()))
-    for source in glob.glob(os.path.join(input_folder, "layer_*_expert_*_model_states.pt")):
-        shutil.copyfile(source, os.path.join(output_folder, os.path.basename(source)))
-    return len(covered)
+
+
+def is_autoep_zero3_layout(path: str) -> bool:
+    """DeepSpeed 0.19.8's AutoEP ZeRO-3 layout ([Note: AutoEP ZeRO-3 layout]): rank 0's model states say so."""
+    from ..utils.zero_to_fp32 import is_autoep_zero3_partitioned
+
+    first = os.path.join(path, model_file(0, zero3_dp_rank=0))
+    return os.path.isfile(first) and is_autoep_zero3_partitioned(load_file(first))
+
+
+def convert_autoep_zero3(input_folder: str, output_folder: str) -> int:
+    """The universal checkpoint of an AutoEP ZeRO-3 tag: every rank's per-parameter pieces joined into whole
+    tensors (`join_autoep_zero3`, which zero_to_fp32 uses), experts [num_experts, ...] with their markers."""
+    from ..utils.zero_to_fp32 import join_autoep_zero3
+
+    ranks = {int(m.group(1)): os.path.join(input_folder, f) for f in os.listdir(input_folder)
+             for m in [re.search(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$", f)] if m}
+    if sorted(ranks) != list(range(len(ranks))) or not ranks:
+        raise CheckpointError(f"{input_folder}: AutoEP ZeRO-3 optimizer files of ranks {sorted(ranks)}; expected "
+                              "ranks 0..N-1 (they hold every trained weight)")
+    models = [load_file(os.path.join(input_folder, model_file(0, zero3_dp_rank=r))) for r in range(len(ranks))]
+    optim = [load_file(ranks[r])["optimizer_state_dict"] for r in range(len(ranks))]
+    values, shapes = join_autoep_zero3(models, optim, input_folder)
+    whole = {f: {n: v.contiguous().reshape(-1) for n, v in by_name.items()} for f, by_name in values.items()}
+    base = optim[0]["optimizer_state_dict"]
+    steps = {float(entry["step"]) for entry in base["state"].values() if "step" in entry}
+    states = dict(models[0], param_shapes=[{n: torch.Size(shapes[n]) for n in g} for g in models[0]["param_shapes"]])
+    write_universal(output_folder, states, whole, shapes, steps, source_groups(base["param_groups"]),
+                    optim[0].get("loss_scaler"), raw_dense=True)
+    return len(shapes)
+
+
+def source_groups(saved: list[dict]) -> list[dict]:
+    """The hyperparameters of each optimizer group of the engine that saved an AutoEP ZeRO-3 tag: the first
+    sub-group each became (ours record which; in upstream's files each sub-group stands for itself)."""
+    firsts: dict[int, dict] = {}
+    for i, group in enumerate(saved):
+        firsts.setdefault(int(group.get(AUTOEP_ZERO3_SOURCE_GROUP, i)), group)
+    drop = {"params", AUTOEP_ZERO3_SOURCE_GROUP, "name", "moe"}
+    return [{k: v for k, v in firsts[g].items() if k not in drop} for g in sorted(firsts)]

@@ -102,6 +102,11 @@ def _pickled(obj: Any) -> tuple[bytes, dict]:
     return buffer.getvalue(), records
 
 
+def streamed_in_order(obj: Any) -> list[StreamedTensor]:
+    """The StreamedTensors of `obj` in the order `write` writes their records."""
+    return [r for r in _pickled(obj)[1].values() if isinstance(r, StreamedTensor)]
+
+
 def _chunks(record: Any) -> Iterator[memoryview]:
     global peak_chunk_bytes
     if isinstance(record, StreamedTensor):

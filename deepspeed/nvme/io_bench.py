@@ -44,6 +44,8 @@ def measure(folder: str, io_size: int, block_size: int, threads: int, read: bool
     best = float("inf")
     try:
         handle.sync_pwrite(buffer, path)
+        if read:   # the file on the device before the first timed read
+            _fsync(path)
         for _ in range(loops):
             if read and not direct:
                 _drop_page_cache(path)
@@ -52,9 +54,7 @@ def measure(folder: str, io_size: int, block_size: int, threads: int, read: bool
                 handle.sync_pread(buffer, path, 0) if not validate else handle.pread(buffer, path, True, False, 0)
             else:
                 handle.sync_pwrite(buffer, path) if not validate else handle.pwrite(buffer, path, True, False, 0)
-                fd = os.open(path, os.O_RDONLY)
-                os.fsync(fd)
-                os.close(fd)
+                _fsync(path)
             best = min(best, time.perf_counter() - start)
     finally:
         handle.close()
@@ -62,6 +62,14 @@ def measure(folder: str, io_size: int, block_size: int, threads: int, read: bool
             os.remove(path)
     return {"read": read, "io_size": io_size, "block_size": block_size, "threads": threads,
             "seconds": best, "GBps": io_size / best / 1e9}
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _drop_page_cache(path: str) -> None:

@@ -383,7 +383,7 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
             check_zero_layout(self)  # (ZeRO-3's units are fixed by the coordinator; not checked yet)
         if isinstance(self.optimizer, DeepSpeedOptimizer):  # unscale, overflow skip and clip live there
             applied = self.optimizer.step()
-            self._global_grad_norm = self.optimizer._global_grad_norm
+            self._global_grad_norm = None if (norm := self.optimizer._global_grad_norm) is None else float(norm)
         else:
             clip = self.gradient_clipping()
             split = getattr(self, "_split", None)

@@ -107,6 +107,8 @@ FROZEN_PARAM_SHAPES = "frozen_param_shapes"
 FROZEN_PARAM_FRAGMENTS = "frozen_param_fragments"
 SHARED_PARAMS = "shared_params"
 DS_VERSION = "ds_version"
+AUTOEP_LAYERS = "ds_autoep_layers"
+ZERO_PARTITION_GROUPS = "ds_zero_partition_groups"
 
 _OPTIM_FILE_RE = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _ZERO3_MODEL_FILE_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -345,6 +347,17 @@ class _LazyTensor:
         return out.view(self.shape)
 
     materialize = contiguous
+
+    def flat_slice(self, start, numel, dtype=None):
+        """Elements [start, start + numel) of the flattened tensor as a fresh CPU tensor: only those are copied
+        (read) out of the mapped partitions."""
+        out = torch.empty(numel, dtype=dtype or self.dtype)  # host: offline tool
+        with torch.no_grad():
+            for src, src_start, n, dst_start in self._pieces:
+                lo, hi = max(start, dst_start), min(start + numel, dst_start + n)
+                if lo < hi:
+                    out.narrow(0, lo - start, hi - lo).copy_(src.narrow(0, src_start + lo - dst_start, hi - lo))
+        return out
 
     def to(self, dtype=None):
         return self.contiguous(dtype)
@@ -715,6 +728,90 @@ def _trainable_stage3(ckpt):
     return out
 
 
+def is_autoep_zero3_partitioned(model_state):
+    """DeepSpeed 0.19.8's marker of an AutoEP ZeRO-3 checkpoint: experts partitioned inside the ZeRO-3
+    files (`ds_autoep_layers` entries with checkpoint_format "zero3_partitioned"), no expert files."""
+    layers = model_state.get(AUTOEP_LAYERS) if isinstance(model_state, dict) else None
+    return isinstance(layers, list) and any(isinstance(e, dict) and e.get("checkpoint_format") == "zero3_partitioned"
+                                            for e in layers)
+
+
+def join_autoep_zero3(model_states, optim_states, where):
+    """Whole tensors of an AutoEP ZeRO-3 checkpoint, as ({field: {name: _LazyTensor}}, {name: whole shape}).
+
+    Rank r's `param_shapes[g]` and flats (`fp32_flat_groups[g]`, each optimizer state of sub-group g) hold
+    piece p of every parameter, elements [p*s, (p+1)*s) with s = ceil(numel/count), where
+    `ds_zero_partition_groups[g]` gives count and p: dense sub-groups are cut over the data-parallel ranks,
+    expert sub-groups (this EP rank's rows, [num_local_experts, ...]) over the expert's replica group. An
+    expert's whole tensor [num_experts, ...] holds EP rank e's rows from its `global_expert_start`."""
+    pieces, shapes, spans = {}, OrderedDict(), {}
+    for r, (ms, osd) in enumerate(zip(model_states, optim_states)):
+        layers = [(e["expert_key_prefix"] + ".", e) for e in ms.get(AUTOEP_LAYERS) or [] if isinstance(e, dict)]
+        param_shapes, groups = ms.get(PARAM_SHAPES) or [], osd.get(ZERO_PARTITION_GROUPS)
+        flats = {"fp32": [t.reshape(-1) for t in osd[FP32_FLAT_GROUPS]]}
+        base = (osd.get(OPTIMIZER_STATE_DICT) or {}).get("state") or {}
+        for g in range(len(param_shapes)):
+            for field, value in (base.get(g) or {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    flats.setdefault(field, [None] * len(param_shapes))[g] = value.reshape(-1)
+        if len(flats["fp32"]) != len(param_shapes) or groups is None or len(groups) != len(param_shapes):
+            raise ZeroCheckpointError(f"'{where}' rank {r}: {len(param_shapes)} param_shapes groups, "
+                                      f"{len(flats['fp32'])} fp32 flat groups and "
+                                      f"{'no' if groups is None else len(groups)} {ZERO_PARTITION_GROUPS} entries; an "
+                                      "AutoEP ZeRO-3 checkpoint has one of each per sub-group")
+        for g, group_shapes in enumerate(param_shapes):
+            count, part = int(groups[g]["partition_count"]), int(groups[g]["partition_rank"])
+            offset = 0
+            for name, shape in group_shapes.items():
+                numel = _numel(shape)
+                size = -(-numel // count)
+                entry = next((e for prefix, e in layers if name.startswith(prefix)), None)
+                whole, dst = tuple(int(d) for d in shape), part * size
+                if entry is not None:   # this EP rank's rows of the whole expert tensor
+                    whole = (int(entry["num_experts"]),) + whole[1:]
+                    dst += int(entry["global_expert_start"]) * (numel // int(entry["num_local_experts"]))
+                if shapes.setdefault(name, whole) != whole:
+                    raise ZeroCheckpointError(f"'{where}': '{name}' is {shapes[name]} on one rank, {whole} on rank {r}")
+                take = max(0, min(size, numel - part * size))
+                for field, flat in flats.items():
+                    if take and flat[g] is not None:
+                        pieces.setdefault(field, {}).setdefault(name, []).append((flat[g], offset, take, dst))
+                spans.setdefault(name, []).append((dst, dst + take, r))
+                offset += size
+            if offset != flats["fp32"][g].numel():
+                raise ZeroCheckpointError(f"'{where}' rank {r} sub-group {g}: the parameters use {offset} elements, "
+                                          f"the rank saved {flats['fp32'][g].numel()}")
+    for name, shape in shapes.items():   # every element exactly once
+        end = 0
+        for lo, hi, r in sorted(s for s in spans.get(name, []) if s[1] > s[0]) + [(_numel(shape), None, None)]:
+            if lo != end:
+                raise ZeroCheckpointError(f"'{where}': '{name}' {shape}: elements [{min(lo, end)}, {max(lo, end)}) "
+                                          f"are {'missing from' if lo > end else 'saved twice in'} the optimizer "
+                                          f"files{'' if r is None else f' (rank {r})'}")
+            end = hi if hi is not None else end
+    values = {field: {n: _LazyTensor(n, shapes[n], torch.float32, p) for n, p in by_name.items()}
+              for field, by_name in pieces.items()}
+    return values, shapes
+
+
+def _autoep_zero3_state_dict(ckpt, exclude_frozen_parameters):
+    """An AutoEP ZeRO-3 checkpoint (DeepSpeed 0.19.8's layout): buffers, frozen parameters, then every
+    trained parameter whole, experts [num_experts, ...] (join_autoep_zero3)."""
+    ranks = range(ckpt.world_size)
+    values, shapes = join_autoep_zero3([ckpt.model_state(r) for r in ranks], [ckpt.optim_state(r) for r in ranks],
+                                       ckpt.ds_dir)
+    state = _buffers(ckpt)
+    if not exclude_frozen_parameters:
+        state.update(_frozen(ckpt))
+    for name in shapes:
+        state.setdefault(name, values["fp32"][name])
+    for alias, target in (ckpt.model0.get(SHARED_PARAMS) or {}).items():
+        if target in state:
+            state[alias] = state[target]
+    _info(f"AutoEP ZeRO-3 checkpoint: {len(shapes)} trained parameters from {ckpt.world_size} ranks")
+    return state
+
+
 def _lazy_state_dict(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
     """{name: _LazyTensor} in DeepSpeed's order: buffers, frozen params, trainable params, aliases."""
     ds_dir = _resolve_tag_dir(checkpoint_dir, tag)
@@ -724,6 +821,8 @@ def _lazy_state_dict(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
     ckpt = _Checkpoint(ds_dir)
     _info(f"Detected checkpoint of type zero stage {ckpt.stage}, world_size: {ckpt.world_size}"
           + (f" (written by deepspeed=={ckpt.ds_version})" if ckpt.ds_version else ""))
+    if ckpt.stage == 3 and is_autoep_zero3_partitioned(ckpt.model0):
+        return _autoep_zero3_state_dict(ckpt, exclude_frozen_parameters)
     parts = [ckpt]
     tp_dims = ckpt.model0.get("tp_partition_dims")
     pipeline = ckpt.model0.get("module") is None and bool(_files(ds_dir, "layer_*-model_states.pt"))

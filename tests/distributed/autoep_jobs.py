@@ -298,14 +298,17 @@ def checkpoint_run(kind: str, save_dir: str, stage: int, save_ep: int, load_ep: 
     engine = engine_at(save_ep)
     train(engine, 0)
     engine.save_checkpoint(save_dir, tag="t")
-    at_save = whole_state(engine)   # whole (HF layout)
-    consolidated = {}
+    at_save, state_at_save = whole_state(engine), hp_snapshot(engine)   # whole (HF layout); this rank's state
+    consolidated, files = {}, sorted(os.listdir(os.path.join(save_dir, "t")))
     if dist.get_rank() == 0:   # zero_to_fp32 joins the experts' pieces into the whole HF tensors
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         consolidated = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t")
-        model_states = torch.load(os.path.join(save_dir, "t", "mp_rank_00_model_states.pt"), weights_only=False)
+        zero3 = os.path.join(save_dir, "t", "zero_pp_rank_0_mp_rank_00_model_states.pt")   # AutoEP ZeRO-3: per rank
+        single = os.path.join(save_dir, "t", "mp_rank_00_model_states.pt")
+        model_states = torch.load(zero3 if os.path.isfile(zero3) else single, weights_only=False)
         consolidated["ds_autoep_layers"] = model_states["ds_autoep_layers"]
+        consolidated["param_shapes"] = model_states["param_shapes"]
         if universal:
             _universal_copy(os.path.join(save_dir, "t"), os.path.join(save_dir, "t_universal"), drop)
     dist.barrier()
@@ -313,9 +316,23 @@ def checkpoint_run(kind: str, save_dir: str, stage: int, save_ep: int, load_ep: 
     whole = whole_state(engine)
     resumed = engine_at(load_ep, universal)
     resumed.load_checkpoint(save_dir, tag="t_universal" if universal else "t")
+    state_loaded = hp_snapshot(resumed) if load_ep == save_ep else None
     again = train(resumed, steps)
     return {"straight": straight, "resumed": again, "whole": whole, "at_save": at_save, "consolidated": consolidated,
-            "whole_resumed": whole_state(resumed)}
+            "whole_resumed": whole_state(resumed), "files": files, "state_at_save": state_at_save,
+            "state_loaded": state_loaded}
+
+
+def hp_snapshot(engine: Any) -> dict:
+    """This rank's fp32 masters and optimizer state, piece by piece, and the step (local): what a resume at
+    the same layout must restore bit for bit."""
+    from deepspeed.runtime.checkpoint.hp_state import HpState
+
+    hp = HpState(engine)
+    fields, step = hp.local_fields()
+    return {"step": step, "fields": fields,
+            "pieces": {(p.name, p.start): [hp.value(p, f).detach().float().cpu().clone() for f in ["fp32"] + fields]
+                       for p in hp.pieces}}
 
 
 def _universal_copy(tag: str, out: str, drop: str | None) -> None:
@@ -448,3 +465,55 @@ def self_computing_run(ep: int, steps: int) -> dict:
     layers = [m for m in engine.module.modules() if isinstance(m, AutoEPMoELayer)]
     return {"losses": losses, "state": {k: v.clone() for k, v in engine.module.state_dict().items()},
             "local_experts": [m.experts.w1.shape[0] for m in layers]}
+
+
+def deepspeed_autoep_zero3_run(fixture: str) -> dict:
+    """DeepSpeed 0.19.8's AutoEP ZeRO-3 checkpoint (tests/fixtures/ds_0_19_8_autoep_zero3) loaded into the same
+    model here (ZeRO-3, ep 2): this rank's optimizer state as save_checkpoint would write it now, DeepSpeed's
+    file for this rank, the whole weights, the step count and one more step's loss."""
+    import sys
+
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.runtime.checkpoint.engine_io import optimizer_partition_state
+
+    sys.path.insert(0, fixture)
+    import autoep_model
+
+    engine, *_ = deepspeed.initialize(model=autoep_model.Model(), config=autoep_model.config())
+    # upstream's AutoEPMoELayer also registers its router as `mlp.gate`: its module state lists
+    # mlp.gate.gate.weight beside mlp.router.gate.weight (one tensor); ours has no alias
+    engine.load_checkpoint(os.path.join(fixture, "ckpt"), tag="t", load_module_strict=False)
+    rank = dist.get_rank()
+    mine = optimizer_partition_state(engine)
+    theirs = torch.load(os.path.join(fixture, "ckpt", "t", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"),
+                        weights_only=False)["optimizer_state_dict"]
+    whole = whole_state(engine)
+    loss = engine(autoep_model.batch(2, rank))
+    engine.backward(loss)
+    engine.step()
+    keys = ("fp32_flat_groups", "ds_zero_partition_groups", "partition_count")
+    return {"mine": {k: mine[k] for k in keys}, "theirs": {k: theirs[k] for k in keys},
+            "state": (mine["optimizer_state_dict"]["state"], theirs["optimizer_state_dict"]["state"]),
+            "whole": whole, "steps": engine.global_steps, "loss": loss.item()}
+
+
+def frozen_expert_save_run(save_dir: str) -> str:
+    """AutoEP at ZeRO-3 with one expert tensor frozen: what save_checkpoint raises on this rank."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    model = build("mixtral")
+    model.model.layers[0].mlp.experts.gate_up_proj.requires_grad_(False)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "expert_parallel": {"enabled": True, "autoep_size": 2}}
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+    ids = batch(0, dist.get_rank())
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    try:
+        engine.save_checkpoint(save_dir, tag="t")
+    except Exception as exc:   # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"

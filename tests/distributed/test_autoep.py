@@ -130,19 +130,38 @@ def test_autoep_zero3_on_a_zero_init_model_matches_no_ep() -> None:
 
 
 @pytest.mark.parametrize("world,stage,save_ep,load_ep", [(2, 1, 2, 2), (2, 0, 2, 2), (2, 2, 2, 1), (4, 3, 2, 2),
-                                                         pytest.param(4, 3, 2, 1, marks=pytest.mark.slow)])
+                                                         pytest.param(4, 3, 2, 1, marks=pytest.mark.slow),
+                                                         pytest.param(4, 3, 2, 4, marks=pytest.mark.slow)])
 def test_autoep_engine_checkpoint_resumes(tmp_path, world: int, stage: int, save_ep: int, load_ep: int) -> None:
-    """save_checkpoint / load_checkpoint under AutoEP (experts one file each, optimizer pieces under the HF
-    names): the resumed run trains like the uninterrupted one, also at another autoep_size; at ZeRO-3
-    (experts partitioned over their expert-data-parallel groups: ep=2 x EDP 2) the same way."""
+    """save_checkpoint / load_checkpoint under AutoEP (ZeRO 0-2: experts one file each, optimizer pieces under
+    the HF names; ZeRO-3, experts partitioned over their expert-data-parallel groups (ep=2 x EDP 2): upstream's
+    partition-native layout): the resumed run trains like the uninterrupted one, also at another autoep_size;
+    at the same layout the masters, Adam moments and step are restored bit for bit."""
     from autoep_jobs import checkpoint_run
 
     results = run_distributed(world, checkpoint_run, "mixtral", str(tmp_path), stage, save_ep, load_ep)
     consolidated = results[0]["consolidated"]
-    assert consolidated.pop("ds_autoep_layers") == [   # DeepSpeed's description of the AutoEP layers
+    layers = consolidated.pop("ds_autoep_layers")
+    assert [{k: e[k] for k in ("moe_layer_id", "module_path", "expert_key_prefix", "num_experts", "num_local_experts",
+                               "ep_size")} for e in layers] == [   # DeepSpeed's description of the AutoEP layers
         {"moe_layer_id": i, "module_path": f"model.layers.{i}.mlp", "expert_key_prefix": f"model.layers.{i}.mlp.experts",
          "num_experts": 4,
          "num_local_experts": 4 // save_ep, "ep_size": save_ep} for i in range(2)]
+    shapes = consolidated.pop("param_shapes")
+    if stage == 3:   # upstream's partition-native layout: experts inside the ZeRO-3 files, in their own sub-group
+        assert not [f for f in results[0]["files"] if f.startswith("layer_")], results[0]["files"]
+        assert all(e["checkpoint_format"] == "zero3_partitioned" and e["checkpoint_format_version"] == 1
+                   for e in layers)
+        assert list(shapes[1]) == [f"model.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj",
+                                                                                                    "down_proj")]
+    for r in results:   # the same layout: masters, Adam moments and step restored bit for bit
+        if r["state_loaded"] is not None:
+            assert r["state_loaded"]["step"] == r["state_at_save"]["step"]
+            assert r["state_loaded"]["fields"] == r["state_at_save"]["fields"] == ["exp_avg", "exp_avg_sq"]
+            assert r["state_loaded"]["pieces"].keys() == r["state_at_save"]["pieces"].keys()
+            for key, values in r["state_at_save"]["pieces"].items():
+                for want, got in zip(values, r["state_loaded"]["pieces"][key]):
+                    assert torch.equal(got, want), key
     assert sorted(consolidated) == sorted(results[0]["at_save"])
     for name, value in results[0]["at_save"].items():   # zero_to_fp32: the whole HF tensors
         torch.testing.assert_close(consolidated[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
@@ -151,6 +170,44 @@ def test_autoep_engine_checkpoint_resumes(tmp_path, world: int, stage: int, save
         for name, value in r["whole"].items():
             torch.testing.assert_close(r["whole_resumed"][name], value, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{name}: {m}")
+
+
+def test_deepspeed_autoep_zero3_checkpoint_loads() -> None:
+    """DeepSpeed 0.19.8's AutoEP ZeRO-3 checkpoint (its partition-native layout, 2 ranks, ep 2, Adam): loaded
+    here, each rank's optimizer state as this build would save it equals DeepSpeed's file bit for bit (fp32
+    partitions, both moments, step, partition groups), the whole weights equal DeepSpeed's, training goes on."""
+    import os
+
+    from autoep_jobs import deepspeed_autoep_zero3_run
+
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "ds_0_19_8_autoep_zero3")
+    expected = torch.load(os.path.join(fixture, "expected.pt"), weights_only=False)["whole"]
+    for r in run_distributed(2, deepspeed_autoep_zero3_run, fixture):
+        assert r["steps"] == 3 and r["mine"]["partition_count"] == r["theirs"]["partition_count"] == 2
+        assert r["mine"]["ds_zero_partition_groups"] == r["theirs"]["ds_zero_partition_groups"]
+        for got, want in zip(r["mine"]["fp32_flat_groups"], r["theirs"]["fp32_flat_groups"], strict=True):
+            assert torch.equal(got, want.float())
+        mine, theirs = r["state"]
+        assert sorted(mine) == sorted(theirs)
+        for g, fields in theirs.items():
+            assert sorted(mine[g]) == sorted(fields)
+            for field, value in fields.items():
+                assert torch.equal(mine[g][field].float(), value.float()), (g, field)
+        assert sorted(r["whole"]) == sorted(expected)
+        for name, value in expected.items():
+            assert torch.equal(r["whole"][name], value), name
+
+
+def test_autoep_zero3_frozen_experts_refused_at_save(tmp_path) -> None:
+    """Frozen expert tensors have no place in upstream's AutoEP ZeRO-3 files (their pieces would live only in the
+    optimizer files): save_checkpoint refuses on every rank, naming the parameter, and publishes nothing."""
+    import os
+
+    from autoep_jobs import frozen_expert_save_run
+
+    for message in run_distributed(2, frozen_expert_save_run, str(tmp_path)):
+        assert "model.layers.0.mlp.experts.gate_up_proj" in message and "frozen" in message, message
+    assert not os.path.isdir(tmp_path / "t")
 
 
 def test_autoep_hf_trainer_checkpoint_resume(tmp_path) -> None:
@@ -209,8 +266,9 @@ def test_autoep_replaces_blocks_that_compute_their_experts() -> None:
         torch.testing.assert_close(ep[0]["state"][f"{layer}.experts.w2"], down, rtol=1e-5, atol=1e-5)
 
 
-def _universal_resume(tmp_path, save_ep: int, load_ep: int, drop: str | None = None) -> tuple[list, list]:
-    """AutoEP (Adam, ZeRO-1) saved at autoep_size `save_ep`, converted by ds_to_universal (whole fused expert
+def _universal_resume(tmp_path, save_ep: int, load_ep: int, drop: str | None = None,
+                      stage: int = 1) -> tuple[list, list]:
+    """AutoEP (Adam, ZeRO-`stage`) saved at autoep_size `save_ep`, converted by ds_to_universal (whole fused expert
     tensors with upstream's expert markers), loaded with load_universal at `load_ep` (experts re-homed):
     (each rank's continued losses and whole weights, those of the same run resumed by a plain load_checkpoint
     at `load_ep`). The reference is the plain load's continuation because the first steps ran at another
@@ -218,8 +276,8 @@ def _universal_resume(tmp_path, save_ep: int, load_ep: int, drop: str | None = N
     weight's norm after Adam); the plain load equals the uninterrupted run (test_autoep_engine_checkpoint_resumes)."""
     from autoep_jobs import checkpoint_run
 
-    want = run_distributed(2, checkpoint_run, "mixtral", str(tmp_path / "want"), 1, save_ep, load_ep)
-    got = run_distributed(2, checkpoint_run, "mixtral", str(tmp_path / "got"), 1, save_ep, load_ep,
+    want = run_distributed(2, checkpoint_run, "mixtral", str(tmp_path / "want"), stage, save_ep, load_ep)
+    got = run_distributed(2, checkpoint_run, "mixtral", str(tmp_path / "got"), stage, save_ep, load_ep,
                           universal=True, drop=drop)
     return got, want
 
@@ -232,11 +290,12 @@ def _assert_same_training(got, want) -> None:
                                        msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("save_ep,load_ep", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
-def test_autoep_universal_moves_experts(tmp_path, save_ep: int, load_ep: int) -> None:
+@pytest.mark.parametrize("save_ep,load_ep,stage", [(2, 1, 1), (2, 1, 3), pytest.param(1, 2, 1, marks=pytest.mark.slow)])
+def test_autoep_universal_moves_experts(tmp_path, save_ep: int, load_ep: int, stage: int) -> None:
+    """(At ZeRO-3 the tag is upstream's AutoEP ZeRO-3 layout: ds_to_universal joins the ranks' partitions.)"""
     import os
 
-    got, want = _universal_resume(tmp_path, save_ep, load_ep)
+    got, want = _universal_resume(tmp_path, save_ep, load_ep, stage=stage)
     _assert_same_training(got, want)
     record = torch.load(os.path.join(tmp_path, "got", "t_universal", "zero", "model.layers.0.mlp.experts.gate_up_proj",
                                      "exp_avg.pt"), weights_only=False)

@@ -111,6 +111,25 @@ def test_write_failure_on_one_rank_raises_on_every_rank(tmp_path, stage, backgro
         assert r["listing"] == ["good", "latest", "zero_to_fp32.py"], r  # nothing of "bad", no staging left
 
 
+@pytest.mark.parametrize("stage, background", [(2, False), (3, True)], ids=["zero2_exchange", "zero3_background"])
+def test_nvme_streamed_write_failure_raises_on_every_rank(tmp_path, stage, background):
+    """ZeRO-2 with NVMe optimizer offload at 2 ranks writes the optimizer file while the re-cut's
+    all-to-all runs ([Note: streamed re-cut]): rank 1's full disk there must not leave rank 0 waiting
+    in the exchange; ZeRO-3 with async_save streams it from the swap files in the background. Every
+    rank raises naming the file, nothing of the tag is published."""
+    (tmp_path / "swap").mkdir()
+    cfg = _cfg(stage, checkpoint={"async_save": background})
+    cfg["zero_optimization"].update(reduce_bucket_size=64, offload_optimizer={"device": "nvme",
+                                                                              "nvme_path": str(tmp_path / "swap")})
+    save_dir = tmp_path / "ckpt"
+    results = run_distributed(2, F.faulty_save_job, cfg, str(save_dir), "write", 1, timeout=BOUND_S * 2)
+    _assert_agreed(results, 1, "No space left on device")
+    for r in results:
+        assert f"{save_dir}/.bad.partial/zero_pp_rank_1_mp_rank_00_" in r["message"], r["message"]
+        assert r["listing"] == ["good", "latest", "zero_to_fp32.py"], r   # no staging directory, no .tmp
+        assert r["latest"] == "good" and r["latest_after"] == "after", r
+
+
 def test_tag_bad_on_one_rank_raises_on_every_rank(tmp_path):
     results = run_distributed(2, F.faulty_save_job, _cfg(2), str(tmp_path), "tag", 1, timeout=BOUND_S * 2)
     _assert_agreed(results, 1, "bad/tag")

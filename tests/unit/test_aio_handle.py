@@ -52,6 +52,38 @@ def test_round_trip_unaligned(tmp_path, nbytes, offset):
     assert torch.equal(locked, src) and h.free_cpu_locked_tensor(locked)
 
 
+def _vma_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not os.path.exists("/proc/self/smaps"),
+                    reason="pinned buffers on CUDA; smaps is Linux's")
+def test_large_locked_buffers_sit_on_huge_pages_and_round_trip(tmp_path):
+    """[Note: huge-page I/O buffers]: from 2 MiB up a buffer starts on a 2 MiB boundary in a mapping
+    advised MADV_HUGEPAGE ('hg'); smaller ones stay ordinary. Bytes round-trip at an unaligned size."""
+    h = _handle(threads=2, block=1 << 20)
+    nbytes = 3 * (1 << 20) + 5
+    big = h.new_cpu_locked_tensor(nbytes // 4 + 1, torch.empty(0, dtype=torch.float32))
+    small = h.new_cpu_locked_tensor(1000, torch.empty(0, dtype=torch.float32))
+    assert big.data_ptr() % (2 << 20) == 0 and small.data_ptr() % 4096 == 0
+    assert "hg" in _vma_flags(big.data_ptr()) and "hg" not in _vma_flags(small.data_ptr())
+    path = str(tmp_path / "f.bin")
+    src = torch.randn(big.numel())
+    assert h.sync_pwrite(src, path) == 1
+    assert h.sync_pread(big, path) == 1 and torch.equal(big, src)
+    assert h.free_cpu_locked_tensor(big)
+
+
 def test_async_writes_of_several_dtypes_then_wait(tmp_path):
     h = _handle(threads=4, block=4096)
     tensors = [torch.randn(1000), torch.randn(77, dtype=torch.float64), torch.randn(513).to(torch.bfloat16)]

@@ -651,3 +651,31 @@ def test_error_layout_mismatch(tmp_path):
 def test_error_cli_reports_message(tmp_path, capsys):
     assert z2f.main([str(tmp_path), str(tmp_path / "out")]) == 1
     assert "Unable to find 'latest'" in capsys.readouterr().err
+
+
+AUTOEP_ZERO3 = os.path.join(ROOT, "tests", "fixtures", "ds_0_19_8_autoep_zero3")
+
+
+def test_deepspeed_autoep_zero3_checkpoint():
+    """DeepSpeed 0.19.8's AutoEP ZeRO-3 checkpoint (experts partitioned inside its ZeRO-3 files, which its own
+    zero_to_fp32 refuses): every parameter whole, experts [num_experts, ...], equal to DeepSpeed's own
+    safe_get_full_fp32_param (expert rows gathered over the EP ranks) bit for bit."""
+    expected = torch.load(os.path.join(AUTOEP_ZERO3, "expected.pt"), weights_only=False)["whole"]
+    got = z2f.get_fp32_state_dict_from_zero_checkpoint(os.path.join(AUTOEP_ZERO3, "ckpt"), tag="t")
+    assert sorted(got) == sorted(expected)
+    assert got["model.layers.0.mlp.experts.w1"].shape == (4, 8, 16)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_autoep_zero3_missing_rank_is_named(tmp_path):
+    """An expert's pieces missing (one rank's partition lost) fail by name, not with a short tensor."""
+    tag = tmp_path / "t"
+    shutil.copytree(os.path.join(AUTOEP_ZERO3, "ckpt", "t"), tag)
+    path = tag / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    states = torch.load(path, weights_only=False)
+    for entry in states["ds_autoep_layers"]:
+        entry["global_expert_start"] = 0   # rank 1 now claims rank 0's experts: experts 2-3 have no pieces
+    torch.save(states, path)
+    with pytest.raises(z2f.ZeroCheckpointError, match="experts.w1.*elements .* saved twice"):
+        z2f.get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="t")

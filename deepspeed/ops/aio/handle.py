@@ -9,8 +9,8 @@ Files are opened with `O_DIRECT` where the file system takes it (ext4, xfs; not 
 the part of a chunk whose buffer address and file offset share the 4 KiB alignment goes through the
 direct descriptor, the unaligned head and tail (under 4 KiB each) through a buffered one, so any
 size and offset round-trips byte-exact (upstream's op writes short files when the size is not a
-4 KiB multiple). Buffers from `new_cpu_locked_tensor` are 4 KiB aligned (pinned on CUDA), so whole
-swap tensors take the direct path. Measured on this machine's disk (BENCHMARKS.md, NVMe section).
+4 KiB multiple). Buffers from `new_cpu_locked_tensor` are 4 KiB aligned (pinned on CUDA; on 2 MiB huge pages
+from 2 MiB up otherwise: [Note: huge-page I/O buffers]), so whole swap tensors take the direct path. Measured on this machine's disk (BENCHMARKS.md, NVMe section).
 Errors raise `OSError` naming the path, the byte range and the cause; a read past the end of the
 file or a short write never reports success. An async error is raised by the `wait()` that
 collects it (every pending request is waited for first, so no thread writes into a freed buffer).
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import errno as errno_mod
+import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -142,9 +143,12 @@ class _Request:
 
 class aio_handle:  # noqa: N801 (upstream's name)
     """Upstream's `aio_handle(block_size, queue_depth, single_submit, overlap_events,
-    intra_op_parallelism)`: [Note: the pure-Python I/O engine]. `queue_depth`, `single_submit` and
-    `overlap_events` shape libaio submission upstream; they are kept and reported here, and have no
-    other effect (the threads issue one positional call per block)."""
+    intra_op_parallelism)`: [Note: the pure-Python I/O engine]. Upstream keeps `queue_depth` libaio
+    requests of `block_size` bytes in flight per thread; here each positional call moves up to
+    `block_size * queue_depth` bytes, which is the same thing on `O_DIRECT`: the kernel submits every
+    device request of one call (cut at the queue's max_sectors) before it waits for any
+    ([Note: huge-page I/O buffers] has the numbers). `single_submit` and `overlap_events` shape libaio
+    submission upstream; they are kept and reported here, and have no other effect."""
 
     def __init__(self, block_size: int = 1024 * 1024, queue_depth: int = 128, single_submit: bool = False,
                  overlap_events: bool = False, intra_op_parallelism: int = 1) -> None:
@@ -211,7 +215,7 @@ class aio_handle:  # noqa: N801 (upstream's name)
         view, address = _byte_view(host), host.data_ptr()
         bounds = self._chunks(nbytes)
         futures = [self._pool.submit(_chunk_job, files, view[a:b], address + a, file_offset + a, write,
-                                     self._block_size) for a, b in bounds]
+                                     self._block_size * self._queue_depth) for a, b in bounds]
         return _Request(files, futures, (buffer, host), finish)
 
     def _chunks(self, nbytes: int) -> list[tuple[int, int]]:
@@ -319,12 +323,46 @@ def _pinned(tensor: torch.Tensor) -> bool:
 
 
 def aligned_host_tensor(numel: int, dtype: torch.dtype, registry: dict | None = None) -> torch.Tensor:
-    """A 1-D host tensor whose data starts on a 4 KiB boundary; pinned when CUDA is available."""
+    """A 1-D host tensor whose data starts on a 4 KiB boundary; pinned when CUDA is available, else
+    on transparent huge pages from 2 MiB up ([Note: huge-page I/O buffers])."""
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()   # host: a dtype probe
     pin = torch.cuda.is_available()
-    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, device="cpu", pin_memory=pin)  # host: I/O buffer
-    skip = (-raw.data_ptr()) % ALIGNMENT
-    out = raw[skip:skip + nbytes].view(dtype)
+    out = None if pin or nbytes < HUGE_PAGE else _huge_page_bytes(nbytes)
+    if out is None:
+        raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, device="cpu", pin_memory=pin)  # host: I/O buffer
+        skip = (-raw.data_ptr()) % ALIGNMENT
+        out = raw[skip:skip + nbytes]
+    out = out.view(dtype)
     if registry is not None:
         registry[out.data_ptr()] = out
     return out
+
+
+# [Note: huge-page I/O buffers]
+# This machine's virtio disk takes at most 254 scatter-gather segments per request
+# (/sys/block/*/queue/max_segments), so a 1 MiB direct transfer into 4 KiB pages (256 segments) is
+# split in two requests, one of them 8 KiB; `dd` and upstream's libaio op pay the same. On a buffer
+# backed by 2 MiB transparent huge pages a 1 MiB transfer is one segment. Measured on one 512 MiB
+# file, rounds rotated: direct reads 1.9 -> 2.4 GB/s at 1 thread, 2.2-2.8 at 4 (BENCHMARKS.md, NVMe).
+# Fewer, larger calls then help too: one call of 1 MiB reads 2.4 GB/s at 1 thread and 2.7 at 4; of
+# 4-32 MiB, 2.8-2.9 at any thread count, the disk's ceiling here (`aio_handle` moves
+# block_size x queue_depth bytes per call, upstream's bytes in flight per thread).
+# The memory is a private anonymous mapping (never reused heap pages, which keep their small pages),
+# advised MADV_HUGEPAGE before first touch; the tensor keeps the mapping alive and unmaps it with it.
+# Where the kernel has no THP (or `never`), the advice is a no-op and the buffer is an ordinary one.
+HUGE_PAGE = 2 << 20
+
+
+def _huge_page_bytes(nbytes: int) -> torch.Tensor | None:
+    """`nbytes` of fresh private memory starting on a 2 MiB boundary, advised MADV_HUGEPAGE."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or not hasattr(mmap, "MAP_PRIVATE"):
+        return None
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(region, dtype=torch.uint8)   # the tensor holds `region` alive
+    skip = (-whole.data_ptr()) % HUGE_PAGE
+    try:
+        region.madvise(advice, skip, nbytes // HUGE_PAGE * HUGE_PAGE)
+    except OSError:   # EINVAL: THP compiled out; an ordinary page-aligned buffer is still correct
+        pass
+    return whole[skip:skip + nbytes]

@@ -21,7 +21,7 @@ from ...checkpoint import files
 from ...checkpoint.stream_save import Streamed
 from ...utils.logging import log_dist, logger
 from ..errors import ArgumentError
-from . import moe_io, zero3_io
+from . import autoep_zero3_io, moe_io, zero3_io
 from .agree import agreed, agreed_gather, describe, raise_if_any
 from .hp_state import HpState, combine_fields
 from .loader import DEEPSPEED_KEYS, apply_plan, read_plan
@@ -81,7 +81,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     background = bool(engine._config.model.checkpoint.async_save)
 
     partitioned = _partitioned(engine)
-    moe = moe_io.is_moe_engine(engine)   # [Note: MoE checkpoint layout]: named pieces, no re-cut
+    autoep3 = autoep_zero3_io.uses_layout(engine)   # [Note: AutoEP ZeRO-3 layout]: upstream's files, no re-cut
+    moe = moe_io.is_moe_engine(engine) and not autoep3   # [Note: MoE checkpoint layout]: named pieces, no re-cut
 
     def begin() -> tuple[HpState | None, tuple]:
         """Local: check the tag, read the optimizer's layout, (rank 0) make the staging directory;
@@ -108,18 +109,30 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
     optimizer_state, zero3 = None, engine._stage3 is not None
     later: list = []  # the re-cut's local finishing work: on the writer's thread (HpState.recut_fields)
     # collectives, on every rank alike: re-cutting the partitions, gathering frozen ZeRO-3 pieces
-    if partitioned and not moe:
+    if partitioned and not moe and not autoep3:
         cut = zero3_io.optimizer_state if zero3 else partitioned_optimizer_state
         optimizer_state = cut(engine, hp, dp_rank(engine), engine.seq_dp_world_size, later=later,
                               fields_step=fields_step, stream=True)
+    if moe and hp is not None:   # its pieces stream in save_entries, with no re-cut ([Note: MoE checkpoint layout])
+        hp.streamed = hp.swapper is not None
     streamed = hp is not None and hp.streamed   # [Note: streamed checkpoint file]: read from the swap files
-    if streamed and background:   # while writing: the next step would change them under the writer
-        log_dist("save_checkpoint: NVMe-offloaded optimizer state is streamed from its swap files, so this "
-                 "save is written before save_checkpoint returns (async_save does not apply)", ranks=[0])
-        background = False
+    optim, optim_name = None, files.optim_file(dp_rank(engine), bf16=engine.bfloat16_enabled(),
+                                               mp_rank=mp_rank(engine))
+    if optimizer_state is not None:
+        optim = {"optimizer_state_dict": optimizer_state, "ds_config": engine.config, "ds_version": state_version()}
+        optim = Streamed(optim) if streamed else optim
+        if hp.exchange is not None:   # [Note: streamed re-cut]: written now, while exchanging; raised when agreed
+            optim = hp.exchange.write(optim, os.path.join(files.staging_dir(save_dir, tag), optim_name))
     frozen = zero3_io.frozen_fragments(engine, dp_rank(engine), engine.seq_dp_world_size) \
         if zero3 and not moe and not exclude_frozen_parameters else None
     gathered = moe_io.gather_for_save(engine) if moe else None   # ZeRO-3: the whole values the files hold
+    if streamed and background and hp.exchange is None:   # [Note: swap files under a background save]
+        hp.view = hp.swapper.save_view()
+        if hp.view is None:
+            log_dist("save_checkpoint: NVMe-offloaded optimizer state is in memory now, so this save is written "
+                     "before save_checkpoint returns (async_save does not apply)", ranks=[0])
+            background = False
+    release = [hp.view.close] if streamed and hp.view is not None else []
 
     def snapshot() -> SaveJob:
         """This rank's files as objects; with a background write, nothing in them aliases live state."""
@@ -128,6 +141,10 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
         if moe:
             client = copy.deepcopy(client_state or {}) if background else dict(client_state or {})
             entries = moe_io.save_entries(engine, hp, client, exclude_frozen_parameters, background, gathered)
+        elif autoep3:
+            client = copy.deepcopy(client_state or {}) if background else dict(client_state or {})
+            entries = autoep_zero3_io.save_entries(engine, hp, client, exclude_frozen_parameters, background, frozen,
+                                                   fields_step)
         elif dp_rank(engine) == 0 or zero3:  # ZeRO-3: every rank writes its own model-states file
             client = copy.deepcopy(client_state or {}) if background else dict(client_state or {})
             state = model_states(engine, hp, client, exclude_frozen_parameters, partitioned,
@@ -135,18 +152,18 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
             entries.append((files.model_file(mp, zero3_dp_rank=dp_rank(engine) if zero3 else None), state))
             entries += engine._extra_checkpoint_files(exclude_frozen_parameters) \
                 if hasattr(engine, "_extra_checkpoint_files") else []
-        if optimizer_state is not None:
-            optim = {"optimizer_state_dict": optimizer_state, "ds_config": engine.config, "ds_version": state_version()}
-            entries.append((files.optim_file(dp_rank(engine), bf16=engine.bfloat16_enabled(), mp_rank=mp),
-                            Streamed(optim) if streamed else optim))
+        if optim is not None:
+            entries.append((optim_name, optim))
         entries.append((f"rng_state_{rank}.pt", rng_state()))
-        return SaveJob(save_dir, tag, rank, ds_comm.get_world_size(), entries, save_latest, prepare=later)
+        return SaveJob(save_dir, tag, rank, ds_comm.get_world_size(), entries, save_latest, prepare=later,
+                       release=release)
 
     try:
         return _write_and_publish(engine, hp, save_dir, tag, background, snapshot, what, rank)
-    finally:
-        if hp is not None and hp.spill is not None:   # [Note: streamed re-cut]: written (or failed)
-            hp.spill.drop()
+    except BaseException:
+        for done in release:   # not handed to a writer
+            done()
+        raise
 
 
 def _write_and_publish(engine: Any, hp: Any, save_dir: str, tag: str, background: bool, snapshot: Callable,
@@ -203,6 +220,9 @@ def _refuse_clashing_names(job: SaveJob, names: list[list[str]], discard: Callab
 @_state_resident(dirty=False)
 def optimizer_partition_state(engine: Any) -> dict:
     """This rank's `optimizer_state_dict` as save_checkpoint writes it (ZeRO; collective)."""
+    if autoep_zero3_io.uses_layout(engine):   # [Note: AutoEP ZeRO-3 layout]
+        hp = HpState(engine)
+        return autoep_zero3_io.optimizer_state(engine, hp, autoep_zero3_io.file_groups(engine, hp))
     if moe_io.is_moe_engine(engine):   # [Note: MoE checkpoint layout]: named pieces, not DeepSpeed's flat groups
         return moe_io.pieces_state(engine, HpState(engine))
     cut = zero3_io.optimizer_state if engine._stage3 is not None else partitioned_optimizer_state
@@ -281,7 +301,8 @@ def load_checkpoint(engine: Any, load_dir: str, tag: Any = None, load_module_str
     state = reader.model_states
     client_state = {k: v for k, v in state.items() if k not in DEEPSPEED_KEYS}
     # DeepSpeed returns the model-states file this engine's layout reads (one per rank at ZeRO-3)
-    zero3_files = engine._stage3 is not None and not moe_io.is_moe_engine(engine)   # MoE: mp_rank_00 at any stage
+    zero3_files = engine._stage3 is not None and (not moe_io.is_moe_engine(engine)   # MoE: mp_rank_00 at any stage
+                                                  or autoep_zero3_io.uses_layout(engine))
     name = files.model_file(mp_rank(engine), zero3_dp_rank=dp_rank(engine) if zero3_files else None)
     path = os.path.join(load_dir, reader.tag, name)
     log_dist(f"Loaded checkpoint {reader.path} (saved by {reader.world_size} rank(s), stage {reader.stage})",

@@ -51,7 +51,8 @@ class HpState:
         self.sources = (wrapper.units if self.stage3 else wrapper.buckets) if self.zero else []
         self.swapper = getattr(wrapper, "swapper", None) if self.zero else None   # offload_optimizer nvme
         self.streamed = False   # the last `recut` gave StreamedTensors
-        self.spill = None       # ... read from this SpilledRecut's file (drop() it after the write)
+        self.exchange = None    # ... produced by this ExchangedRecut while it writes the file
+        self.view = None        # ... read through this SaveView (a background save: optimizer_swapper.py)
         # ZeRO-3 parameters are released between uses: their shapes come from their units
         shapes = {id(p): s for u in wrapper.coordinator.units for p, s in zip(u.params, u.shapes)} \
             if self.stage3 else {}
@@ -267,19 +268,19 @@ class HpState:
         """`recut_fields`' result as StreamedTensors whose bytes are read from the NVMe swap files
         when the file is written, one chunk at a time ([Note: streamed checkpoint file]); None
         (re-cut in memory) without NVMe offload. When elements change rank (ZeRO-1/2 at more than
-        one rank) the all-to-all runs here, window by window, into a spill file ([Note: streamed
-        re-cut]): collective then."""
+        one rank) they are produced by `self.exchange`, whose all-to-all runs window by window while
+        it writes the file ([Note: streamed re-cut]): collective then."""
         from ...checkpoint.stream_save import StreamedTensor
 
         if self.swapper is None:
             return None
         if self.zero and self.wrapper.dp_world > 1:
             sends, receives, local, crossing = self._plan(layouts, rank)
-            if crossing:   # [Note: streamed re-cut]: exchanged now (collective), written from a spill file
-                from .stream_recut import SpilledRecut
+            if crossing:   # [Note: streamed re-cut]: exchanged while the file is written (collective)
+                from .stream_recut import ExchangedRecut
 
-                self.spill = SpilledRecut(self, fields, layouts, rank, strip_padding, sends, receives, local)
-                return self.spill.tensors()
+                self.exchange = ExchangedRecut(self, fields, layouts, rank, strip_padding, sends, receives, local)
+                return self.exchange.parts
         else:
             cuts = self._cutter(layouts)
             local = [(p, src, n, g, at) for p in self.pieces
@@ -295,12 +296,7 @@ class HpState:
                 pos = 0
                 for at, n, piece, src in segments[g]:
                     yield from _zeros(at - pos)
-                    source = self._stored(piece, field)
-                    if source is None:
-                        yield from _zeros(n)
-                    else:
-                        i, fragment, key, offset = source
-                        yield from self.swapper.read_slice(i, fragment, key, offset + src, n)
+                    yield from self._stored_chunks(piece, field, src, n)
                     pos = at + n
                 yield from _zeros(numel - pos)
             return chunks
@@ -312,6 +308,24 @@ class HpState:
                 numel = layout.shard_numel - (layout.padding(rank) if field in strip_padding else 0)
                 out[field].append(StreamedTensor(numel, torch.float32, produce(field, g, numel)))
         return out
+
+    def streamed_piece(self, piece: Piece, field: str) -> Any:
+        """The piece's master (`field="fp32"`) or optimizer state as a StreamedTensor read from the NVMe
+        swap files when the file is written; None when the piece has no such state (MoE pieces)."""
+        from ...checkpoint.stream_save import StreamedTensor
+
+        if self._stored(piece, field) is None:
+            return None
+        return StreamedTensor(piece.numel, torch.float32, lambda: self._stored_chunks(piece, field, 0, piece.numel))
+
+    def _stored_chunks(self, piece: Piece, field: str, src: int, n: int) -> Iterator[torch.Tensor]:
+        """Elements [src, src + n) of the piece's `field` as fp32 chunks from the swap files (zeros: none)."""
+        source = self._stored(piece, field)
+        if source is None:
+            yield from _zeros(n)
+            return
+        i, fragment, key, offset = source
+        yield from self.swapper.read_slice(i, fragment, key, offset + src, n, view=self.view)
 
     def _stored(self, piece: Piece, field: str) -> tuple[int, Any, Any, int] | None:
         """(shard, fragment or None for the master, state key, element offset) of the piece's

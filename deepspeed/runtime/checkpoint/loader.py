@@ -30,7 +30,7 @@ from ...checkpoint import files
 from ...checkpoint.mapped import copy_released
 from ...checkpoint.reader import CheckpointReader, checks_then_copies, is_universal
 from ...utils.progress import NoBar, min_bytes, progress
-from . import moe_io, tp_reslice, zero3_io
+from . import autoep_zero3_io, moe_io, tp_reslice, zero3_io
 from ..swap_tensor.optimizer_swapper import placeholder
 from .hp_state import HpState
 from .writer import dp_rank, mp_rank, set_rng_state
@@ -78,6 +78,8 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
     resliced = tensor_parallel_reader(engine, load_dir, str(tag), layout)
     if resliced is not None:   # [Note: moving a checkpoint across TP sizes]
         reader = resliced
+    elif not universal and path is not None and autoep_zero3_io.is_partitioned_checkpoint(path):
+        reader = autoep_zero3_io.AutoEPZero3Reader(engine, load_dir, str(tag))   # [Note: AutoEP ZeRO-3 layout]
     elif not universal and moe_io.reads_moe(engine, load_dir, str(tag)):   # [Note: MoE checkpoint layout]
         reader = moe_io.MoECheckpointReader(engine, load_dir, str(tag))
     elif hasattr(engine, "_checkpoint_reader"):

@@ -82,19 +82,26 @@ def global_names(engine: Any) -> dict[str, tuple[int, int, str]]:
     return out
 
 
-def pieces_state(engine: Any, hp: Any, renamed: dict[str, tuple[int, int, str]] | None = None) -> dict:
-    """This rank's optimizer file content: its pieces under global names (no collective)."""
+def pieces_state(engine: Any, hp: Any, renamed: dict[str, tuple[int, int, str]] | None = None,
+                 stream: bool = False) -> dict:
+    """This rank's optimizer file content: its pieces under global names (no collective). With
+    `stream` and NVMe-offloaded state each value is a StreamedTensor read from the swap files when
+    the file is written ([Note: streamed checkpoint file]); `hp.streamed` says which it got."""
     renamed = global_names(engine) if renamed is None else renamed
     fields, step = hp.local_fields()
     autoep = autoep_params(engine)
     local = {n: tuple(s) for g in hp.groups for n, s in g}   # this rank's shapes (ZeRO-3: not the placeholders')
+    hp.streamed = stream and hp.swapper is not None
     pieces = []
     for piece in hp.pieces:
-        values = {"fp32": hp.value(piece, "fp32").detach().float().cpu().clone()}
-        for field in fields:
-            value = hp.state_value(piece, field)
-            if value is not None:
-                values[field] = value.detach().float().cpu().clone()
+        if hp.streamed:
+            values = {f: v for f in ("fp32", *fields) for v in [hp.streamed_piece(piece, f)] if v is not None}
+        else:
+            values = {"fp32": hp.value(piece, "fp32").detach().float().cpu().clone()}
+            for field in fields:
+                value = hp.state_value(piece, field)
+                if value is not None:
+                    values[field] = value.detach().float().cpu().clone()
         start = piece_in_whole(autoep, piece.name, local[piece.name], piece.start)[0] if piece.name in autoep \
             else piece.start
         pieces.append((renamed.get(piece.name, (0, 0, piece.name))[2], start, piece.numel, values))
@@ -174,11 +181,12 @@ def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool,
                 for layer_expert, sd in expert_entries(engine, autoep, gathered)]
     if hp is None:
         return entries
-    pieces = pieces_state(engine, hp, renamed)
+    pieces = pieces_state(engine, hp, renamed, stream=hp.streamed)
     if engine.zero_optimization_stage() > 0:
+        optim = {"optimizer_state_dict": pieces, "ds_config": engine.config, "ds_version": __version__,
+                 **ep_tp_io.optimizer_record(engine, dp, dp_size)}
         entries.append((files.optim_file(dp, bf16=engine.bfloat16_enabled(), mp_rank=mp),
-                        {"optimizer_state_dict": pieces, "ds_config": engine.config, "ds_version": __version__,
-                         **ep_tp_io.optimizer_record(engine, dp, dp_size)}))
+                        files.Streamed(optim) if hp.streamed else optim))
     else:
         layer = engine.moe_layers[0] if engine.moe_layers else None
         name = layer.expert_group_name if layer is not None else f"ep_size_{groups._get_max_expert_size()}"

@@ -50,11 +50,12 @@ class SaveJob:
     `tmp-checkpoint-N` -> `checkpoint-N`) while the job runs changes nothing."""
 
     def __init__(self, save_dir: str, tag: str, rank: int, world: int, entries: list[tuple[str, Any]],
-                 save_latest: bool, prepare: list | None = None) -> None:
+                 save_latest: bool, prepare: list | None = None, release: list | None = None) -> None:
         self.save_dir, self.tag, self.rank, self.world = save_dir, tag, rank, world
         self.entries, self.save_latest = entries, save_latest
         self.names: list[str] = []  # the files written so far
         self.prepare = list(prepare or [])  # local work completing the entries' tensors (on the writer's thread)
+        self.release = list(release or [])  # what the entries read, freed once written (or abandoned)
         self.staging = files.staging_dir(save_dir, tag)
         self.save_fd = files.open_dir(save_dir)
         try:
@@ -71,9 +72,13 @@ class SaveJob:
         for finish in self.prepare:
             finish()
         self.prepare = []
-        for name, obj in self.entries:
-            files.save_file(obj, name, dir_fd=self.stage_fd, shown=os.path.join(self.staging, name), fsync=durable)
-            self.names.append(name)
+        try:
+            for name, obj in self.entries:
+                files.save_file(obj, name, dir_fd=self.stage_fd, shown=os.path.join(self.staging, name),
+                                fsync=durable)
+                self.names.append(name)
+        finally:
+            self._released()
         self.entries = []  # release the snapshot as soon as it is on disk
         if files.FSYNC and durable:
             files.fsync_fd(self.stage_fd)
@@ -135,7 +140,12 @@ class SaveJob:
     def discard(self) -> None:
         files.discard_staging(self.save_dir, self.tag, dir_fd=self.save_fd)
 
+    def _released(self) -> None:
+        while self.release:
+            self.release.pop()()
+
     def close(self) -> None:
+        self._released()
         self._closer()
 
     # --- the background protocol (file I/O only) ------------------------------------------------

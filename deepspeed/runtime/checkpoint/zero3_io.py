@@ -60,8 +60,6 @@ def optimizer_state(engine: Any, hp: HpState, rank: int, world: int, later: list
     group one fp32 flat (`fp32_flat_groups`, padding included) and its base optimizer state;
     `later`: see HpState.recut_fields; `fields_step`: HpState.agreed_fields(), when already known;
     `stream`: see writer.partitioned_optimizer_state."""
-    from ..zero.config import ZeroStageEnum
-
     layouts = [ParamwisePartition(tuple(s.numel() for _, s in g), world) for g in hp.groups]
     fields, step = fields_step if fields_step is not None else hp.agreed_fields(engine.seq_data_parallel_group)
     parts = hp.recut(["fp32"] + fields, layouts, rank, later=later, stream=stream)
@@ -72,16 +70,18 @@ def optimizer_state(engine: Any, hp: HpState, rank: int, world: int, later: list
         base_state[g] = entry
     param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [g]}
                     for g, group in enumerate(hp.base.param_groups)]
+    return {**stage3_header(hp, world), "optimizer_state_dict": {"state": base_state, "param_groups": param_groups},
+            "fp32_flat_groups": parts["fp32"]}
+
+
+def stage3_header(hp: HpState, world: int) -> dict:
+    """The keys of DeepSpeed's ZeRO-3 `optimizer_state_dict` before the state itself."""
+    from ..zero.config import ZeroStageEnum
+
     scaler = hp.wrapper.loss_scaler
-    return {
-        "zero_stage": ZeroStageEnum(3),
-        "loss_scaler": upstream_scaler(scaler),
-        "dynamic_loss_scale": bool(scaler.dynamic),
-        "overflow": bool(getattr(hp.wrapper, "overflow", False)),
-        "partition_count": world,
-        "optimizer_state_dict": {"state": base_state, "param_groups": param_groups},
-        "fp32_flat_groups": parts["fp32"],
-    }
+    return {"zero_stage": ZeroStageEnum(3), "loss_scaler": upstream_scaler(scaler),
+            "dynamic_loss_scale": bool(scaler.dynamic), "overflow": bool(getattr(hp.wrapper, "overflow", False)),
+            "partition_count": world}
 
 
 def write_param_slices(engine: Any, values: dict[str, torch.Tensor]) -> None:

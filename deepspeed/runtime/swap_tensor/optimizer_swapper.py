@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -85,6 +86,8 @@ class OptimizerStateSwapper:
         self.resident_bytes = self.peak_resident_bytes = 0   # swap buffers in memory (and their peak)
         self._held: int | None = None    # `streaming`: the one shard read in for a reader (clean)
         self._streaming = False
+        self._view: SaveView | None = None   # a background checkpoint save still reading the files
+        self._view_lock = threading.Lock()
         for i in range(len(shards)):   # the masters start on disk
             self._buffers[i] = shards[i].master
             self._write(i)
@@ -105,6 +108,7 @@ class OptimizerStateSwapper:
 
     def _write(self, i: int) -> None:
         """Start writing shard i (its layout taken now: the first step adds the optimizer state)."""
+        self._keep_for_save(i)
         layout, offset = [], 0
         tensors = [(None, None, self.shards[i].master), *self._state_tensors(i)]
         for fragment, key, tensor in tensors:
@@ -280,19 +284,24 @@ class OptimizerStateSwapper:
                 self.writer.wait()
             self._free(i)
 
-    def read_slice(self, i: int, fragment: Any, key: Any, start: int, numel: int) -> Iterator[torch.Tensor]:
+    def read_slice(self, i: int, fragment: Any, key: Any, start: int, numel: int,
+                   view: "SaveView | None" = None) -> Iterator[torch.Tensor]:
         """Elements [start, start+numel) of shard i's master (`fragment` None) or of state `key` of
         `fragment`, as fp32 chunks of at most CHUNK_BYTES read from its swap file (a checkpoint save
-        streaming it: [Note: streamed checkpoint file]), or from memory where the shard is resident."""
+        streaming it: [Note: streamed checkpoint file]), or from memory where the shard is resident.
+        With `view` (a background save), the file as it was when the view was taken, always."""
         from ...checkpoint.stream_save import CHUNK_BYTES
 
-        entry = next((e for e in self._layouts[i] if e.fragment is fragment and (fragment is None or e.key == key)),
-                     None)
+        layout = view.layouts[i] if view is not None else self._layouts[i]
+        entry = next((e for e in layout if e.fragment is fragment and (fragment is None or e.key == key)), None)
         if entry is None:
             raise KeyError(f"shard {i} of {self._path(i)} holds no {key!r} for that fragment")
         size = torch.empty(0, dtype=entry.dtype).element_size()  # host: element size
         step = max(1, CHUNK_BYTES // size)
-        fd = None if i in self._buffers else os.open(self._path(i), os.O_RDONLY)
+        if view is not None:
+            fd = view.open(i)
+        else:
+            fd = None if i in self._buffers else os.open(self._path(i), os.O_RDONLY)
         try:
             for at in range(start, start + numel, step):
                 n = min(step, start + numel - at)
@@ -306,6 +315,30 @@ class OptimizerStateSwapper:
         finally:
             if fd is not None:
                 os.close(fd)
+
+    # --- background checkpoint saves: [Note: swap files under a background save] ---------------------
+    def save_view(self) -> "SaveView | None":
+        """The swap files as they are now, for a background save to read while training goes on; None
+        when a shard is in memory (its file may be stale) or another view is open: then save inline."""
+        with self._view_lock:
+            if self._buffers or self.everything_resident or self._view is not None:
+                return None
+            self._view = SaveView(self, [list(layout) for layout in self._layouts])
+            return self._view
+
+    def _keep_for_save(self, i: int) -> None:
+        """Before shard i's file is overwritten: an open view keeps the current file (renamed aside,
+        no copy) and reads it there; the write then creates a new file."""
+        with self._view_lock:
+            view = self._view
+            if view is None or i in view.moved:
+                return
+            aside = self._path(i) + ".saving"
+            try:
+                os.rename(self._path(i), aside)
+            except FileNotFoundError:   # never written (an empty shard): nothing to keep
+                return
+            view.moved[i] = aside
 
     def load_streamed(self, apply: Callable[[int], None]) -> None:
         """A checkpoint load, shard by shard (one in memory at a time): read shard i (its master, and
@@ -357,6 +390,35 @@ class OptimizerStateSwapper:
             with contextlib.suppress(Exception):
                 handle.close()
         self.dir.remove()
+
+
+class SaveView:
+    """[Note: swap files under a background save]
+    With `checkpoint.async_save` a streamed optimizer file is written by the save's thread while
+    training goes on, and the next step rewrites every swap file. The view keeps what the save
+    reads: the layouts at the time of the save, and each shard's file as it was then: the first
+    write of shard i after the view was taken renames the file aside (`<file>.saving`: no copy, the
+    same blocks) and writes a new one, and the view reads the renamed one. Opening a file and the
+    rename happen under one lock, so a read sees either file whole, never a mix. `close()` (the
+    save written, or abandoned) removes the renamed files; until then they take disk space (at most
+    the rank's state once more)."""
+
+    def __init__(self, swapper: OptimizerStateSwapper, layouts: list[list[_Entry]]) -> None:
+        self.swapper, self.layouts = swapper, layouts
+        self.moved: dict[int, str] = {}   # shard -> its file as of the view, renamed aside
+
+    def open(self, i: int) -> int:
+        with self.swapper._view_lock:
+            return os.open(self.moved.get(i, self.swapper._path(i)), os.O_RDONLY)
+
+    def close(self) -> None:
+        with self.swapper._view_lock:
+            if self.swapper._view is self:
+                self.swapper._view = None
+            moved, self.moved = self.moved, {}
+        for path in moved.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def swapper_of(optimizer: Any) -> OptimizerStateSwapper | None:

@@ -167,6 +167,31 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
         the tensors the step updates (upstream's attribute name; tests compare them)."""
         return [u.master for u in self.units]
 
+    @property
+    def fp16_partitioned_groups_flat(self) -> list[torch.Tensor]:
+        """This rank's parameter shards in the model's dtype, beside the masters above (upstream's name)."""
+        return [u.unit.shard for u in self.units]
+
+    def _get_norm_groups(self) -> list[torch.Tensor]:
+        """Upstream's per-sub-group gradient norms, which tests read between backward and step: here one,
+        the global norm of the reduced gradient shards (each element once: dense units over the
+        data-parallel group, expert units over their EDP group). Collective over the data-parallel group."""
+        from .... import comm as ds_comm
+
+        total = torch.zeros(1, dtype=torch.float32, device=self._comm_device)
+        for um in self.units:
+            if um.grad_source is not None:
+                total += um.grad_source.float().pow(2).sum().to(self._comm_device)
+        if self.dp_world > 1:
+            ds_comm.all_reduce(total, group=self.group)
+        return [total.sqrt().reshape(())]
+
+    # upstream's attribute is a tensor (tests call torch.isfinite on it); stored as a float here
+    _global_grad_norm = property(
+        lambda self: None if self._norm_value is None else
+        torch.tensor(self._norm_value, dtype=torch.float64),  # host: a scalar
+        lambda self, value: setattr(self, "_norm_value", None if value is None else float(value)))
+
     def __repr__(self) -> str:
         return (f"Stage3Optimizer({type(self.optimizer).__name__}, units={len(self.units)}, "
                 f"world={self.dp_world})")
