@@ -78,7 +78,7 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
     resliced = tensor_parallel_reader(engine, load_dir, str(tag), layout)
     if resliced is not None:   # [Note: moving a checkpoint across TP sizes]
         reader = resliced
-    elif not universal and path is not None and autoep_zero3_io.is_partitioned_checkpoint(path):
+    elif not universal and path is not None and _autoep_zero3(path, layout):
         reader = autoep_zero3_io.AutoEPZero3Reader(engine, load_dir, str(tag))   # [Note: AutoEP ZeRO-3 layout]
     elif not universal and moe_io.reads_moe(engine, load_dir, str(tag)):   # [Note: MoE checkpoint layout]
         reader = moe_io.MoECheckpointReader(engine, load_dir, str(tag))
@@ -112,6 +112,17 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
         if os.path.isfile(rng):
             plan.rng = files.load_file(rng, mmap=False)
     return plan
+
+
+def _autoep_zero3(path: str, layout: tuple) -> bool:
+    """Whether the tag is in the AutoEP ZeRO-3 layout: the marker every rank's ZeRO-3 model-states file
+    carries, read from the one this rank has loaded already (else autoep_zero3_io looks at rank 0's)."""
+    from ...utils.zero_to_fp32 import is_autoep_zero3_partitioned
+
+    _, states, name = layout
+    if states is not None and name is not None and name.startswith("zero_pp_rank_"):
+        return is_autoep_zero3_partitioned(states)
+    return autoep_zero3_io.is_partitioned_checkpoint(path)
 
 
 def load_hp_state(engine: Any, checkpoint_dir: str) -> None:
