@@ -85,8 +85,9 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
     elif hasattr(engine, "_checkpoint_reader"):
         reader = engine._checkpoint_reader(load_dir, str(tag))
     else:   # a universal checkpoint has no tensor ranks' files: one mp_rank_00 (per pipeline stage)
+        loaded = (layout[2], layout[1]) if layout[1] is not None else None
         reader = CheckpointReader(load_dir, str(tag), mp_rank=0 if universal else mp_rank(engine),
-                                  own_rank=dp_rank(engine), loaded=(layout[2], layout[1]) if layout[1] is not None else None)
+                                  own_rank=dp_rank(engine), loaded=loaded)
     if reader.universal:   # whole values: this run's tensor slices and expert rows are cut from them
         reader = moe_io.universal_reader(engine, tp_reslice.universal_cut_reader(engine, reader))
     hp = HpState(engine) if engine._has_optimizer else None

@@ -141,7 +141,8 @@ class TPReslicedReader:
             for seg in plan:
                 a, z = max(lo, seg.dst), min(hi, seg.dst + seg.length)
                 if a < z:
-                    reads.append((seg.saved_rank, (seg.src + a - seg.dst) * inner, (z - a) * inner, [(0, a - lo, z - a)]))
+                    reads.append((seg.saved_rank, (seg.src + a - seg.dst) * inner, (z - a) * inner,
+                                  [(0, a - lo, z - a)]))
             return (hi - lo, inner), lo * inner, reads
         new_w, saved_w = new[dim] * inner, saved[dim] * inner   # outer rows [lo, hi) of every saved slice
         lo, hi = start // new_w, -(-(start + numel) // new_w)
