@@ -109,7 +109,8 @@ class EngineAccessors:
 
     @staticmethod
     def load_moe_state_dict(checkpoint_path: str, tag: Any, state_dict: dict, old_moe_load: bool, model: Any = None,
-                            mpu: Any = None, num_experts: Any = 1, checkpoint_engine: Any = None, **kwargs: Any) -> None:
+                            mpu: Any = None, num_experts: Any = 1, checkpoint_engine: Any = None,
+                            **kwargs: Any) -> None:
         """Upstream's static: this rank's experts of `model` into `state_dict` (checkpoint/moe_state_dict.py;
         Megatron-DeepSpeed calls it)."""
         from .checkpoint.moe_state_dict import load_moe_state_dict
