@@ -517,3 +517,26 @@ def frozen_expert_save_run(save_dir: str) -> str:
     except Exception as exc:   # noqa: BLE001 - the test reads the message
         return f"{type(exc).__name__}: {exc}"
     return "saved"
+
+
+def expert_count_mismatch_run(save_dir: str, stage: int) -> str:
+    """Save AutoEP Mixtral with 4 experts (ep 2), load into the same model with 8: what load raises here."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+              "expert_parallel": {"enabled": True, "autoep_size": 2}}
+    engine = deepspeed.initialize(model=build("mixtral"), config=config)[0]
+    ids = batch(0, dist.get_rank())
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.save_checkpoint(save_dir, tag="t")
+    other = deepspeed.initialize(model=build("mixtral", experts=8), config=config)[0]
+    try:
+        other.load_checkpoint(save_dir, tag="t")
+    except ValueError as exc:   # the test reads the type and the message
+        return f"{type(exc).__name__}: {exc}"
+    except Exception as exc:   # noqa: BLE001
+        return f"not a ValueError: {type(exc).__name__}: {exc}"
+    return "loaded"

@@ -210,6 +210,16 @@ def test_autoep_zero3_frozen_experts_refused_at_save(tmp_path) -> None:
     assert not os.path.isdir(tmp_path / "t")
 
 
+def test_autoep_checkpoint_with_another_expert_count_is_refused_naming_both(tmp_path) -> None:
+    """A ZeRO-3 AutoEP checkpoint of 4 experts loaded into the model with 8: a ValueError on every rank
+    naming both counts in upstream's words (before: a shape error naming only the router)."""
+    from autoep_jobs import expert_count_mismatch_run
+
+    for message in run_distributed(2, expert_count_mismatch_run, str(tmp_path), 3):
+        assert message.startswith("ExpertCountError") and "saved with 4 experts" in message, message
+        assert "target_local_experts=4, checkpoint_local_experts=2" in message, message
+
+
 def test_autoep_hf_trainer_checkpoint_resume(tmp_path) -> None:
     """The Trainer saves a checkpoint at step 2 (engine.save_checkpoint under AutoEP) and a second Trainer
     resumes from it: steps 3-4 and the saved weights equal the uninterrupted run's."""

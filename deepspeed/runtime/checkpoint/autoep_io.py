@@ -15,6 +15,13 @@ from typing import Any
 
 import torch
 
+from ...checkpoint.files import CheckpointError
+
+
+class ExpertCountError(CheckpointError, ValueError):
+    """A checkpoint with another number of experts per AutoEP layer than the model (upstream raises a
+    ValueError there)."""
+
 
 def autoep_params(engine: Any) -> dict[str, tuple[int, Any]]:
     """{parameter name: (MoE layer id, its AutoEP experts module)}: empty without AutoEP."""
@@ -106,3 +113,30 @@ def read_module(path: str, params: dict[str, tuple[int, Any]], mp: int = 0) -> d
 def own_rows(params: dict[str, tuple[int, Any]], name: str, whole: torch.Tensor) -> torch.Tensor:
     layer = params[name][1]
     return whole[layer.first_expert:layer.first_expert + layer.num_local_experts]
+
+
+def check_expert_counts(engine: Any, reader: Any) -> None:
+    """Refuse a checkpoint whose AutoEP layers hold another number of experts than this model's, by the
+    saved shape of the MoE block's router, before the shape checks that would name only the router
+    (a ValueError, as upstream's refusal, worded as upstream's)."""
+    from ..engine_moe import moe_layers
+
+    saved = {n: torch.Size(s) for g in reader.groups() for n, s in g}
+    experts = autoep_params(engine)
+    for prefix, layer in moe_layers(engine.module):
+        if not hasattr(layer, "expert_param_names"):
+            continue
+        block = prefix if getattr(layer, "_is_autoep_layer", False) else prefix.rpartition(".")[0]
+        module = engine.module.get_submodule(block) if block else engine.module
+        for name, param in module.named_parameters():
+            full = f"{block}.{name}" if block else name
+            shape, mine = saved.get(full), getattr(param, "ds_shape", param.shape)
+            if full in experts or shape is None or len(shape) != 2 or len(mine) != 2 or mine[0] != layer.num_experts:
+                continue
+            if shape[0] != mine[0] and shape[1] == mine[1]:
+                raise ExpertCountError(
+                    f"{reader.path}: AutoEP layer {block!r} was saved with {shape[0]} experts (its router "
+                    f"{full} is {tuple(shape)}); this model has {layer.num_experts} at ep_size {layer.ep_size} "
+                    f"(target_local_experts={layer.num_local_experts}, "
+                    f"checkpoint_local_experts={shape[0] // layer.ep_size}): load it into a model with "
+                    f"{shape[0]} experts")

@@ -30,7 +30,7 @@ from ...checkpoint import files
 from ...checkpoint.mapped import copy_released
 from ...checkpoint.reader import CheckpointReader, checks_then_copies, is_universal
 from ...utils.progress import NoBar, min_bytes, progress
-from . import autoep_zero3_io, moe_io, tp_reslice, zero3_io
+from . import autoep_io, autoep_zero3_io, moe_io, tp_reslice, zero3_io
 from ..swap_tensor.optimizer_swapper import placeholder
 from .hp_state import HpState
 from .writer import dp_rank, mp_rank, set_rng_state
@@ -95,6 +95,7 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
         trainable = {n for g in hp.groups for n, _ in g}
         reader.bind_replicated_names(hp.optimizer_names, trainable, strict=strict)
     plan = LoadPlan(reader, hp)
+    autoep_io.check_expert_counts(engine, reader)
     _plan_module(engine, plan, strict)
     state = reader.model_states
     if hp is not None:
