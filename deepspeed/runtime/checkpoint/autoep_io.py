@@ -102,7 +102,3 @@ def read_module(path: str, params: dict[str, tuple[int, Any]], mp: int = 0) -> d
         out[name] = torch.stack(rows)
     return out
 
-
-def own_rows(params: dict[str, tuple[int, Any]], name: str, whole: torch.Tensor) -> torch.Tensor:
-    layer = params[name][1]
-    return whole[layer.first_expert:layer.first_expert + layer.num_local_experts]

@@ -9,9 +9,11 @@ optimizer goes to `expp_rank_{ep}_mp_rank_00_optim_states.pt` without ZeRO (the 
 each EP rank; upstream's `{'optimizer': state_dict}` plus ours) and to every rank's
 `[bf16_]zero_pp_rank_{dp}_mp_rank_00_optim_states.pt` with ZeRO. Ours in both is `ds_moe_pieces`:
 each slice of a trained parameter the rank holds (HpState pieces), under global names, with its fp32
-master and optimizer state. A slice names what it is, so loading (MoECheckpointReader: the pieces
-joined into full values, then the usual loader reads the slices it owns) works at any world size,
-ZeRO stage and ep_size; zero_to_fp32 joins the same pieces into one fp32 state dict.
+master and optimizer state. A slice names what it is, so loading works at any world size, ZeRO stage
+and ep_size: MoECheckpointReader indexes the pieces of the memory-mapped files by local name and
+offset, and each slice the usual loader asks for is copied out of the pieces holding it only then
+(with NVMe offload, one sub-group at a time: the rank's state is never joined in memory).
+zero_to_fp32 joins the same pieces into one fp32 state dict.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ...utils import groups
 from ...module_inject.auto_ep_layer import local_expert_state
 from ..engine_moe import moe_layers
 from ...checkpoint.constants import AUTOEP_LAYERS_KEY
-from .autoep_io import autoep_params, expert_entries, layer_metadata, own_rows, piece_in_whole, read_module
+from .autoep_io import autoep_params, expert_entries, layer_metadata, piece_in_whole, read_module
 
 EXPERT_RE = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")
 PIECES = "ds_moe_pieces"
@@ -197,13 +199,22 @@ def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool,
     return entries
 
 
-def _overlap(start: int, numel: int, span: tuple[int, int]) -> int:
-    return max(0, min(start + numel, span[1]) - max(start, span[0]))
+def _segments(pieces: list[tuple[int, int, torch.Tensor]], lo: int, hi: int) -> Any:
+    """(value, offset in it, offset in [lo, hi), count) of the pieces (sorted by start) that hold
+    elements of [lo, hi), each element taken once (stage-0 files repeat the dense parameters' pieces)."""
+    at = lo
+    for start, numel, value in pieces:
+        if start >= hi:
+            break
+        a, b = max(at, start), min(hi, start + numel)
+        if a < b:
+            yield value, a - start, a - lo, b - a
+            at = b
 
 
 class MoECheckpointReader(CheckpointReader):
-    """A MoE checkpoint as this rank's model sees it: full values under its LOCAL names (its experts'
-    global ids mapped back), so the usual loader reads the slices this rank owns."""
+    """A MoE checkpoint as this rank's model sees it: values under its LOCAL names (its experts' global
+    ids mapped back), so the usual loader reads the slices this rank owns, each when it asks for it."""
 
     def __init__(self, engine: Any, load_dir: str, tag: str) -> None:
         from ...checkpoint.files import model_file, tag_dir
@@ -241,8 +252,9 @@ class MoECheckpointReader(CheckpointReader):
         wanted = {renamed.get(n, (0, 0, n))[2]: n for n in module}   # global name -> local name
         found = ep_tp_io.optimizer_files(sorted(glob.glob(os.path.join(path, "expp_rank_*_optim_states.pt")) +
                                                 glob.glob(os.path.join(path, "*zero_pp_rank_*_optim_states.pt"))), mp, tp)
-        full: dict[str, dict[str, torch.Tensor]] = {}
-        filled: dict[str, int] = {}
+        # field -> local name -> [(start in the saved whole, numel, the memory-mapped value)], read lazily
+        self._lazy: dict[str, dict[str, list[tuple[int, int, torch.Tensor]]]] = {}
+        self._offset: dict[str, int] = {}   # where this rank's values start in the saved whole (AutoEP rows)
 
         def needed(local: str) -> tuple[int, int]:
             """The flat range this rank reads: an AutoEP tensor's own experts' rows (under tensor parallelism
@@ -275,24 +287,49 @@ class MoECheckpointReader(CheckpointReader):
                     continue
                 shapes[local] = tuple(state["shapes"][name])
                 for field, value in values.items():
-                    flat = full.setdefault(field, {}).setdefault(local, torch.zeros(  # host: read from files
-                        torch.Size(shapes[local]).numel(), dtype=torch.float32))
-                    if field == "fp32":
-                        filled[local] = filled.get(local, 0) + _overlap(start, numel, needed(local))
-                    flat[start:start + numel].copy_(value)
-        for local, shape in shapes.items():
+                    self._lazy.setdefault(field, {}).setdefault(local, []).append((start, numel, value.reshape(-1)))
+        for pieces in self._lazy.values():
+            for entries in pieces.values():
+                entries.sort(key=lambda entry: entry[0])
+        for local in shapes:
             lo, hi = needed(local)
-            if filled.get(local, 0) < hi - lo:
+            self._offset[local] = lo
+            filled = sum(n for *_, n in _segments(self._lazy.get("fp32", {}).get(local, []), lo, hi))
+            if filled < hi - lo:
                 raise CheckpointError(f"{path}: parameter {local!r} is incomplete in the checkpoint's optimizer "
-                                      f"files ({filled.get(local, 0)} of the {hi - lo} elements this rank reads)")
-        self._full = {f: {n: own_rows(autoep, n, t.view(shapes[n])) if n in autoep else t.view(shapes[n])
-                          for n, t in values.items()} for f, values in full.items()}
+                                      f"files ({filled} of the {hi - lo} elements this rank reads)")
+        self._full = {"fp32": {}}
         shapes = {n: tuple(module[n].shape) if n in autoep else s for n, s in shapes.items()}
-        self._full.setdefault("fp32", {})
         self._set_groups([shapes] if shapes else [{}])
         if not found:   # module weights only: every parameter from the module state
             self._full["fp32"] = dict(module)
             self._set_groups([{n: t.shape for n, t in module.items() if n in dict(engine.module.named_parameters())}])
+
+    def fields(self) -> list[str]:
+        return sorted((set(self._lazy) | set(self._full)) - {"fp32"})
+
+    def has_field(self, name: str, field: str) -> bool:
+        return name in self._lazy.get(field, {}) or super().has_field(name, field)
+
+    def read(self, name: str, field: str, start: int = 0, numel: int | None = None) -> torch.Tensor | None:
+        """As CheckpointReader.read; a piece-backed value is copied out of the memory-mapped pieces that
+        hold the range, only then (never joined whole in memory: [Note: MoE checkpoint layout]). Elements
+        no saved piece holds read as zeros for optimizer state (a piece saved before its state existed)."""
+        pieces = self._lazy.get(field, {}).get(name)
+        if pieces is None:
+            return super().read(name, field, start, numel)
+        g, i = self._where[name]
+        numel = self._groups[g][i][1].numel() - start if numel is None else numel
+        out = torch.zeros(numel, dtype=torch.float32)   # host: read from files, copied by the caller
+        lo = self._offset[name] + start
+        filled = 0
+        for value, at, to, count in _segments(pieces, lo, lo + numel):
+            out[to:to + count].copy_(value[at:at + count])
+            filled += count
+        if field == "fp32" and filled != numel:
+            raise CheckpointError(f"{self.path}: parameter {name!r} ({field}) is incomplete in the checkpoint: "
+                                  f"found {filled} of {numel} elements")
+        return out
 
     def bind_replicated_names(self, optimizer_names: list, trainable: set, strict: bool = True) -> None:
         """Pieces are named; DeepSpeed's stage-0 `expp_rank_*` file keys its torch optimizer state by
