@@ -32,7 +32,7 @@ from ...utils import groups
 from ...module_inject.auto_ep_layer import local_expert_state
 from ..engine_moe import moe_layers
 from ...checkpoint.constants import AUTOEP_LAYERS_KEY
-from .autoep_io import autoep_params, expert_entries, layer_metadata, piece_in_whole, read_module
+from .autoep_io import autoep_params, expert_entries, layer_metadata, module_rows, piece_in_whole
 
 EXPERT_RE = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")
 PIECES = "ds_moe_pieces"
@@ -247,7 +247,10 @@ class MoECheckpointReader(CheckpointReader):
                 raise CheckpointError(f"{source} has no {name!r} (it holds {sorted(saved)})")
             module[local] = saved[name]
         autoep = autoep_params(engine)
-        module.update(read_module(path, autoep, mp))
+        # AutoEP's local expert rows stay in the mapped files: stacked only if asked for (frozen, module-only)
+        self._rows = module_rows(path, autoep, mp)
+        module.update({n: torch.empty((len(r),) + tuple(r[0].shape), dtype=r[0].dtype, device="meta")
+                       for n, r in self._rows.items()})
         self.model_states["module"] = module
         wanted = {renamed.get(n, (0, 0, n))[2]: n for n in module}   # global name -> local name
         found = ep_tp_io.optimizer_files(sorted(glob.glob(os.path.join(path, "expp_rank_*_optim_states.pt")) +
@@ -271,7 +274,7 @@ class MoECheckpointReader(CheckpointReader):
         states = [load_file(source) for source in found]
         if states and not any(PIECES in s.get("optimizer_state_dict", s) for s in states):
             self._ds_optimizer = _deepspeed_optimizer(engine, path, found, states)
-            self._full = {"fp32": dict(module)}
+            self._full = {"fp32": self._module_values(module)}
             return
         for source, state in zip(found, states):
             state = state.get("optimizer_state_dict", state)
@@ -302,8 +305,16 @@ class MoECheckpointReader(CheckpointReader):
         shapes = {n: tuple(module[n].shape) if n in autoep else s for n, s in shapes.items()}
         self._set_groups([shapes] if shapes else [{}])
         if not found:   # module weights only: every parameter from the module state
-            self._full["fp32"] = dict(module)
+            self._full["fp32"] = self._module_values(module)
             self._set_groups([{n: t.shape for n, t in module.items() if n in dict(engine.module.named_parameters())}])
+
+    def _module_values(self, module: dict) -> dict[str, torch.Tensor]:
+        return {n: self.module_tensor(n) if n in self._rows else t for n, t in module.items()}
+
+    def module_tensor(self, name: str) -> torch.Tensor | None:
+        if name in self._rows:
+            return torch.stack(self._rows[name])
+        return super().module_tensor(name)
 
     def fields(self) -> list[str]:
         return sorted((set(self._lazy) | set(self._full)) - {"fp32"})
