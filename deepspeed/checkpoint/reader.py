@@ -10,6 +10,19 @@ every layout to one question, "elements [start, start+numel) of parameter `name`
 memory-mapped files of the ranks that hold them. The loader asks it for exactly the slices its
 own rank owns, so a checkpoint saved by N ranks at stage s loads on M ranks at stage s' with no
 conversion step and without materialising the whole model on any rank.
+
+[Note: reading only what a rank needs]
+No optimizer-state file is opened up front. The partition geometry follows from the model-states
+file's `param_shapes`, the number of optimizer-state files (a glob) and whether the tag has per-rank
+model-states files (ZeRO-3), so `sources` (pure: `placements` of the saved partition) says which saved
+ranks hold elements [start, start+numel) of a parameter, and a rank's file is opened (and unpickled,
+once) when a slice of it is first asked for. What every rank's file holds alike (ZeRO stage, rank
+count, param groups, step, loss scaler) comes from the first file opened, checked against the glob,
+else from `own_rank`'s. A ZeRO-3 rank at the same layout thus opens its own optimizer-state and
+model-states files only; a ZeRO-1/2 rank the saved shards its bucket slices lie in (this runtime's
+buckets run in reverse parameter order, the files in parameter order: a few files, not N); at another
+layout, only the saved ranks whose shards overlap its slices (tests/distributed/test_checkpoint_reads.py
+counts them).
 """
 
 from __future__ import annotations
@@ -17,12 +30,14 @@ from __future__ import annotations
 import glob
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..runtime.zero.partition import BucketPartition, ParamwisePartition
 from .files import CheckpointError, load_file, model_file, tag_dir, wait_for_background_saves
+from .mapped import Mapping, copy_released, mapping_of
 
 ALIGNMENT = 2  # DeepSpeed pads each ZeRO-1/2 param group to a multiple of 2 * world size
 
@@ -33,47 +48,130 @@ def is_universal(path: str) -> bool:
         not glob.glob(os.path.join(path, "*zero_pp_rank_*_mp_rank_*_optim_states.pt"))
 
 
+def checks_then_copies(reader: Any) -> bool:
+    """Whether `reader` can check a read now (`check`) and copy it later (`read_into`): the class that
+    defines its `read` defines both (a subclass with its own `read`, or a wrapper answering `read` only
+    and forwarding other attributes to its first reader, must be asked to `read`)."""
+    owner = next((c for c in type(reader).__mro__ if "read" in vars(c)), None)
+    return owner is not None and "read_into" in vars(owner) and "check" in vars(owner)
+
+
 class CheckpointReader:
     """One tag of a checkpoint directory; see [Note: resume anywhere]."""
 
-    def __init__(self, load_dir: str, tag: str, mp_rank: int = 0, module_state: dict | None = None) -> None:
+    # defaults for readers built without this __init__ (moe_io, autoep_zero3_io)
+    mappings: Any = ()
+    _zero3 = False
+    model_name: str | None = None   # the model-states file read (ZeRO-3: this rank's)
+
+    def __init__(self, load_dir: str, tag: str, mp_rank: int = 0, module_state: dict | None = None,
+                 own_rank: int | None = None, loaded: tuple[str, dict] | None = None) -> None:
+        """`own_rank`: the loading rank's data-parallel rank (its ZeRO-3 model-states file is read, and its
+        optimizer-state file when metadata is needed before any slice: [Note: reading only what a rank
+        needs]). `loaded`: (file name, content) of a model-states file the caller has loaded already; used
+        when it is the one this reader reads."""
         wait_for_background_saves()
         path = tag_dir(load_dir, tag)
         if path is None:
             raise CheckpointError(f"checkpoint tag {tag!r} not found in {load_dir} (no directory {tag})")
         self.path, self.tag, self.mp_rank = path, tag, mp_rank   # mp_rank: a pipeline stage's files
-        self.universal = os.path.isdir(os.path.join(path, "zero")) and not self._optim_files()
-        model_path = os.path.join(path, model_file(mp_rank))
-        zero3_model = os.path.join(path, model_file(mp_rank, zero3_dp_rank=0))
-        if os.path.isfile(model_path):
-            self.model_states = load_file(model_path)
-        elif os.path.isfile(zero3_model):
-            self.model_states = load_file(zero3_model)
-        else:
+        self.mappings: list[Mapping] = []   # the files this reader loaded ([Note: released reads])
+        self.rank_files = self._optim_files()
+        self.universal = os.path.isdir(os.path.join(path, "zero")) and not self.rank_files
+        own = own_rank or 0
+        candidates = [model_file(mp_rank), model_file(mp_rank, zero3_dp_rank=own), model_file(mp_rank, zero3_dp_rank=0)]
+        found = next((n for n in candidates if os.path.isfile(os.path.join(path, n))), None)
+        if found is None:
             raise CheckpointError(f"{path}: no {model_file()} (nor {model_file(zero3_dp_rank=0)}); not a "
                                   "DeepSpeed checkpoint tag directory")
+        self.model_name = found
+        if loaded is not None and loaded[0] == found:
+            self.model_states = dict(loaded[1])
+            mapping = mapping_of(os.path.join(path, found), loaded[1])
+            self.mappings += [mapping] if mapping is not None else []
+        else:
+            self.model_states = self._load(os.path.join(path, found))
         if module_state is not None:   # pipelines keep the module in per-layer files (runtime/pipe/checkpoint.py)
             self.model_states["module"] = module_state
-        self.rank_files = self._optim_files()
-        if self.rank_files:
-            self._check_rank_count(load_file(self.rank_files[0]))
-        self.zero_states = [load_file(f) for f in self.rank_files]
-        self.optimizer_state = [s["optimizer_state_dict"] for s in self.zero_states]
-        self.stage = self._stage()
-        # optimizer-wide state (loss scaler, clip_grad, ...): rank 0's, or the universal common file
-        self.common_state: dict = self.optimizer_state[0] if self.optimizer_state else {}
+        self.zero_states = _RankFiles(self)
+        self.optimizer_state = _OptimizerStates(self.zero_states)
+        self._own = own if own < len(self.rank_files) else 0
+        # a ZeRO-3 tag has one model-states file per rank and no mp_rank_XX file (checked when a file opens)
+        self._zero3 = bool(self.rank_files) and found != model_file(mp_rank)
+        self._stage_value: int | None = None if self.rank_files else 0
+        self._common: dict | None = None if self.rank_files else {}
+        self._param_groups: list[dict] | None = None
         self._full: dict[str, dict[str, torch.Tensor]] = {}   # replicated layouts: field -> name -> tensor
         self._groups: list[list[tuple[str, torch.Size]]] = []
         self._where: dict[str, tuple[int, int]] = {}           # name -> (group, index)
         self._partitions: list[Any] = []
-        self._fragment_cache: dict[tuple[int, int], dict[int, list]] = {}
-        self._parts: dict[str, list[list[torch.Tensor]]] = {}  # field -> group -> rank -> flat
+        self._parts: dict[str, list[list[Any]]] = {}  # field -> group -> rank -> flat (None: not read yet)
+        self._read_ranks: set[int] = set()
         if self.universal:
             self._init_universal()
-        elif self.optimizer_state:
+        elif self.rank_files:
             self._init_partitioned()
         else:
             self._init_replicated()
+
+    def _load(self, path: str) -> Any:
+        """A file of this tag, memory-mapped; its mapping recorded so copies out of it give its pages back."""
+        obj = load_file(path)
+        mapping = mapping_of(path, obj)
+        if mapping is not None:
+            self.mappings = [*self.mappings, mapping]
+        return obj
+
+    @property
+    def _meta(self) -> dict:
+        """What every rank's optimizer-state file holds alike (stage, rank count, param groups, step, loss
+        scaler): from the first file this reader opened, else its own rank's."""
+        return self.optimizer_state[self.zero_states.first if self.zero_states.first is not None else self._own]
+
+    def _opened(self, rank: int, state: dict) -> None:
+        """A rank's file was just opened: the first one's rank count and stage are checked."""
+        if self.zero_states.first is not None:
+            return
+        self._check_rank_count(state)
+        stage = state.get("optimizer_state_dict", {}).get("zero_stage")
+        if (stage is not None and int(stage) == 3) != self._zero3:
+            raise CheckpointError(f"{self.rank_files[rank]}: written at ZeRO stage {stage}, but the tag's model-states "
+                                  f"file is {self.model_name}: optimizer-state files of another checkpoint?")
+
+    @property
+    def stage(self) -> int:
+        if self._stage_value is None:
+            stage = self._meta.get("zero_stage")
+            self._stage_value = 0 if stage is None else int(stage)  # stage-0 bf16 partitions like ZeRO-1, no zero_stage
+        return self._stage_value
+
+    @stage.setter
+    def stage(self, value: int) -> None:
+        self._stage_value = value
+
+    @property
+    def common_state(self) -> dict:
+        """Optimizer-wide state (loss scaler, clip_grad, ...): any rank's file's (they are equal), or the
+        universal checkpoint's common file."""
+        return self._meta if self._common is None else self._common
+
+    @common_state.setter
+    def common_state(self, value: dict) -> None:
+        self._common = value
+
+    @property
+    def param_groups(self) -> list[dict]:
+        if self._param_groups is None:
+            self._param_groups = self._base_param_groups()
+        return self._param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self._param_groups = value
+
+    def opened_ranks(self) -> list[int]:
+        """The saved ranks whose optimizer-state files this reader has opened so far."""
+        return self.zero_states.opened()
 
     # --- what is there ----------------------------------------------------------------------
     def _optim_files(self) -> list[str]:
@@ -103,24 +201,12 @@ class CheckpointReader:
                                   f"optimizer-state files are present; missing ranks "
                                   f"{list(range(len(self.rank_files), expected))}: {missing}")
 
-    def _stage(self) -> int:
-        if not self.optimizer_state:
-            return 0
-        stage = self.optimizer_state[0].get("zero_stage")
-        if stage is None:
-            return 0  # the bf16 optimizer of stage 0 partitions like ZeRO-1 but has no zero_stage
-        return int(stage)
-
     @property
     def world_size(self) -> int:
-        if self.optimizer_state:
-            count = self.optimizer_state[0].get("partition_count")
-            expected = int(count[0] if isinstance(count, (list, tuple)) else count) if count is not None \
-                else len(self.optimizer_state)
-            if expected != len(self.optimizer_state):
-                raise CheckpointError(f"{self.path}: written by {expected} ranks but only {len(self.optimizer_state)}"
-                                      " optimizer-state files are present")
-            return expected
+        """The saved data-parallel size: the number of optimizer-state files (checked against the
+        `partition_count` of the first one opened), else the model states' `dp_world_size`."""
+        if self.rank_files:
+            return len(self.rank_files)
         return int(self.model_states.get("dp_world_size", 1) or 1)
 
     def param_names(self) -> list[str]:
@@ -132,13 +218,10 @@ class CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def has_field(self, name: str, field: str) -> bool:
-        """Whether a replicated or universal checkpoint holds `field` for parameter `name`."""
-        return name in self._full.get(field, {})
-
     def fields(self) -> list[str]:
-        return sorted(f for f in self._parts if f != "fp32") if self._parts else \
-            sorted(f for f in self._full if f != "fp32")
+        if self._partitions:
+            return sorted(f for f in self._field_tables() if f != "fp32")
+        return sorted(f for f in self._full if f != "fp32")
 
     # --- layouts ----------------------------------------------------------------------------
     def _init_partitioned(self) -> None:
@@ -149,31 +232,54 @@ class CheckpointReader:
         if isinstance(shapes, dict):
             shapes = [shapes]
         world = self.world_size
-        if self.stage == 3:  # all groups share one per-parameter walk of each rank's flat
+        if self._zero3:  # all groups share one per-parameter walk of each rank's flat
             shapes = [{n: s for g in shapes for n, s in g.items()}]
         self._set_groups(shapes)
         for g, group in enumerate(self._groups):
             numels = tuple(int(torch.Size(s).numel()) for _, s in group)
-            self._partitions.append(ParamwisePartition(numels, world) if self.stage == 3
+            self._partitions.append(ParamwisePartition(numels, world) if self._zero3
                                     else BucketPartition(numels, world, ALIGNMENT))
-        for rank, state in enumerate(self.optimizer_state):
-            if self.stage == 3:
-                fp32 = [_joined(state["fp32_flat_groups"])]
-                base = state["optimizer_state_dict"]["state"]
-                per_field = self._concat_state([base[k] for k in sorted(base)])
-            else:
-                fp32 = list(state["single_partition_of_fp32_groups"])
-                base = state["base_optimizer_state"]
-                groups = [base["state"][k] for k in sorted(base["state"])] if isinstance(base, dict) else list(base)
-                per_field = {f: [gs[f].reshape(-1) for gs in groups] for f in self._tensor_fields(groups)}
-                self._step = self._find_step(groups, state)
-            self._add_parts("fp32", rank, fp32)
-            for field, parts in per_field.items():
+        # no optimizer-state file is opened here: each is opened when a slice of it is first asked for,
+        # and what all hold alike comes from the first one opened ([Note: reading only what a rank needs])
+
+    def _base_states(self, state: dict) -> list[dict]:
+        """A rank's base-optimizer state entries (each {field: tensor, "step": ...}), in key order."""
+        if self._zero3:
+            base = state["optimizer_state_dict"]["state"]
+            return [base[k] for k in sorted(base)]
+        base = state["base_optimizer_state"]
+        return [base["state"][k] for k in sorted(base["state"])] if isinstance(base, dict) else list(base)
+
+    def _field_tables(self) -> dict[str, list[list[Any]]]:
+        """`_parts` with a table per field, the fields named by the metadata file (opened if none is)."""
+        if not self._parts:
+            meta = self._meta
+            states = self._base_states(meta)
+            self._step = self._find_step(states, {} if self._zero3 else meta)
+            for field in ["fp32", *self._tensor_fields(states)]:
+                self._parts[field] = [[None] * self.world_size for _ in self._groups]
+        return self._parts
+
+    def _read_rank(self, rank: int) -> None:
+        """Open saved rank `rank`'s optimizer-state file and enter its flats in `_parts`."""
+        if rank in self._read_ranks:
+            return
+        state = self.optimizer_state[rank]
+        self._field_tables()
+        if self._zero3:
+            fp32 = [_joined(state["fp32_flat_groups"])]
+            base = state["optimizer_state_dict"]["state"]
+            per_field = self._concat_state([base[k] for k in sorted(base)])
+        else:
+            fp32 = list(state["single_partition_of_fp32_groups"])
+            base = state["base_optimizer_state"]
+            groups = [base["state"][k] for k in sorted(base["state"])] if isinstance(base, dict) else list(base)
+            per_field = {f: [gs[f].reshape(-1) for gs in groups] for f in self._tensor_fields(groups)}
+        self._add_parts("fp32", rank, fp32)
+        for field, parts in per_field.items():
+            if field in self._parts:
                 self._add_parts(field, rank, parts)
-        if self.stage == 3:
-            base = self.optimizer_state[0]["optimizer_state_dict"]
-            self._step = self._find_step([base["state"][k] for k in sorted(base["state"])], {})
-        self.param_groups = self._base_param_groups()
+        self._read_ranks.add(rank)
 
     def _concat_state(self, groups: list[dict]) -> dict[str, list[torch.Tensor]]:
         return {f: [_joined([g[f] for g in groups])] for f in self._tensor_fields(groups)}
@@ -192,7 +298,7 @@ class CheckpointReader:
         return state.get("base_optimizer_state_step")
 
     def _add_parts(self, field: str, rank: int, parts: list[torch.Tensor]) -> None:
-        table = self._parts.setdefault(field, [[None] * len(self.optimizer_state) for _ in self._groups])
+        table = self._parts[field]
         for g, part in enumerate(parts):
             table[g][rank] = part.reshape(-1)
 
@@ -201,8 +307,10 @@ class CheckpointReader:
         self._where = {n: (g, i) for g, group in enumerate(self._groups) for i, (n, _) in enumerate(group)}
 
     def _base_param_groups(self) -> list[dict]:
-        state = self.optimizer_state[0]
-        base = state.get("base_optimizer_state") if self.stage != 3 else state.get("optimizer_state_dict")
+        if not self.rank_files:
+            return []
+        state = self._meta
+        base = state.get("base_optimizer_state") if not self._zero3 else state.get("optimizer_state_dict")
         if isinstance(base, dict) and "param_groups" in base:
             return [{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]]
         return []
@@ -237,7 +345,7 @@ class CheckpointReader:
         loading engine's optimizer groups name them (they must list the same parameters). When
         they do not and `strict` is False, the weights are still read by name from the module
         state, without optimizer state."""
-        if not (self.optimizer_state == [] and not self.universal):
+        if self.rank_files or self.universal:
             return
         names = self._replicated_names or optimizer_names
         module = self._full["fp32"]
@@ -277,7 +385,7 @@ class CheckpointReader:
                 if not entry.endswith(".pt"):
                     continue
                 field = entry[:-3]
-                value = load_file(os.path.join(folder, entry))
+                value = self._load(os.path.join(folder, entry))
                 value = value.get("param", value) if isinstance(value, dict) else value
                 if field == "step":
                     self._step = float(value)
@@ -305,56 +413,85 @@ class CheckpointReader:
     # --- reading ----------------------------------------------------------------------------
     @property
     def step(self) -> Any:
+        if self._partitions:
+            self._field_tables()
         return self._step
 
     def has_field(self, name: str, field: str) -> bool:
         """Whether `read(name, field)` gives values (rather than None), without reading them."""
-        if self._full or field not in self._parts:
-            return self._full.get(field, {}).get(name) is not None
-        return name in self._where
+        if self._partitions:
+            return field in self._field_tables() and name in self._where
+        return self._full.get(field, {}).get(name) is not None
 
     def read(self, name: str, field: str, start: int = 0, numel: int | None = None) -> torch.Tensor | None:
         """Elements [start, start+numel) of parameter `name`'s flattened `field`, as fp32 (a new tensor);
         None when the checkpoint has no such field for it."""
+        g, i, numel = self._locate(name, start, numel)
+        if not self.has_field(name, field):
+            return None
+        out = torch.empty(numel, dtype=torch.float32)  # host: read from files, copied by the caller
+        self.read_into(out, name, field, start)
+        return out
+
+    def read_into(self, out: torch.Tensor, name: str, field: str, start: int = 0) -> None:
+        """`read` straight into `out` (1-D, `out.numel()` elements, any dtype and device): no copy of its
+        own in between, and the files' pages given back as they are read ([Note: released reads])."""
+        g, i, numel = self._locate(name, start, out.numel())
+        if not self._partitions:
+            value = self._full.get(field, {}).get(name)
+            if value is None:
+                raise CheckpointError(f"{self.path}: no {field!r} for parameter {name!r} in the checkpoint")
+            copy_released(out, value.reshape(-1)[start:start + numel], self.mappings)
+            return
+        for rank, src, length, dst, part in self._pieces(g, i, field, start, numel):
+            copy_released(out[dst:dst + length], part[src:src + length], self.mappings)
+
+    def check(self, name: str, field: str, start: int = 0, numel: int | None = None) -> None:
+        """Everything `read` would check (the files exist, load and hold the elements), without copying
+        them: the read phase of a load whose copies run later ([Note: reading only what a rank needs])."""
+        g, i, numel = self._locate(name, start, numel)
+        if not self._partitions:
+            if self._full.get(field, {}).get(name) is None:
+                raise CheckpointError(f"{self.path}: no {field!r} for parameter {name!r} in the checkpoint")
+            return
+        for _ in self._pieces(g, i, field, start, numel):
+            pass
+
+    def sources(self, name: str, start: int = 0, numel: int | None = None) -> list[tuple[int, int, int, int]]:
+        """The pure plan of a read: (saved rank, offset in its flat, length, offset in the result) for
+        each run of elements [start, start+numel) of `name` (partitioned layouts; [] otherwise)."""
+        g, i, numel = self._locate(name, start, numel)
+        return list(self._partitions[g].placements(i, start, numel)) if self._partitions else []
+
+    def _locate(self, name: str, start: int, numel: int | None) -> tuple[int, int, int]:
         if name not in self._where:
             raise CheckpointError(f"{self.path}: no parameter named {name!r} in the checkpoint")
         g, i = self._where[name]
         total = self._groups[g][i][1].numel()
         numel = total - start if numel is None else numel
-        if self._full or field not in self._parts:
-            value = self._full.get(field, {}).get(name)
-            return None if value is None else value.reshape(-1)[start:start + numel].float().clone()
-        out = torch.empty(numel, dtype=torch.float32)  # host: read from files, copied by the caller
-        parts = self._parts[field][g]
-        filled = 0
-        for rank, part in enumerate(parts):
-            for frag in self._fragments(g, rank).get(i, ()):
-                lo, hi = max(start, frag.param_start), min(start + numel, frag.param_start + frag.numel)
-                if lo < hi:
-                    src = frag.shard_start + lo - frag.param_start
-                    out[lo - start:hi - start].copy_(part[src:src + hi - lo])
-                    filled += hi - lo
-        if filled != numel:
-            raise CheckpointError(f"{self.path}: parameter {name!r} ({field}) is incomplete in the checkpoint: "
-                                  f"found {filled} of {numel} elements")
-        return out
+        if start < 0 or numel < 0 or start + numel > total:
+            raise CheckpointError(f"{self.path}: elements [{start}, {start + numel}) of {name!r} asked for; it has "
+                                  f"{total}")
+        return g, i, numel
 
-    def _fragments(self, group: int, rank: int) -> dict[int, list]:
-        """{parameter index: its fragments in `rank`'s partition of `group`} (cached)."""
-        key = (group, rank)
-        if key not in self._fragment_cache:
-            table: dict[int, list] = {}
-            for frag in self._partitions[group].fragments(rank):
-                table.setdefault(frag.index, []).append(frag)
-            self._fragment_cache[key] = table
-        return self._fragment_cache[key]
+    def _pieces(self, g: int, i: int, field: str, start: int, numel: int) -> Any:
+        """(rank, src, length, dst, that rank's flat) per run of the plan, opening only those ranks' files."""
+        for rank, src, length, dst in self._partitions[g].placements(i, start, numel):
+            self._read_rank(rank)
+            part = self._parts[field][g][rank] if field in self._parts else None
+            if part is None or part.numel() < src + length:
+                have = 0 if part is None else max(0, part.numel() - src)
+                raise CheckpointError(f"{self.path}: parameter {self._groups[g][i][0]!r} ({field}) is incomplete "
+                                      f"in the checkpoint: rank {rank}'s file holds {have} of the {length} "
+                                      f"elements it should")
+            yield rank, src, length, dst, part
 
     def module_tensor(self, name: str) -> torch.Tensor | None:
         """A module state-dict entry (buffer or frozen parameter), full size, or None."""
         value = (self.model_states.get("module") or {}).get(name)
         if value is not None and value.numel() > 0:
             return value
-        if self.stage == 3:
+        if self._zero3 or getattr(self, "_stage_value", None) == 3:   # (readers that set their stage)
             return self._zero3_frozen(name)
         fragments = self.model_states.get("frozen_param_fragments") or {}
         if name in fragments:
@@ -367,9 +504,13 @@ class CheckpointReader:
         if shape is None:
             return None
         pieces = []
+        others = self.__dict__.setdefault("_frozen_files", {})   # other ranks' model-states files, kept
         for rank in range(len(self.rank_files)):
-            states = self.model_states if rank == 0 else load_file(os.path.join(self.path,
-                                                                                model_file(self.mp_rank, zero3_dp_rank=rank)))
+            file = model_file(self.mp_rank, zero3_dp_rank=rank)
+            states = self.model_states if file == (self.model_name or model_file(self.mp_rank, zero3_dp_rank=0)) \
+                else others.get(file)
+            if states is None:
+                states = others[file] = self._load(os.path.join(self.path, file))
             pieces.append(states["frozen_param_fragments"][name].reshape(-1))
         numel = torch.Size(shape).numel()
         return torch.cat(pieces)[:numel].view(shape)  # slices of ceil(numel/N), the last zero-padded
@@ -406,3 +547,44 @@ def _joined(parts: list[torch.Tensor]) -> Any:
     """`parts` (1-D or not) as one flat: the tensor itself when there is one, else a `_Joined`."""
     flats = [t.reshape(-1) for t in parts]
     return flats[0] if len(flats) == 1 else _Joined(flats)
+
+
+class _RankFiles(Sequence):
+    """Each saved rank's optimizer-state file (its whole content), opened on first use and kept."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self._reader = reader
+        self._loaded: dict[int, dict] = {}
+        self.first: int | None = None   # the rank of the first file opened
+
+    def __len__(self) -> int:
+        return len(self._reader.rank_files)
+
+    def __getitem__(self, rank: Any) -> Any:
+        if isinstance(rank, slice):
+            return [self[r] for r in range(len(self))[rank]]
+        rank = range(len(self))[rank]
+        if rank not in self._loaded:
+            state = self._reader._load(self._reader.rank_files[rank])
+            self._reader._opened(rank, state)
+            self._loaded[rank] = state
+            self.first = rank if self.first is None else self.first
+        return self._loaded[rank]
+
+    def opened(self) -> list[int]:
+        return sorted(self._loaded)
+
+
+class _OptimizerStates(Sequence):
+    """`optimizer_state_dict` of each saved rank's file, opened on first use."""
+
+    def __init__(self, files: _RankFiles) -> None:
+        self._files = files
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def __getitem__(self, rank: Any) -> Any:
+        if isinstance(rank, slice):
+            return [self[r] for r in range(len(self))[rank]]
+        return self._files[rank]["optimizer_state_dict"]

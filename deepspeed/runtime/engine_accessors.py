@@ -99,6 +99,25 @@ class EngineAccessors:
 
         validate_checkpoint_folding(state, **kwargs)
 
+    @staticmethod
+    def _get_expert_ckpt_name(checkpoints_path: str, layer_id: int, expert_id: int, tag: Any, mpu: Any = None,
+                              checkpoint_mp_rank: int | None = None) -> str:
+        """Upstream's static: one expert's file (checkpoint/moe_state_dict.py)."""
+        from .checkpoint.moe_state_dict import expert_ckpt_name
+
+        return expert_ckpt_name(checkpoints_path, layer_id, expert_id, tag, mpu, checkpoint_mp_rank)
+
+    @staticmethod
+    def load_moe_state_dict(checkpoint_path: str, tag: Any, state_dict: dict, old_moe_load: bool, model: Any = None,
+                            mpu: Any = None, num_experts: Any = 1, checkpoint_engine: Any = None,
+                            **kwargs: Any) -> None:
+        """Upstream's static: this rank's experts of `model` into `state_dict` (checkpoint/moe_state_dict.py;
+        Megatron-DeepSpeed calls it)."""
+        from .checkpoint.moe_state_dict import load_moe_state_dict
+
+        load_moe_state_dict(checkpoint_path, tag, state_dict, old_moe_load, model, mpu, num_experts,
+                            checkpoint_engine, **kwargs)
+
     def get_sequence_parallel_group(self) -> Any:
         """The ranks sharing one sample's sequence (None without sequence parallelism): upstream's accessor."""
         return self.seq_parallel_group

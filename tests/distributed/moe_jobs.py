@@ -397,6 +397,28 @@ def zero_init_error(ep_size: int) -> str:
     return "initialized"
 
 
+def deepspeed_fixture_experts_by_static(fixture: str) -> dict:
+    """Upstream's static `DeepSpeedEngine.load_moe_state_dict` (Megatron-DeepSpeed's call) on DeepSpeed
+    0.19.8's ep=2 checkpoint: this rank's experts under their local names, with global-name keys here."""
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.utils import groups
+
+    groups._create_expert_and_data_parallel(2)
+    ep_rank = groups._get_expert_parallel_rank("ep_size_2")
+    model = ToyModel(2, ep_rank)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config())
+    loaded: dict = {}
+    DeepSpeedEngine.load_moe_state_dict(os.path.join(fixture, "ckpt"), "t", loaded, False, model=engine.module)
+    expected = torch.load(os.path.join(fixture, f"expected_rank{dist.get_rank()}.pt"))
+    local_names = {n for n, _ in engine.module.named_parameters()}
+    return {"loaded": {global_state_name(n, 2, ep_rank): v for n, v in loaded.items()},
+            "local_names_ok": set(loaded) <= local_names,
+            "expected": {n: v for n, v in expected.items() if "deepspeed_experts" in n and not n.startswith("exp_avg")},
+            "path": DeepSpeedEngine._get_expert_ckpt_name(fixture, 0, 3, "t")}
+
+
 def missing_piece_error(save_dir: str) -> tuple[str, str]:
     """LayerModel at ep 2, ZeRO-2: saved, then rank 0's optimizer file loses its first piece of a dense
     parameter (one every rank reads whole); a fresh engine's load must raise on every rank. Returns

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from harness import run_distributed
-from moe_jobs import checkpoint_roundtrip, load_deepspeed_fixture, merged, reference, safe_get_experts, train, train_layer
+from moe_jobs import (checkpoint_roundtrip, deepspeed_fixture_experts_by_static, load_deepspeed_fixture, merged,
+                      reference, safe_get_experts, train, train_layer)
 
 STEPS = 10
 
@@ -203,6 +204,20 @@ def test_moe_loads_deepspeed_0_19_8_checkpoint() -> None:
         assert set(got) == set(r["expected"])
         for name, value in r["expected"].items():
             torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_load_moe_state_dict_static_reads_deepspeed_expert_files() -> None:
+    """Upstream's static `DeepSpeedEngine.load_moe_state_dict` (Megatron-DeepSpeed calls it) fills a state
+    dict with this rank's experts of DeepSpeed 0.19.8's ep=2 checkpoint, under local names, equal to
+    DeepSpeed's values; `_get_expert_ckpt_name` names upstream's file."""
+    import os
+
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "ds_0_19_8_moe")
+    for r in run_distributed(2, deepspeed_fixture_experts_by_static, fixture):
+        assert r["local_names_ok"] and r["expected"] and set(r["loaded"]) == set(r["expected"])
+        for name, value in r["expected"].items():
+            torch.testing.assert_close(r["loaded"][name], value, rtol=0, atol=0, msg=name)
+        assert r["path"].endswith(os.path.join("t", "layer_0_expert_3_mp_rank_00_model_states.pt"))
 
 
 def test_moe_layer_same_update_at_every_ep_size(tmp_path) -> None:

@@ -53,3 +53,42 @@ def test_a_missing_field_on_a_saved_rank_gives_none():
 def test_indivisible_sizes_refused():
     with pytest.raises(CheckpointError, match="not divisible"):
         slice_sources(6, None, 2, 4, 0)
+
+
+class _FlatReader:
+    """A saved TP rank's reader over its slice: answers element ranges and records which it was asked."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value, self.asked = value.reshape(-1), []
+
+    def groups(self):
+        return [[("w", self.shape)]]
+
+    def read(self, name, field, start=0, numel=None):
+        numel = self.value.numel() - start if numel is None else numel
+        self.asked.append((start, numel))
+        return self.value[start:start + numel].clone()
+
+
+@pytest.mark.parametrize("saved_tp,new_tp", [(2, 1), (1, 2), (2, 4), (4, 2)])
+@pytest.mark.parametrize("shape,dim,blocks", [((24, 6), 0, None), ((24, 6), 0, [12, 12]), ((6, 24), 1, None),
+                                              ((3, 24, 2), 1, None)])
+def test_range_reads_equal_the_new_cut_and_ask_only_for_their_rows(saved_tp, new_tp, shape, dim, blocks):
+    """A data-parallel piece of the new slice reads only the saved rows holding it (issue 39)."""
+    from deepspeed.runtime.checkpoint.tp_reslice import TPReslicedReader
+
+    full = torch.randn(*shape)
+    for index in range(new_tp):
+        saved = [_FlatReader(_cut(full, dim, blocks, saved_tp, r)) for r in range(saved_tp)]
+        for r in saved:
+            r.shape = _cut(full, dim, blocks, saved_tp, 0).shape
+        want = _cut(full, dim, blocks, new_tp, index).reshape(-1)
+        n = want.numel()
+        for start, numel in [(0, n), (0, n // 2), (n // 2, n - n // 2), (5, 7), (n - 1, 1)]:
+            for r in saved:
+                r.asked.clear()
+            reader = TPReslicedReader(saved, {"w": dim}, {"w": blocks} if blocks else {}, new_tp, index)
+            assert torch.equal(reader.read("w", "fp32", start, numel), want[start:start + numel])
+            asked = sum(a[1] for r in saved for a in r.asked)
+            if numel < n // 2 and dim == 0:
+                assert asked < n, (start, numel, asked)   # not the whole saved slices

@@ -10,7 +10,8 @@ the part of a chunk whose buffer address and file offset share the 4 KiB alignme
 direct descriptor, the unaligned head and tail (under 4 KiB each) through a buffered one, so any
 size and offset round-trips byte-exact (upstream's op writes short files when the size is not a
 4 KiB multiple). Buffers from `new_cpu_locked_tensor` are 4 KiB aligned (pinned on CUDA; on 2 MiB huge pages
-from 2 MiB up otherwise: [Note: huge-page I/O buffers]), so whole swap tensors take the direct path. Measured on this machine's disk (BENCHMARKS.md, NVMe section).
+from 2 MiB up otherwise: [Note: huge-page I/O buffers]), so whole swap tensors take the direct path.
+Measured on this machine's disk (BENCHMARKS.md, NVMe section).
 Errors raise `OSError` naming the path, the byte range and the cause; a read past the end of the
 file or a short write never reports success. An async error is raised by the `wait()` that
 collects it (every pending request is waited for first, so no thread writes into a freed buffer).

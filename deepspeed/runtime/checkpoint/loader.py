@@ -27,12 +27,13 @@ from typing import Any
 import torch
 
 from ...checkpoint import files
-from ...checkpoint.reader import CheckpointReader, is_universal
+from ...checkpoint.mapped import copy_released
+from ...checkpoint.reader import CheckpointReader, checks_then_copies, is_universal
 from ...utils.progress import NoBar, min_bytes, progress
 from . import autoep_zero3_io, moe_io, tp_reslice, zero3_io
 from ..swap_tensor.optimizer_swapper import placeholder
 from .hp_state import HpState
-from .writer import mp_rank, set_rng_state
+from .writer import dp_rank, mp_rank, set_rng_state
 
 _LAYER_SLICE = re.compile(r"layer_\d+-model_(\d+)-model_states\.pt$")   # a pipeline's per-slice layer files
 DEEPSPEED_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
@@ -72,17 +73,21 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
             return None
     path = files.tag_dir(load_dir, str(tag))
     universal = path is not None and is_universal(path)
-    resliced = tensor_parallel_reader(engine, load_dir, str(tag))
+    # the model-states file this rank reads anyway: unpickled once, for the layout check and the reader
+    layout = tp_reslice.saved_layout(load_dir, str(tag), mp_rank(engine), dp_rank(engine))
+    resliced = tensor_parallel_reader(engine, load_dir, str(tag), layout)
     if resliced is not None:   # [Note: moving a checkpoint across TP sizes]
         reader = resliced
-    elif not universal and path is not None and autoep_zero3_io.is_partitioned_checkpoint(path):
+    elif not universal and path is not None and _autoep_zero3(path, layout):
         reader = autoep_zero3_io.AutoEPZero3Reader(engine, load_dir, str(tag))   # [Note: AutoEP ZeRO-3 layout]
     elif not universal and moe_io.reads_moe(engine, load_dir, str(tag)):   # [Note: MoE checkpoint layout]
         reader = moe_io.MoECheckpointReader(engine, load_dir, str(tag))
     elif hasattr(engine, "_checkpoint_reader"):
         reader = engine._checkpoint_reader(load_dir, str(tag))
     else:   # a universal checkpoint has no tensor ranks' files: one mp_rank_00 (per pipeline stage)
-        reader = CheckpointReader(load_dir, str(tag), mp_rank=0 if universal else mp_rank(engine))
+        loaded = (layout[2], layout[1]) if layout[1] is not None else None
+        reader = CheckpointReader(load_dir, str(tag), mp_rank=0 if universal else mp_rank(engine),
+                                  own_rank=dp_rank(engine), loaded=loaded)
     if reader.universal:   # whole values: this run's tensor slices and expert rows are cut from them
         reader = moe_io.universal_reader(engine, tp_reslice.universal_cut_reader(engine, reader))
     hp = HpState(engine) if engine._has_optimizer else None
@@ -110,6 +115,17 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
     return plan
 
 
+def _autoep_zero3(path: str, layout: tuple) -> bool:
+    """Whether the tag is in the AutoEP ZeRO-3 layout: the marker every rank's ZeRO-3 model-states file
+    carries, read from the one this rank has loaded already (else autoep_zero3_io looks at rank 0's)."""
+    from ...utils.zero_to_fp32 import is_autoep_zero3_partitioned
+
+    _, states, name = layout
+    if states is not None and name is not None and name.startswith("zero_pp_rank_"):
+        return is_autoep_zero3_partitioned(states)
+    return autoep_zero3_io.is_partitioned_checkpoint(path)
+
+
 def load_hp_state(engine: Any, checkpoint_dir: str) -> None:
     """This rank's fp32 masters, optimizer state and loss scaler from the universal checkpoint in
     `checkpoint_dir` (`optimizer.load_hp_checkpoint_state_from_checkpoint_dir`, upstream's API); the
@@ -128,14 +144,14 @@ def load_hp_state(engine: Any, checkpoint_dir: str) -> None:
     apply_plan(engine, plan)
 
 
-def tensor_parallel_reader(engine: Any, load_dir: str, tag: str) -> Any:
+def tensor_parallel_reader(engine: Any, load_dir: str, tag: str, layout: tuple | None = None) -> Any:
     """None when the checkpoint's tensor-parallel size is this run's; else the reader that moves its
     slices to this run's layout ([Note: moving a checkpoint across TP sizes]). Layouts it cannot move
     (MoE, pipelines, universal checkpoints) are refused, both sizes named. (Runs inside the load's
     agreed phase: every rank raises.)"""
     from ...module_inject.layers import tensor_parallel_size
 
-    path, states = tp_reslice.saved_layout(load_dir, tag)
+    path, states, _ = layout or tp_reslice.saved_layout(load_dir, tag)
     if states is None:
         return None   # the reader names what is missing
     if is_universal(path):
@@ -160,8 +176,12 @@ def apply_plan(engine: Any, plan: LoadPlan) -> None:
     bar = progress(total=total, desc="Loading checkpoint", unit="B", unit_scale=True) if total >= min_bytes() \
         else NoBar()
     with torch.no_grad(), bar:
-        for target, value in plan.copies:
-            target.copy_(value)   # reads the memory-mapped checkpoint files
+        mappings = getattr(plan.reader, "mappings", ())
+        for target, value in plan.copies:   # reads the memory-mapped checkpoint files, giving their pages back
+            if isinstance(value, _Pending):
+                value.copy_to(target)
+            else:
+                copy_released(target, value, mappings)
             bar.update(value.numel() * value.element_size())
         if plan.zero3_params is not None:
             swapper = getattr(plan.hp, "swapper", None)
@@ -270,12 +290,35 @@ def _plan_masters(plan: LoadPlan, strict: bool) -> None:
             if name in shapes and torch.Size(shapes[name]) != torch.Size(shape):
                 raise files.CheckpointError(f"{reader.path}: {name} has shape {tuple(shapes[name])} in the "
                                             f"checkpoint, {tuple(shape)} in the model")
+    direct = checks_then_copies(reader)
     for piece in hp.pieces:
         if reader.has(piece.name):
             if hp.swapper is not None:   # the master is on disk: read and written shard by shard in apply_plan
                 plan.master_copies.append(piece)
+            elif direct:   # checked now, copied file -> master in apply_plan (no copy in between)
+                reader.check(piece.name, "fp32", piece.start, piece.numel)
+                plan.copies.append((piece.master, _Pending(reader, piece.name, "fp32", piece.start, piece.numel)))
             else:
                 plan.copies.append((piece.master, reader.read(piece.name, "fp32", piece.start, piece.numel)))
+
+
+class _Pending:
+    """A checked read whose copy into its target waits for apply_plan ([Note: released reads])."""
+
+    def __init__(self, reader: Any, name: str, field: str, start: int, numel: int) -> None:
+        self.reader, self.name, self.field, self.start, self._numel = reader, name, field, start, numel
+
+    def numel(self) -> int:
+        return self._numel
+
+    def element_size(self) -> int:
+        return 4
+
+    def copy_to(self, target: torch.Tensor) -> None:
+        if target.is_contiguous():
+            self.reader.read_into(target.view(-1), self.name, self.field, self.start)
+        else:
+            target.copy_(self.reader.read(self.name, self.field, self.start, self._numel).view(target.shape))
 
 
 _FP32 = torch.empty(0, dtype=torch.float32, device="cpu")   # host: what reader.read returns (dtype only)

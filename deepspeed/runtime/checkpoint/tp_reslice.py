@@ -11,9 +11,11 @@ rank's *new* slice:
 * `slice_sources` is the pure plan: which saved tensor rank's slice, at which offset along the
   partition dim, lands where in the new slice, block by block for fused weights (each block is split
   on its own, as `TensorParallel_Layer._slice` does);
-* `assemble` is the one executor: it reads the saved ranks' slices named by the plan one at a time and
-  copies the planned pieces into the new slice. It never holds a parameter's whole value unless the
-  new slice is the whole value (TP=1), and the reader keeps one assembled (parameter, field) at a time.
+* the executor copies the planned pieces into the new slice, reading the saved slices one at a time:
+  `TPReslicedReader.read` asks each saved file set only for the rows that hold the elements asked for
+  (a data-parallel piece of the new slice opens only the saved files holding them), `assemble` (module
+  tensors) for whole saved slices. Neither holds a parameter's whole value unless the new slice is the
+  whole value (TP=1).
 
 Replicated parameters come from tensor rank 0's file set. Everything else (counters, scheduler, loss
 scaler, param groups, step) is the same in every file set and is read from rank 0's.
@@ -21,6 +23,7 @@ scaler, param groups, step) is the same in every file set and is read from rank 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -28,7 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ...checkpoint import files
-from ...checkpoint.reader import CheckpointReader
+from ...checkpoint.reader import CheckpointReader, checks_then_copies
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,6 @@ class TPReslicedReader:
                  new_tp: int, new_index: int) -> None:
         self.readers, self.dims, self.blocks = readers, dims, blocks
         self.saved_tp, self.new_tp, self.new_index = len(readers), new_tp, new_index
-        self._cache: tuple[tuple[str, str], torch.Tensor | None] | None = None
         self._saved_shapes = {n: s for g in readers[0].groups() for n, s in g}
         self._groups = [[(n, self._new_shape(n, s)) for n, s in g] for g in readers[0].groups()]
 
@@ -122,22 +124,70 @@ class TPReslicedReader:
         self._saved_shapes = {n: s for g in self.readers[0].groups() for n, s in g}
         self._groups = [[(n, self._new_shape(n, s)) for n, s in g] for g in self.readers[0].groups()]
 
+    def _reads(self, name: str, start: int, numel: int) -> tuple[tuple[int, ...], int, list[tuple[int, int, int, Any]]]:
+        """The plan of reading elements [start, start+numel) of the new slice of `name` (partitioned):
+        (shape of the rows read, the flat offset of their first element, [(saved rank, start, numel in its
+        slice, the (src, dst, length) runs along the dim to copy from it)]). With the slice viewed as
+        [outer, dim, inner], only the outer rows the range spans are read (the dim's own rows when nothing
+        precedes it), so a data-parallel piece opens only the saved files holding those rows
+        ([Note: reading only what a rank needs] in checkpoint/reader.py)."""
+        saved, dim = self._saved_shapes[name], self.dims[name]
+        new = self._new_shape(name, saved)
+        outer, inner = math.prod(new[:dim]), math.prod(new[dim + 1:])
+        plan = self._plan(name, saved)
+        if outer == 1:   # the dim leads: its rows [lo, hi)
+            lo, hi = start // inner, -(-(start + numel) // inner)
+            reads = []
+            for seg in plan:
+                a, z = max(lo, seg.dst), min(hi, seg.dst + seg.length)
+                if a < z:
+                    reads.append((seg.saved_rank, (seg.src + a - seg.dst) * inner, (z - a) * inner,
+                                  [(0, a - lo, z - a)]))
+            return (hi - lo, inner), lo * inner, reads
+        new_w, saved_w = new[dim] * inner, saved[dim] * inner   # outer rows [lo, hi) of every saved slice
+        lo, hi = start // new_w, -(-(start + numel) // new_w)
+        return (hi - lo, new[dim], inner), lo * new_w, [
+            (rank, lo * saved_w, (hi - lo) * saved_w, [(g.src, g.dst, g.length) for g in plan if g.saved_rank == rank])
+            for rank in sorted({g.saved_rank for g in plan})]
+
     def read(self, name: str, field: str, start: int = 0, numel: int | None = None) -> torch.Tensor | None:
+        """Elements [start, start+numel) of this rank's new slice of `name`, reading only the saved rows
+        that hold them (`_reads`); None when a saved rank lacks the field."""
         if name not in self.dims:
             return self.readers[0].read(name, field, start, numel)
-        key = (name, field)
-        if self._cache is None or self._cache[0] != key:
-            self._cache = None   # drop the previous parameter's slice before assembling this one
-            saved = self._saved_shapes[name]
-            value = assemble(lambda r: self.readers[r].read(name, field), saved, self._new_shape(name, saved),
-                             self.dims[name], self._plan(name, saved))
-            self._cache = (key, value)
-        value = self._cache[1]
+        numel = self._new_shape(name, self._saved_shapes[name]).numel() - start if numel is None else numel
+        if numel == 0:
+            return torch.empty(0, dtype=torch.float32)   # host: an empty read
+        shape, base, reads = self._reads(name, start, numel)
+        out = torch.empty(shape, dtype=torch.float32)   # host: read from files, copied by the caller
+        for rank, first, count, runs in reads:
+            value = self.readers[rank].read(name, field, first, count)
+            if value is None:
+                return None
+            value = value.view(-1, *shape[1:]) if len(shape) == 2 else value.view(shape[0], -1, shape[2])
+            for src, dst, length in runs:
+                if len(shape) == 2:   # rows along the leading dim
+                    out[dst:dst + length].copy_(value)
+                else:
+                    out[:, dst:dst + length].copy_(value[:, src:src + length])
+            del value
+        return out.view(-1)[start - base:start - base + numel].clone()
+
+    def read_into(self, out: torch.Tensor, name: str, field: str, start: int = 0) -> None:
+        """`read` into `out` (1-D): the loader's copy into a master, run in its apply phase."""
+        value = self.read(name, field, start, out.numel())
         if value is None:
-            return None
-        flat = value.reshape(-1)
-        numel = flat.numel() - start if numel is None else numel
-        return flat[start:start + numel].clone()
+            raise files.CheckpointError(f"{self.readers[0].path}: no {field!r} for parameter {name!r}")
+        out.copy_(value)
+
+    def check(self, name: str, field: str, start: int = 0, numel: int | None = None) -> None:
+        """What `read` needs is there (each saved reader checks its rows), without copying."""
+        if name not in self.dims:
+            _check(self.readers[0], name, field, start, numel)
+            return
+        numel = self._new_shape(name, self._saved_shapes[name]).numel() - start if numel is None else numel
+        for rank, first, count, _ in self._reads(name, start, numel)[2] if numel else ():
+            _check(self.readers[rank], name, field, first, count)
 
     def module_tensor(self, name: str) -> torch.Tensor | None:
         if name not in self.dims:
@@ -151,15 +201,26 @@ class TPReslicedReader:
                         self.dims[name], self._plan(name, saved))
 
 
-def saved_layout(load_dir: str, tag: str) -> tuple[str | None, dict | None]:
-    """(tag path, tensor rank 0's model states) or (path, None) when there is none to read."""
+def _check(reader: Any, name: str, field: str, start: int, numel: int | None) -> None:
+    """`reader.check`, or a read (which checks by reading) of a reader that answers `read` only."""
+    if checks_then_copies(reader):
+        reader.check(name, field, start, numel)
+    elif reader.read(name, field, start, numel) is None:
+        raise files.CheckpointError(f"{reader.path}: no {field!r} for parameter {name!r} in the checkpoint")
+
+
+def saved_layout(load_dir: str, tag: str, mp: int = 0, dp: int = 0) -> tuple[str | None, dict | None, str | None]:
+    """(tag path, model states, that file's name), or (path, None, None) when there is none to read. The
+    states are tensor rank `mp`'s (ZeRO-3: data rank `dp`'s) when that file exists, as the loading rank
+    reads them anyway, else tensor rank 0's: every file records the same saved layout."""
     path = files.tag_dir(load_dir, tag)
     if path is None:
-        return None, None
-    for name in (files.model_file(0), files.model_file(0, zero3_dp_rank=0)):
+        return None, None, None
+    for name in dict.fromkeys((files.model_file(mp), files.model_file(mp, zero3_dp_rank=dp), files.model_file(0),
+                               files.model_file(0, zero3_dp_rank=0))):
         if os.path.isfile(os.path.join(path, name)):
-            return path, files.load_file(os.path.join(path, name))
-    return path, None
+            return path, files.load_file(os.path.join(path, name)), name
+    return path, None, None
 
 
 def resliced_reader(engine: Any, load_dir: str, tag: str, saved_tp: int, states: dict,
