@@ -2,7 +2,10 @@
 `tests/distributed/test_nvme_moe_checkpoint.py`'s `_BigMoE` (16 experts of 1024^2, ep 2 on 2 ranks, ZeRO-2,
 107 MB of optimizer state per rank), built, stepped and saved; a second engine, built and stepped, loads it.
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_moe_load_memory.py
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_moe_load_memory.py [--autoep]
+
+`--autoep`: an HF Mixtral (2 layers, hidden 512, 8 experts of intermediate 1024) under AutoEP, autoep_size 2,
+NVMe only (75 MB of optimizer state per rank... in fused expert tensors of up to 8.4 MB each).
 
 Measured after `malloc_trim`, so memory the first engine freed (kept by malloc) does not hide the rise.
 """
@@ -20,6 +23,15 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "distributed"))
 
 
+def _mixtral() -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=4, num_local_experts=8,
+                                            num_experts_per_tok=2, max_position_embeddings=64))
+
+
 def job(cfg: dict, save_dir: str) -> int:
     import deepspeed
     from deepspeed.utils.rss_peak import peak_anon_rise
@@ -27,9 +39,13 @@ def job(cfg: dict, save_dir: str) -> int:
 
     def stepped(seed: int):
         torch.manual_seed(seed)
-        model = _BigMoE()
+        model = _mixtral() if "expert_parallel" in cfg else _BigMoE()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        engine.backward(engine(torch.randn(8, 1024), torch.randint(0, 4, (8,))))
+        if "expert_parallel" in cfg:
+            ids = torch.randint(0, 256, (2, 16))
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+        else:
+            engine.backward(engine(torch.randn(8, 1024), torch.randint(0, 4, (8,))))
         engine.step()
         return engine
 
@@ -47,16 +63,20 @@ def main() -> None:
     from harness import run_distributed
 
     swap = tempfile.mkdtemp()
-    for name, offload in [("NVMe", {"device": "nvme", "nvme_path": swap}), ("CPU offload", {"device": "cpu"}),
-                          ("no offload", None)]:
+    autoep = "--autoep" in sys.argv
+    cases = [("NVMe", {"device": "nvme", "nvme_path": swap}), ("CPU offload", {"device": "cpu"}), ("no offload", None)]
+    for name, offload in cases[:1] if autoep else cases:
         zero = {"stage": 2, "reduce_bucket_size": 1 << 20}
         if offload:
             zero["offload_optimizer"] = offload
         cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
                "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": zero}
+        if autoep:
+            cfg["train_micro_batch_size_per_gpu"] = 2
+            cfg["expert_parallel"] = {"enabled": True, "autoep_size": 2}
         with tempfile.TemporaryDirectory() as directory:
             peaks = run_distributed(2, job, cfg, os.path.join(directory, "ckpt"), timeout=600)
-        print(f"MoE ZeRO-2 ep 2, 2 ranks, {name}: load_checkpoint peak anonymous RSS rise per rank "
+        print(f"{'AutoEP Mixtral' if autoep else 'MoE'} ZeRO-2 ep 2, 2 ranks, {name}: load_checkpoint peak anonymous RSS rise per rank "
               f"{[round(p / 1e6) for p in peaks]} MB")
 
 

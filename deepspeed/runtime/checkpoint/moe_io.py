@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from ...checkpoint.files import CheckpointError, expert_file, expp_file, load_file
+from ...checkpoint.files import CheckpointError, expert_file, expp_file
+from ...checkpoint.mapped import copy_released
 from ...checkpoint.reader import CheckpointReader
 from ...moe.utils import is_moe_param
 from ...utils import groups
@@ -228,12 +229,13 @@ class MoECheckpointReader(CheckpointReader):
         self.path, self.tag, self.mp_rank = path, tag, mp
         self.universal, self.stage, self.rank_files, self.zero_states = False, 0, [], []
         self.optimizer_state: list = []
+        self.mappings = []   # the files loaded, so copies out of them give their pages back
         own = os.path.join(path, model_file(mp))
         source = own if os.path.isfile(own) else os.path.join(path, model_file(0))   # (its layout names the refusal)
-        self.model_states = load_file(source)
+        self.model_states = self._load(source)
         ep_tp_io.check_layout(engine, path, self.model_states)
         if source != own:   # same layout but no file of this tensor rank: load_file names it
-            self.model_states = load_file(own)
+            self.model_states = self._load(own)
         self._fragment_cache, self._parts, self._partitions = {}, {}, []
         renamed = global_names(engine)
         module = dict(self.model_states.get("module") or {})
@@ -242,7 +244,7 @@ class MoECheckpointReader(CheckpointReader):
             if not os.path.isfile(source):
                 raise CheckpointError(f"{path}: no {os.path.basename(source)} for {local} (global expert "
                                       f"{expert} of MoE layer {layer_id}): saved with fewer experts?")
-            saved = load_file(source)
+            saved = self._load(source)
             if name not in saved:
                 raise CheckpointError(f"{source} has no {name!r} (it holds {sorted(saved)})")
             module[local] = saved[name]
@@ -271,7 +273,7 @@ class MoECheckpointReader(CheckpointReader):
         shapes: dict[str, tuple] = {}
         self.param_groups, self._step, self.common_state = [], None, {}
         self._ds_optimizer = None
-        states = [load_file(source) for source in found]
+        states = [self._load(source) for source in found]
         if states and not any(PIECES in s.get("optimizer_state_dict", s) for s in states):
             self._ds_optimizer = _deepspeed_optimizer(engine, path, found, states)
             self._full = {"fp32": self._module_values(module)}
@@ -322,25 +324,34 @@ class MoECheckpointReader(CheckpointReader):
     def has_field(self, name: str, field: str) -> bool:
         return name in self._lazy.get(field, {}) or super().has_field(name, field)
 
-    def read(self, name: str, field: str, start: int = 0, numel: int | None = None) -> torch.Tensor | None:
-        """As CheckpointReader.read; a piece-backed value is copied out of the memory-mapped pieces that
-        hold the range, only then (never joined whole in memory: [Note: MoE checkpoint layout]). Elements
-        no saved piece holds read as zeros for optimizer state (a piece saved before its state existed)."""
-        pieces = self._lazy.get(field, {}).get(name)
-        if pieces is None:
-            return super().read(name, field, start, numel)
-        g, i = self._where[name]
-        numel = self._groups[g][i][1].numel() - start if numel is None else numel
-        out = torch.zeros(numel, dtype=torch.float32)   # host: read from files, copied by the caller
+    def _runs(self, name: str, field: str, start: int, numel: int) -> list:
+        """_segments of the pieces holding elements [start, start+numel) of `name`'s `field`; missing
+        elements of the master raise (of optimizer state they read as zeros: a piece saved before its
+        state existed)."""
         lo = self._offset[name] + start
-        filled = 0
-        for value, at, to, count in _segments(pieces, lo, lo + numel):
-            out[to:to + count].copy_(value[at:at + count])
-            filled += count
+        runs = list(_segments(self._lazy[field][name], lo, lo + numel))
+        filled = sum(run[-1] for run in runs)
         if field == "fp32" and filled != numel:
             raise CheckpointError(f"{self.path}: parameter {name!r} ({field}) is incomplete in the checkpoint: "
                                   f"found {filled} of {numel} elements")
-        return out
+        return runs
+
+    def check(self, name: str, field: str, start: int = 0, numel: int | None = None) -> None:
+        if name not in self._lazy.get(field, {}):
+            return super().check(name, field, start, numel)
+        self._runs(name, field, start, self._locate(name, start, numel)[2])
+
+    def read_into(self, out: torch.Tensor, name: str, field: str, start: int = 0) -> None:
+        """A piece-backed value is copied out of the memory-mapped pieces that hold the range only now
+        (never joined whole in memory: [Note: MoE checkpoint layout]), their pages given back as it goes
+        ([Note: released reads])."""
+        if name not in self._lazy.get(field, {}):
+            return super().read_into(out, name, field, start)
+        runs = self._runs(name, field, start, self._locate(name, start, out.numel())[2])
+        if sum(run[-1] for run in runs) != out.numel():
+            out.zero_()
+        for value, at, to, count in runs:
+            copy_released(out[to:to + count], value[at:at + count], self.mappings)
 
     def bind_replicated_names(self, optimizer_names: list, trainable: set, strict: bool = True) -> None:
         """Pieces are named; DeepSpeed's stage-0 `expp_rank_*` file keys its torch optimizer state by
