@@ -5,7 +5,7 @@
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_moe_load_memory.py [--autoep]
 
 `--autoep`: an HF Mixtral (2 layers, hidden 512, 8 experts of intermediate 1024) under AutoEP, autoep_size 2,
-NVMe only (75 MB of optimizer state per rank... in fused expert tensors of up to 8.4 MB each).
+NVMe only (~13.8M parameters = ~166 MB of optimizer state per rank; a local gate_up_proj is one 50 MB sub-group).
 
 Measured after `malloc_trim`, so memory the first engine freed (kept by malloc) does not hide the rise.
 """
