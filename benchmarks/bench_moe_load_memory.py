@@ -27,9 +27,10 @@ def _mixtral() -> torch.nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    return MixtralForCausalLM(MixtralConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=4, num_local_experts=8,
-                                            num_experts_per_tok=2, max_position_embeddings=64))
+    config = MixtralConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+                           max_position_embeddings=64)
+    return MixtralForCausalLM(config)
 
 
 def job(cfg: dict, save_dir: str) -> int:
@@ -76,7 +77,8 @@ def main() -> None:
             cfg["expert_parallel"] = {"enabled": True, "autoep_size": 2}
         with tempfile.TemporaryDirectory() as directory:
             peaks = run_distributed(2, job, cfg, os.path.join(directory, "ckpt"), timeout=600)
-        print(f"{'AutoEP Mixtral' if autoep else 'MoE'} ZeRO-2 ep 2, 2 ranks, {name}: load_checkpoint peak anonymous RSS rise per rank "
+        what = "AutoEP Mixtral" if autoep else "MoE"
+        print(f"{what} ZeRO-2 ep 2, 2 ranks, {name}: load_checkpoint peak anonymous RSS rise per rank "
               f"{[round(p / 1e6) for p in peaks]} MB")
 
 
