@@ -417,3 +417,35 @@ def deepspeed_fixture_experts_by_static(fixture: str) -> dict:
             "local_names_ok": set(loaded) <= local_names,
             "expected": {n: v for n, v in expected.items() if "deepspeed_experts" in n and not n.startswith("exp_avg")},
             "path": DeepSpeedEngine._get_expert_ckpt_name(fixture, 0, 3, "t")}
+
+
+def missing_piece_error(save_dir: str) -> tuple[str, str]:
+    """LayerModel at ep 2, ZeRO-2: saved, then rank 0's optimizer file loses its first piece of a dense
+    parameter (one every rank reads whole); a fresh engine's load must raise on every rank. Returns
+    (that parameter, the error)."""
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.checkpoint.files import optim_file
+
+    cfg = config(stage=2, opt="Adam", lr=1e-2)
+    model = LayerModel(2)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    run_steps(engine, batches(dist.get_world_size(), 1))
+    engine.save_checkpoint(save_dir, tag="t")
+    engine.wait_for_checkpoint()
+    path = f"{save_dir}/t/{optim_file(0, bf16=False)}"
+    pieces = torch.load(path, weights_only=False)["optimizer_state_dict"]["ds_moe_pieces"]
+    dense = next(p for p in pieces if "deepspeed_experts" not in p[0])
+    dist.barrier()
+    if dist.get_rank() == 0:
+        state = torch.load(path, weights_only=False)
+        state["optimizer_state_dict"]["ds_moe_pieces"] = [p for p in pieces if p is not dense]
+        torch.save(state, path)
+    dist.barrier()
+    fresh = LayerModel(2)
+    other, *_ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(), config=cfg)
+    try:
+        other.load_checkpoint(save_dir, tag="t")
+    except Exception as error:  # noqa: BLE001 - the message is the result
+        return dense[0], str(error)
+    return dense[0], ""

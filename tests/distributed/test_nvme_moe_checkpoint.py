@@ -171,7 +171,10 @@ class _BigMoE(torch.nn.Module):
 
 
 def _memory_job(cfg: dict, save_dir: str) -> dict:
-    """Peak anonymous RSS rise during save_checkpoint (and, reported, load_checkpoint) after a step."""
+    """Peak anonymous RSS rise during save_checkpoint and load_checkpoint after a step."""
+    import ctypes
+    import gc
+
     import deepspeed
     from test_nvme_checkpoint_stream import save_and_load_peaks
 
@@ -181,17 +184,22 @@ def _memory_job(cfg: dict, save_dir: str) -> dict:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         engine.backward(engine(torch.randn(8, 1024), torch.randint(0, 4, (8,))))
         engine.step()
+        if seed == 1:   # the loading engine: the first engine's freed memory, kept by malloc, would hide a rise
+            del model
+            gc.collect()
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
         return engine
 
     return save_and_load_peaks(engine_after_a_step, save_dir)
 
 
 @pytest.mark.slow
-def test_moe_nvme_save_holds_about_one_sub_group(tmp_path):
+def test_moe_nvme_save_and_load_hold_about_one_sub_group(tmp_path):
     """ZeRO-2, ep 2 on 2 ranks, ~114 MB of optimizer state per rank in sub-groups of ~12.6 MB: the rise of
     anonymous memory during save_checkpoint stays under one sub-group plus two 16 MiB chunks (the in-memory
-    pieces, as before, hold the whole state). The load is reported, not bounded (MoECheckpointReader joins
-    the rank's pieces into whole values in memory: docs/offload.md, Limits)."""
+    pieces hold the whole state), and during load_checkpoint under one sub-group plus three (measured after
+    malloc_trim, buffers malloc or the swapper keep between sub-groups count too: 27-44 MB seen; 154-162 MB
+    when MoECheckpointReader joined the pieces into whole values before the sub-group-by-sub-group apply)."""
     from deepspeed.checkpoint.stream_save import CHUNK_BYTES
 
     (tmp_path / "swap").mkdir()
@@ -205,3 +213,4 @@ def test_moe_nvme_save_holds_about_one_sub_group(tmp_path):
         print(f"MoE ZeRO-2 ep 2, 2 ranks: state {state / 1e6:.0f} MB per rank, largest sub-group {shard / 1e6:.1f} MB, "
               f"peak rise: save {got['save'] / 1e6:.0f} MB, load {got['load'] / 1e6:.0f} MB")
         assert got["save"] < shard + 2 * CHUNK_BYTES, got
+        assert got["load"] < shard + 3 * CHUNK_BYTES, got

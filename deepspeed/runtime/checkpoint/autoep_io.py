@@ -89,9 +89,9 @@ def whole_rows(layer: Any, local: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def read_module(path: str, params: dict[str, tuple[int, Any]], mp: int = 0) -> dict[str, torch.Tensor]:
+def module_rows(path: str, params: dict[str, tuple[int, Any]], mp: int = 0) -> dict[str, list[torch.Tensor]]:
     """This rank's slices from the per-expert files (any ep_size wrote them; under tensor parallelism
-    the layout that saved: [Note: EP x TP checkpoint layout])."""
+    the layout that saved: [Note: EP x TP checkpoint layout]), one memory-mapped row per local expert."""
     from ...checkpoint.files import CheckpointError, load_file
     from .ep_tp_io import expert_source
 
@@ -106,13 +106,8 @@ def read_module(path: str, params: dict[str, tuple[int, Any]], mp: int = 0) -> d
             if name not in saved:
                 raise CheckpointError(f"{source} has no {name!r} (it holds {sorted(saved)})")
             rows.append(saved[name])
-        out[name] = torch.stack(rows)
+        out[name] = rows
     return out
-
-
-def own_rows(params: dict[str, tuple[int, Any]], name: str, whole: torch.Tensor) -> torch.Tensor:
-    layer = params[name][1]
-    return whole[layer.first_expert:layer.first_expert + layer.num_local_experts]
 
 
 def check_expert_counts(engine: Any, reader: Any) -> None:

@@ -232,9 +232,13 @@ def _plan_module(engine: Any, plan: LoadPlan, strict: bool) -> None:
     Names are checked first: a checkpoint of another model fails with the missing and the
     unexpected names rather than a shape error deep inside. At ZeRO-3 parameter values go into
     this rank's slices of the gather units (zero3_io), not the released placeholders."""
+    from ...module_inject.auto_ep_layer import local_expert_state
+
     reader, hp = plan.reader, plan.hp
     module = engine.module
-    expected = set(module.state_dict().keys())
+    with local_expert_state():   # AutoEP experts as this rank's parameters: no gather of whole tensors
+        named_state = module.state_dict(keep_vars=True)
+    expected = set(named_state.keys())
     saved = set((reader.model_states.get("module") or {}).keys()) | set(reader.param_names())
     saved |= set((reader.model_states.get("frozen_param_fragments") or {}).keys())
     shared = reader.model_states.get("shared_params") or {}
@@ -249,7 +253,7 @@ def _plan_module(engine: Any, plan: LoadPlan, strict: bool) -> None:
     shapes = zero3_io.param_shapes(engine) if zero3 else {n: p.shape for n, p in named.items()}
     by_param = {id(p): n for n, p in named.items()}
     params: dict[str, torch.Tensor] = {}   # parameter values to write, by first name
-    for name, tensor in module.state_dict(keep_vars=True).items():
+    for name, tensor in named_state.items():
         if name in trained or name not in saved:
             continue
         value = reader.module_tensor(shared.get(name, name))

@@ -9,9 +9,11 @@ optimizer goes to `expp_rank_{ep}_mp_rank_00_optim_states.pt` without ZeRO (the 
 each EP rank; upstream's `{'optimizer': state_dict}` plus ours) and to every rank's
 `[bf16_]zero_pp_rank_{dp}_mp_rank_00_optim_states.pt` with ZeRO. Ours in both is `ds_moe_pieces`:
 each slice of a trained parameter the rank holds (HpState pieces), under global names, with its fp32
-master and optimizer state. A slice names what it is, so loading (MoECheckpointReader: the pieces
-joined into full values, then the usual loader reads the slices it owns) works at any world size,
-ZeRO stage and ep_size; zero_to_fp32 joins the same pieces into one fp32 state dict.
+master and optimizer state. A slice names what it is, so loading works at any world size, ZeRO stage
+and ep_size: MoECheckpointReader indexes the pieces of the memory-mapped files by local name and
+offset, and each slice the usual loader asks for is copied out of the pieces holding it only then
+(with NVMe offload, one sub-group at a time: the rank's state is never joined in memory).
+zero_to_fp32 joins the same pieces into one fp32 state dict.
 """
 
 from __future__ import annotations
@@ -23,14 +25,15 @@ from typing import Any
 
 import torch
 
-from ...checkpoint.files import CheckpointError, expert_file, expp_file, load_file
+from ...checkpoint.files import CheckpointError, expert_file, expp_file
+from ...checkpoint.mapped import copy_released
 from ...checkpoint.reader import CheckpointReader
 from ...moe.utils import is_moe_param
 from ...utils import groups
 from ...module_inject.auto_ep_layer import local_expert_state
 from ..engine_moe import moe_layers
 from ...checkpoint.constants import AUTOEP_LAYERS_KEY
-from .autoep_io import autoep_params, expert_entries, layer_metadata, own_rows, piece_in_whole, read_module
+from .autoep_io import autoep_params, expert_entries, layer_metadata, module_rows, piece_in_whole
 
 EXPERT_RE = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")
 PIECES = "ds_moe_pieces"
@@ -197,13 +200,22 @@ def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool,
     return entries
 
 
-def _overlap(start: int, numel: int, span: tuple[int, int]) -> int:
-    return max(0, min(start + numel, span[1]) - max(start, span[0]))
+def _segments(pieces: list[tuple[int, int, torch.Tensor]], lo: int, hi: int) -> Any:
+    """(value, offset in it, offset in [lo, hi), count) of the pieces (sorted by start) that hold
+    elements of [lo, hi), each element taken once (stage-0 files repeat the dense parameters' pieces)."""
+    at = lo
+    for start, numel, value in pieces:
+        if start >= hi:
+            break
+        a, b = max(at, start), min(hi, start + numel)
+        if a < b:
+            yield value, a - start, a - lo, b - a
+            at = b
 
 
 class MoECheckpointReader(CheckpointReader):
-    """A MoE checkpoint as this rank's model sees it: full values under its LOCAL names (its experts'
-    global ids mapped back), so the usual loader reads the slices this rank owns."""
+    """A MoE checkpoint as this rank's model sees it: values under its LOCAL names (its experts' global
+    ids mapped back), so the usual loader reads the slices this rank owns, each when it asks for it."""
 
     def __init__(self, engine: Any, load_dir: str, tag: str) -> None:
         from ...checkpoint.files import model_file, tag_dir
@@ -217,12 +229,13 @@ class MoECheckpointReader(CheckpointReader):
         self.path, self.tag, self.mp_rank = path, tag, mp
         self.universal, self.stage, self.rank_files, self.zero_states = False, 0, [], []
         self.optimizer_state: list = []
+        self.mappings = []   # the files loaded, so copies out of them give their pages back
         own = os.path.join(path, model_file(mp))
         source = own if os.path.isfile(own) else os.path.join(path, model_file(0))   # (its layout names the refusal)
-        self.model_states = load_file(source)
+        self.model_states = self._load(source)
         ep_tp_io.check_layout(engine, path, self.model_states)
         if source != own:   # same layout but no file of this tensor rank: load_file names it
-            self.model_states = load_file(own)
+            self.model_states = self._load(own)
         self._fragment_cache, self._parts, self._partitions = {}, {}, []
         renamed = global_names(engine)
         module = dict(self.model_states.get("module") or {})
@@ -231,18 +244,22 @@ class MoECheckpointReader(CheckpointReader):
             if not os.path.isfile(source):
                 raise CheckpointError(f"{path}: no {os.path.basename(source)} for {local} (global expert "
                                       f"{expert} of MoE layer {layer_id}): saved with fewer experts?")
-            saved = load_file(source)
+            saved = self._load(source)
             if name not in saved:
                 raise CheckpointError(f"{source} has no {name!r} (it holds {sorted(saved)})")
             module[local] = saved[name]
         autoep = autoep_params(engine)
-        module.update(read_module(path, autoep, mp))
+        # AutoEP's local expert rows stay in the mapped files: stacked only if asked for (frozen, module-only)
+        self._rows = module_rows(path, autoep, mp)
+        module.update({n: torch.empty((len(r),) + tuple(r[0].shape), dtype=r[0].dtype, device="meta")
+                       for n, r in self._rows.items()})
         self.model_states["module"] = module
         wanted = {renamed.get(n, (0, 0, n))[2]: n for n in module}   # global name -> local name
         found = ep_tp_io.optimizer_files(sorted(glob.glob(os.path.join(path, "expp_rank_*_optim_states.pt")) +
                                                 glob.glob(os.path.join(path, "*zero_pp_rank_*_optim_states.pt"))), mp, tp)
-        full: dict[str, dict[str, torch.Tensor]] = {}
-        filled: dict[str, int] = {}
+        # field -> local name -> [(start in the saved whole, numel, the memory-mapped value)], read lazily
+        self._lazy: dict[str, dict[str, list[tuple[int, int, torch.Tensor]]]] = {}
+        self._offset: dict[str, int] = {}   # where this rank's values start in the saved whole (AutoEP rows)
 
         def needed(local: str) -> tuple[int, int]:
             """The flat range this rank reads: an AutoEP tensor's own experts' rows (under tensor parallelism
@@ -256,10 +273,10 @@ class MoECheckpointReader(CheckpointReader):
         shapes: dict[str, tuple] = {}
         self.param_groups, self._step, self.common_state = [], None, {}
         self._ds_optimizer = None
-        states = [load_file(source) for source in found]
+        states = [self._load(source) for source in found]
         if states and not any(PIECES in s.get("optimizer_state_dict", s) for s in states):
             self._ds_optimizer = _deepspeed_optimizer(engine, path, found, states)
-            self._full = {"fp32": dict(module)}
+            self._full = {"fp32": self._module_values(module)}
             return
         for source, state in zip(found, states):
             state = state.get("optimizer_state_dict", state)
@@ -275,24 +292,66 @@ class MoECheckpointReader(CheckpointReader):
                     continue
                 shapes[local] = tuple(state["shapes"][name])
                 for field, value in values.items():
-                    flat = full.setdefault(field, {}).setdefault(local, torch.zeros(  # host: read from files
-                        torch.Size(shapes[local]).numel(), dtype=torch.float32))
-                    if field == "fp32":
-                        filled[local] = filled.get(local, 0) + _overlap(start, numel, needed(local))
-                    flat[start:start + numel].copy_(value)
-        for local, shape in shapes.items():
+                    self._lazy.setdefault(field, {}).setdefault(local, []).append((start, numel, value.reshape(-1)))
+        for pieces in self._lazy.values():
+            for entries in pieces.values():
+                entries.sort(key=lambda entry: entry[0])
+        for local in shapes:
             lo, hi = needed(local)
-            if filled.get(local, 0) < hi - lo:
+            self._offset[local] = lo
+            filled = sum(n for *_, n in _segments(self._lazy.get("fp32", {}).get(local, []), lo, hi))
+            if filled < hi - lo:
                 raise CheckpointError(f"{path}: parameter {local!r} is incomplete in the checkpoint's optimizer "
-                                      f"files ({filled.get(local, 0)} of the {hi - lo} elements this rank reads)")
-        self._full = {f: {n: own_rows(autoep, n, t.view(shapes[n])) if n in autoep else t.view(shapes[n])
-                          for n, t in values.items()} for f, values in full.items()}
+                                      f"files ({filled} of the {hi - lo} elements this rank reads)")
+        self._full = {"fp32": {}}
         shapes = {n: tuple(module[n].shape) if n in autoep else s for n, s in shapes.items()}
-        self._full.setdefault("fp32", {})
         self._set_groups([shapes] if shapes else [{}])
         if not found:   # module weights only: every parameter from the module state
-            self._full["fp32"] = dict(module)
+            self._full["fp32"] = self._module_values(module)
             self._set_groups([{n: t.shape for n, t in module.items() if n in dict(engine.module.named_parameters())}])
+
+    def _module_values(self, module: dict) -> dict[str, torch.Tensor]:
+        return {n: self.module_tensor(n) if n in self._rows else t for n, t in module.items()}
+
+    def module_tensor(self, name: str) -> torch.Tensor | None:
+        if name in self._rows:
+            return torch.stack(self._rows[name])
+        return super().module_tensor(name)
+
+    def fields(self) -> list[str]:
+        return sorted((set(self._lazy) | set(self._full)) - {"fp32"})
+
+    def has_field(self, name: str, field: str) -> bool:
+        return name in self._lazy.get(field, {}) or super().has_field(name, field)
+
+    def _runs(self, name: str, field: str, start: int, numel: int) -> list:
+        """_segments of the pieces holding elements [start, start+numel) of `name`'s `field`; missing
+        elements of the master raise (of optimizer state they read as zeros: a piece saved before its
+        state existed)."""
+        lo = self._offset[name] + start
+        runs = list(_segments(self._lazy[field][name], lo, lo + numel))
+        filled = sum(run[-1] for run in runs)
+        if field == "fp32" and filled != numel:
+            raise CheckpointError(f"{self.path}: parameter {name!r} ({field}) is incomplete in the checkpoint: "
+                                  f"found {filled} of {numel} elements")
+        return runs
+
+    def check(self, name: str, field: str, start: int = 0, numel: int | None = None) -> None:
+        if name not in self._lazy.get(field, {}):
+            return super().check(name, field, start, numel)
+        self._runs(name, field, start, self._locate(name, start, numel)[2])
+
+    def read_into(self, out: torch.Tensor, name: str, field: str, start: int = 0) -> None:
+        """A piece-backed value is copied out of the memory-mapped pieces that hold the range only now
+        (never joined whole in memory: [Note: MoE checkpoint layout]), their pages given back as it goes
+        ([Note: released reads])."""
+        if name not in self._lazy.get(field, {}):
+            return super().read_into(out, name, field, start)
+        runs = self._runs(name, field, start, self._locate(name, start, out.numel())[2])
+        if sum(run[-1] for run in runs) != out.numel():
+            out.zero_()
+        for value, at, to, count in runs:
+            copy_released(out[to:to + count], value[at:at + count], self.mappings)
 
     def bind_replicated_names(self, optimizer_names: list, trainable: set, strict: bool = True) -> None:
         """Pieces are named; DeepSpeed's stage-0 `expp_rank_*` file keys its torch optimizer state by

@@ -82,10 +82,11 @@ def load_moe_state_dict(checkpoint_path: str, tag: Any, state_dict: dict, old_mo
     path = os.path.join(checkpoint_path, "" if tag is None else str(tag))
     for layer_id, (prefix, layer) in enumerate(layers):
         if _is_autoep(layer):
-            from .autoep_io import autoep_params, read_module
+            from .autoep_io import autoep_params, module_rows
 
             params = {n: v for n, v in autoep_params(SimpleNamespace(module=model)).items() if v[1] is layer}
-            state_dict.update(read_module(path, {n: (layer_id, v[1]) for n, v in params.items()}, mp))
+            rows = module_rows(path, {n: (layer_id, v[1]) for n, v in params.items()}, mp)
+            state_dict.update({n: torch.stack(r) for n, r in rows.items()})
             continue
         local = int(layer.num_local_experts)
         first = groups._get_expert_parallel_rank(layer.expert_group_name) * local
