@@ -122,10 +122,11 @@ def block_run(kind: str, ep: int, seed: int = 0) -> dict:
     return result
 
 
-def train_steps(engine: Any, steps: int, data_rank: int) -> dict:
-    """`steps` engine steps on this data rank's batches: {"losses", "norms"} per step."""
+def train_steps(engine: Any, steps: int, data_rank: int, first: int = 0) -> dict:
+    """`steps` engine steps (batches `first`, `first` + 1, ...) on this data rank's batches: {"losses",
+    "norms"} per step."""
     losses, norms = [], []
-    for step in range(steps):
+    for step in range(first, first + steps):
         ids = batch(step, data_rank)
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
@@ -286,14 +287,7 @@ def checkpoint_run(kind: str, save_dir: str, stage: int, save_ep: int, load_ep: 
         return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
 
     def train(engine: Any, first: int) -> list:
-        losses = []
-        for step in range(first, first + steps):
-            ids = batch(step, dist.get_rank())
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        return losses
+        return train_steps(engine, steps, dist.get_rank(), first)["losses"]
 
     engine = engine_at(save_ep)
     train(engine, 0)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from autoep_jobs import MICRO, batch
+from autoep_jobs import MICRO, train_steps
 from eptp_jobs import MPU, EXPERTS, MoENet, _global, _model, _moe_data, _moe_state
 
 LR, CLIP = 1e-2, 0.5
@@ -98,14 +98,7 @@ def autoep_autotp_checkpoint(kind: str, save_dir: str, stage: int, steps: int, t
         return deepspeed.initialize(model=_model(kind), config=config)[0]
 
     def train(engine: Any, first: int) -> list:
-        losses = []
-        for step in range(first, first + steps):
-            ids = batch(step, engine.get_data_parallel_rank())
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        return losses
+        return train_steps(engine, steps, engine.get_data_parallel_rank(), first)["losses"]
 
     def sixteen(engine: Any) -> dict:
         engine.save_16bit_model(os.path.join(save_dir, "16bit"))
