@@ -32,11 +32,11 @@ from ...checkpoint.constants import (AUTOEP_LAYERS_KEY, AUTOEP_ZERO3_EXPERT_STAT
                                      AUTOEP_ZERO3_SOURCE_GROUP as SOURCE_GROUP, UNIVERSAL_CHECKPOINT_INFO,
                                      UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 from ...checkpoint.files import CheckpointError, load_file, model_file, optim_file, tag_dir
-from ...checkpoint.moe_to_universal import source_groups
+from ...checkpoint.moe_to_universal import is_autoep_zero3_layout as is_partitioned_checkpoint, source_groups
 from ...checkpoint.reader import CheckpointReader
 from ...moe.utils import is_moe_param
 from ...module_inject.auto_ep_layer import local_expert_state
-from ...utils.zero_to_fp32 import ZERO_PARTITION_GROUPS, is_autoep_zero3_partitioned, join_autoep_zero3
+from ...utils.zero_to_fp32 import ZERO_PARTITION_GROUPS, join_autoep_zero3
 from ..zero.partition import ParamwisePartition
 from .autoep_io import autoep_params, layer_metadata
 from .hp_state import HpState
@@ -52,12 +52,6 @@ def uses_layout(engine: Any) -> bool:
         return False
     autoep = autoep_params(engine)
     return bool(autoep) and all(n in autoep for n, p in engine.module.named_parameters() if is_moe_param(p))
-
-
-def is_partitioned_checkpoint(path: str) -> bool:
-    """A tag directory in upstream's AutoEP ZeRO-3 layout (rank 0's model-states file says so)."""
-    first = os.path.join(path, model_file(0, zero3_dp_rank=0))
-    return os.path.isfile(first) and is_autoep_zero3_partitioned(load_file(first))
 
 
 @dataclass
