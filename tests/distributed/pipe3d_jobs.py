@@ -144,7 +144,8 @@ def micro_batches(step: int, replica: int, micro: int, gas: int, dp: int):
 
 
 def train(pp: int, mp: int, micro: int, gas: int, zero: int, steps: int, clip: float, ckpt_dir: str | None = None,
-          save_at: int = 0, autotp: bool = False, universal: str | None = None, start: int = 0):
+          save_at: int = 0, autotp: bool = False, universal: str | None = None, start: int = 0,
+          load_universal: bool = True):
     """Train 3-D; returns (losses, norms, this rank's params by reference name, meta). With
     `ckpt_dir`, save after `save_at` steps, then build a new engine, load and go on. With `autotp`
     the blocks are plain (AutoBlock) and `tensor_parallel.autotp_size` shards them in each stage.
@@ -180,7 +181,7 @@ def train(pp: int, mp: int, micro: int, gas: int, zero: int, steps: int, clip: f
            "zero_optimization": {"stage": zero}}
     if autotp:
         cfg["tensor_parallel"] = {"autotp_size": mp}
-    if universal is not None:
+    if universal is not None and load_universal:
         cfg["checkpoint"] = {"load_universal": True}
 
     def build():

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +34,6 @@ from ..swap_tensor.optimizer_swapper import placeholder
 from .hp_state import HpState
 from .writer import dp_rank, mp_rank, set_rng_state
 
-_LAYER_SLICE = re.compile(r"layer_\d+-model_(\d+)-model_states\.pt$")   # a pipeline's per-slice layer files
 DEEPSPEED_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
                   "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
                   "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
@@ -157,17 +155,17 @@ def tensor_parallel_reader(engine: Any, load_dir: str, tag: str, layout: tuple |
         return None   # the reader names what is missing
     if is_universal(path):
         return None   # universal: whole values, cut after the layout's reader is built (read_plan)
+    if hasattr(engine, "_checkpoint_reader"):   # a pipeline's reader moves its stages' tensor slices itself
+        return None   # ([Note: pipeline x tensor checkpoints at another layout] in runtime/pipe/checkpoint.py)
     saved = int(states.get("mp_world_size", 1) or 1) if states.get("tp_partition_dims") else 1
-    if saved > 1 and hasattr(engine, "grid"):   # a pipeline's mp_world_size is pipe x slice: count its slice files
-        saved = len({m.group(1) for m in map(_LAYER_SLICE.match, os.listdir(path)) if m}) or 1
     have = tensor_parallel_size(engine.module)
     if saved == have:
         return None
-    if moe_io.is_moe_engine(engine) or hasattr(engine, "_checkpoint_reader") or getattr(engine, "mpu", None):
+    if moe_io.is_moe_engine(engine) or getattr(engine, "mpu", None):
         raise files.CheckpointError(
             f"{path} was saved at tensor-parallel size (autotp_size) {saved}, and this run has autotp_size {have}: "
-            f"resuming at another tensor-parallel size is supported for AutoTP engines without MoE, pipeline "
-            f"or an mpu; resume with autotp_size={saved} (any data-parallel size)")
+            f"resuming at another tensor-parallel size is supported for AutoTP engines (also in pipeline stages) "
+            f"without MoE or an mpu; resume with autotp_size={saved} (any data-parallel size)")
     return tp_reslice.resliced_reader(engine, load_dir, tag, saved, states, mp_rank(engine))
 
 
