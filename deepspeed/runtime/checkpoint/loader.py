@@ -161,7 +161,9 @@ def tensor_parallel_reader(engine: Any, load_dir: str, tag: str, layout: tuple |
     have = tensor_parallel_size(engine.module)
     if saved == have:
         return None
-    if moe_io.is_moe_engine(engine) or getattr(engine, "mpu", None):
+    mpu = getattr(engine, "mpu", None)   # ALST's sequence-parallel mpu (parallel_state_sp) has no tensor groups
+    tensor_mpu = mpu is not None and not hasattr(mpu, "initialize_sequence_parallel")
+    if moe_io.is_moe_engine(engine) or tensor_mpu:
         raise files.CheckpointError(
             f"{path} was saved at tensor-parallel size (autotp_size) {saved}, and this run has autotp_size {have}: "
             f"resuming at another tensor-parallel size is supported for AutoTP engines (also in pipeline stages) "
