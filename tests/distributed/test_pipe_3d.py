@@ -98,6 +98,17 @@ def test_megatron_tensor_layers_on_a_client_mpu_match_one_process(zero):
     _check(results, steps, micro, 1, 2, 0.5)
 
 
+def test_megatron_client_mpu_checkpoint_moves_tensor_size(tmp_path):
+    """Megatron-style tensor layers on a client mpu, tensor 2 x data 2 (ZeRO-1, AdamW, clipping) saved after 2
+    steps and resumed with a plain load_checkpoint at tensor 1 x data 2: the slices are joined along the
+    partition dims the files record (before: a shape mismatch). The continued steps equal the one-process
+    reference (losses, clipped norms, weights)."""
+    steps, micro = 4, 2
+    run_distributed(4, jobs.train_mpu, 2, micro, 1, steps, 0.5, str(tmp_path), 2)
+    results = run_distributed(2, jobs.train_mpu, 1, micro, 1, steps, 0.5, str(tmp_path), None, 2)
+    _check(results, steps, micro, 1, 2, 0.5, start=2, rtol=1e-6)
+
+
 @pytest.mark.parametrize("zero", [1])
 def test_pipe_autotp_matches_one_process(zero):
     """AutoTP inside pipeline stages ([Note: AutoTP in pipeline stages]): plain blocks sharded by

@@ -157,18 +157,40 @@ def tensor_parallel_reader(engine: Any, load_dir: str, tag: str, layout: tuple |
         return None   # universal: whole values, cut after the layout's reader is built (read_plan)
     if hasattr(engine, "_checkpoint_reader"):   # a pipeline's reader moves its stages' tensor slices itself
         return None   # ([Note: pipeline x tensor checkpoints at another layout] in runtime/pipe/checkpoint.py)
+    mpu = getattr(engine, "mpu", None)   # ALST's sequence-parallel mpu (parallel_state_sp) has no tensor groups
+    if mpu is not None and not hasattr(mpu, "initialize_sequence_parallel") and not moe_io.is_moe_engine(engine):
+        return _client_mpu_reader(engine, load_dir, tag, path, states)
     saved = int(states.get("mp_world_size", 1) or 1) if states.get("tp_partition_dims") else 1
     have = tensor_parallel_size(engine.module)
     if saved == have:
         return None
-    mpu = getattr(engine, "mpu", None)   # ALST's sequence-parallel mpu (parallel_state_sp) has no tensor groups
-    tensor_mpu = mpu is not None and not hasattr(mpu, "initialize_sequence_parallel")
-    if moe_io.is_moe_engine(engine) or tensor_mpu:
+    if moe_io.is_moe_engine(engine):
         raise files.CheckpointError(
             f"{path} was saved at tensor-parallel size (autotp_size) {saved}, and this run has autotp_size {have}: "
-            f"resuming at another tensor-parallel size is supported for AutoTP engines (also in pipeline stages) "
-            f"without MoE or an mpu; resume with autotp_size={saved} (any data-parallel size)")
+            f"resuming at another tensor-parallel size is supported for AutoTP engines (also in pipeline stages "
+            f"and under ALST) and Megatron-style layers, without MoE; resume with autotp_size={saved} (any "
+            f"data-parallel size)")
     return tp_reslice.resliced_reader(engine, load_dir, tag, saved, states, mp_rank(engine))
+
+
+def _client_mpu_reader(engine: Any, load_dir: str, tag: str, path: str, states: dict) -> Any:
+    """Your Megatron-style tensor layers on a client mpu: None at the saved tensor size, else the TP re-slicing
+    reader over the saved tensor ranks' file sets (`mp_rank_{t}`), cut along the `partition_dim`s the files
+    record (`tensor_model_parallel_dims`; at saved size 1, along this run's)."""
+    from .writer import MEGATRON_TP_DIMS
+
+    size, index, own_dims, _ = tp_reslice.engine_tensor_layout(engine)
+    saved = int(states.get("mp_world_size", 1) or 1)
+    if saved == size:
+        return None
+    tagged = {n: d for n, d in (states.get(MEGATRON_TP_DIMS) or {}).items() if d is not None}
+    if saved > 1 and not tagged:
+        raise files.CheckpointError(
+            f"{path} was saved at tensor-parallel size {saved} and this run's mpu has {size}, but the checkpoint "
+            f"records no partition dims of its tensor layers ({MEGATRON_TP_DIMS}); resume at tensor size {saved}, "
+            f"or convert it with ds_to_universal from a checkpoint that records them")
+    readers = [CheckpointReader(load_dir, tag, mp_rank=t) for t in range(saved)]
+    return tp_reslice.TPReslicedReader(readers, tagged if saved > 1 else own_dims, {}, size, index)
 
 
 def apply_plan(engine: Any, plan: LoadPlan) -> None:
