@@ -135,7 +135,9 @@ class CheckpointReader:
             self._description.check_record(record, rank, self.rank_files[rank])
         if self.zero_states.first is not None:
             return
-        self._check_rank_count(state)
+        count = state.get("optimizer_state_dict", {}).get("partition_count")
+        if count is not None:
+            self._check_rank_count(int(count[0] if isinstance(count, (list, tuple)) else count), "")
         stage = state.get("optimizer_state_dict", {}).get("zero_stage")
         if (stage is not None and int(stage) == 3) != self._zero3:
             raise CheckpointError(f"{self.rank_files[rank]}: written at ZeRO stage {stage}, but the tag's model-states "
@@ -191,16 +193,13 @@ class CheckpointReader:
                                   f"(found ranks {ranks})")
         return [by_rank[r] for r in ranks]
 
-    def _check_rank_count(self, first: dict) -> None:
-        count = first.get("optimizer_state_dict", {}).get("partition_count")
-        if count is None:
-            return
-        expected = int(count[0] if isinstance(count, (list, tuple)) else count)
+    def _check_rank_count(self, expected: int, source: str) -> None:
+        """`expected` saved ranks (a file's `partition_count`, or the `ds_layout` named by `source`)."""
         if expected != len(self.rank_files):
             prefix = os.path.basename(self.rank_files[0]).split("zero_pp_rank_")[0]
             missing = [f"{prefix}zero_pp_rank_{r}_mp_rank_{self.mp_rank:02d}_optim_states.pt"
                        for r in range(expected) if r >= len(self.rank_files)]
-            raise CheckpointError(f"{self.path}: written by {expected} ranks but {len(self.rank_files)} "
+            raise CheckpointError(f"{self.path}: written by {expected} ranks{source} but {len(self.rank_files)} "
                                   f"optimizer-state files are present; missing ranks "
                                   f"{list(range(len(self.rank_files), expected))}: {missing}")
 
@@ -238,10 +237,11 @@ class CheckpointReader:
                 else Description.from_layout(layout, shapes)
         except CheckpointError as error:
             raise CheckpointError(f"{os.path.join(self.path, self.model_name)}: {error}") from None
-        if (described.kind == PARAMWISE) != self._zero3 or described.world_size != self.world_size:
+        self._check_rank_count(described.world_size, f" (the {LAYOUT_KEY} of {self.model_name})")
+        if (described.kind == PARAMWISE) != self._zero3:
             raise CheckpointError(f"{os.path.join(self.path, self.model_name)}: its {LAYOUT_KEY} describes "
-                                  f"{described.summary()}, but the tag holds {self.world_size} optimizer-state "
-                                  f"files{' of ZeRO-3' if self._zero3 else ''}")
+                                  f"{described.summary()}, but the tag's files are{'' if self._zero3 else ' not'} "
+                                  "ZeRO-3's (one model-states file per rank)")
         self._description = described
         groups = [dict(g) for g in described.groups]
         self._set_groups([{n: s for g in groups for n, s in g.items()}] if self._zero3 else groups)
