@@ -12,17 +12,18 @@ own rank owns, so a checkpoint saved by N ranks at stage s loads on M ranks at s
 conversion step and without materialising the whole model on any rank.
 
 [Note: reading only what a rank needs]
-No optimizer-state file is opened up front. The partition geometry follows from the model-states
-file's `param_shapes`, the number of optimizer-state files (a glob) and whether the tag has per-rank
-model-states files (ZeRO-3), so `sources` (pure: `placements` of the saved partition) says which saved
-ranks hold elements [start, start+numel) of a parameter, and a rank's file is opened (and unpickled,
-once) when a slice of it is first asked for. What every rank's file holds alike (ZeRO stage, rank
-count, param groups, step, loss scaler) comes from the first file opened, checked against the glob,
-else from `own_rank`'s. A ZeRO-3 rank at the same layout thus opens its own optimizer-state and
-model-states files only; a ZeRO-1/2 rank the saved shards its bucket slices lie in (this runtime's
-buckets run in reverse parameter order, the files in parameter order: a few files, not N); at another
-layout, only the saved ranks whose shards overlap its slices (tests/distributed/test_checkpoint_reads.py
-counts them).
+No optimizer-state file is opened up front. What the files hold is a `Description` built from the
+model-states file alone ([Note: a checkpoint describes itself]: its `ds_layout`, else derived from
+`param_shapes`, the number of optimizer-state files (a glob) and whether the tag has per-rank
+model-states files (ZeRO-3)), so its plan (`sources`, pure) says which saved ranks hold elements
+[start, start+numel) of a parameter, and a rank's file is opened (and unpickled, once, its recorded
+fragments checked against the Description) when a slice of it is first asked for. What every rank's
+file holds alike (ZeRO stage, rank count, param groups, step, loss scaler) comes from the first file
+opened, checked against the glob, else from `own_rank`'s. A ZeRO-3 rank at the same layout thus opens
+its own optimizer-state and model-states files only; a ZeRO-1/2 rank the saved shards its bucket slices
+lie in (this runtime's buckets run in reverse parameter order, the files in parameter order: a few
+files, not N); at another layout, only the saved ranks whose shards overlap its slices
+(tests/distributed/test_checkpoint_reads.py counts them).
 """
 
 from __future__ import annotations
