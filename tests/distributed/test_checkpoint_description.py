@@ -1,6 +1,6 @@
 """A checkpoint describes itself (issue 39): the files we save record their fragments, and a load plans from that.
 
-On 2 gloo ranks, with two optimizer param groups that need padding (ckpt_desc_jobs.py), at ZeRO-1, ZeRO-3
+On 2 gloo ranks, with two optimizer param groups that need padding (ckpt_desc_jobs.py), at ZeRO-1, 2, 3
 and stage-0 bf16: each optimizer-state file's `ds_fragments` and the model-states `ds_layout` equal the
 description derived from DeepSpeed's rule, and every recorded fragment is where the saved values are.
 Then a load goes through the description: a file whose record disagrees with it is named (parameter,
@@ -26,7 +26,8 @@ from deepspeed.checkpoint import files
 from deepspeed.checkpoint.description import FLAT, Description, recorded_fragments
 from deepspeed.checkpoint.reader import CheckpointReader
 
-CONFIGS = {"zero1": J.config(1, 2), "zero3": J.config(3, 2), "bf16_stage0": J.config(0, 2, "bf16")}
+CONFIGS = {"zero1": J.config(1, 2), "zero2": J.config(2, 2), "zero3": J.config(3, 2),
+           "bf16_stage0": J.config(0, 2, "bf16")}
 _SAVED: dict[str, tuple[str, dict]] = {}
 
 
