@@ -61,8 +61,7 @@ class CheckpointReader:
     # defaults for readers built without this __init__ (moe_io, autoep_zero3_io)
     mappings: Any = ()
     _zero3 = False
-    _description: Description | None = None   # partitioned layouts: what the files hold ([Note: a checkpoint
-                                              # describes itself]); None: whole values (replicated, universal)
+    _description: Description | None = None   # what partitioned files hold; None: whole values (replicated)
     model_name: str | None = None   # the model-states file read (ZeRO-3: this rank's)
 
     def __init__(self, load_dir: str, tag: str, mp_rank: int = 0, module_state: dict | None = None,
@@ -136,9 +135,7 @@ class CheckpointReader:
             self._description.check_record(record, rank, self.rank_files[rank])
         if self.zero_states.first is not None:
             return
-        count = state.get("optimizer_state_dict", {}).get("partition_count")
-        if count is not None:
-            self._check_rank_count(int(count[0] if isinstance(count, (list, tuple)) else count), "")
+        self._check_rank_count(state)
         stage = state.get("optimizer_state_dict", {}).get("zero_stage")
         if (stage is not None and int(stage) == 3) != self._zero3:
             raise CheckpointError(f"{self.rank_files[rank]}: written at ZeRO stage {stage}, but the tag's model-states "
@@ -194,7 +191,12 @@ class CheckpointReader:
                                   f"(found ranks {ranks})")
         return [by_rank[r] for r in ranks]
 
-    def _check_rank_count(self, expected: int, source: str) -> None:
+    def _check_rank_count(self, first: dict) -> None:
+        count = first.get("optimizer_state_dict", {}).get("partition_count")
+        if count is not None:
+            self._check_count(int(count[0] if isinstance(count, (list, tuple)) else count), "")
+
+    def _check_count(self, expected: int, source: str) -> None:
         """`expected` saved ranks (a file's `partition_count`, or the `ds_layout` named by `source`)."""
         if expected != len(self.rank_files):
             prefix = os.path.basename(self.rank_files[0]).split("zero_pp_rank_")[0]
@@ -238,7 +240,7 @@ class CheckpointReader:
                 else Description.from_layout(layout, shapes)
         except CheckpointError as error:
             raise CheckpointError(f"{os.path.join(self.path, self.model_name)}: {error}") from None
-        self._check_rank_count(described.world_size, f" (the {LAYOUT_KEY} of {self.model_name})")
+        self._check_count(described.world_size, f" (the {LAYOUT_KEY} of {self.model_name})")
         if (described.kind == PARAMWISE) != self._zero3:
             raise CheckpointError(f"{os.path.join(self.path, self.model_name)}: its {LAYOUT_KEY} describes "
                                   f"{described.summary()}, but the tag's files are{'' if self._zero3 else ' not'} "
