@@ -34,7 +34,7 @@ from .moe_to_universal import convert_autoep_zero3, convert_moe, is_autoep_zero3
 from .reader import CheckpointReader
 
 _PER_ELEMENT = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings",
-                "fp32_flat_groups", "optimizer_state_dict")
+                "fp32_flat_groups", "optimizer_state_dict", "ds_fragments")
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from ... import comm as ds_comm
 from ...checkpoint import files
+from ...checkpoint.description import LAYOUT_KEY, Description
 from ...checkpoint.stream_save import Streamed
 from ...utils.logging import log_dist, logger
 from ..errors import ArgumentError
@@ -149,6 +150,8 @@ def save_checkpoint(engine: Any, save_dir: str, tag: Any = None, client_state: d
             client = copy.deepcopy(client_state or {}) if background else dict(client_state or {})
             state = model_states(engine, hp, client, exclude_frozen_parameters, partitioned,
                                  zero3_frozen=frozen if zero3 else None, snapshot=background)
+            if optimizer_state is not None:   # what the optimizer-state files hold, for a load's plan
+                state[LAYOUT_KEY] = Description.of(hp.groups, engine.seq_dp_world_size, zero3).layout()
             entries.append((files.model_file(mp, zero3_dp_rank=dp_rank(engine) if zero3 else None), state))
             entries += engine._extra_checkpoint_files(exclude_frozen_parameters) \
                 if hasattr(engine, "_extra_checkpoint_files") else []

@@ -39,7 +39,7 @@ DEEPSPEED_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen
                   "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
                   "mp_world_size", "ds_config", "ds_version", "optimizer_param_names",
                   "checkpoint_parallel_dimensions", "tp_partition_dims",
-                  "tp_sub_param_sizes", "tensor_model_parallel_dims"}
+                  "tp_sub_param_sizes", "tensor_model_parallel_dims", "ds_layout"}
 
 
 @dataclass

@@ -20,12 +20,10 @@ from typing import Any
 import torch
 
 from ... import comm as ds_comm
+from ...checkpoint.description import FRAGMENTS_KEY, Description
 from ...version import __version__
-from ..zero.partition import BucketPartition
 from .hp_state import HpState, upstream_scaler  # noqa: F401 (upstream_scaler: re-exported)
 from .zero3_io import param_shapes
-
-ALIGNMENT = 2
 
 
 def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_frozen: bool,
@@ -75,6 +73,7 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
         mp_world_size=getattr(engine, "mp_world_size", 1),
         ds_config=engine.config,
         ds_version=__version__,
+        ds_layout=None,   # engine_io: the optimizer-state files' description ([Note: a checkpoint describes itself])
     )
     tp_dims, tp_blocks = _tp_partition_dims(module)
     if tp_dims:
@@ -150,7 +149,8 @@ def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int,
     """Rank `rank`'s `optimizer_state_dict` in DeepSpeed's ZeRO-1/2 layout (collective under ZeRO);
     `later`: see HpState.recut_fields; `fields_step`: HpState.agreed_fields(), when already known;
     `stream`: NVMe-offloaded state as StreamedTensors where it can (HpState.recut)."""
-    layouts = [BucketPartition(tuple(s.numel() for _, s in g), world, ALIGNMENT) for g in hp.groups]
+    described = Description.of(hp.groups, world, zero3=False)   # [Note: a checkpoint describes itself]
+    layouts = described.partitions
     fields, step = fields_step if fields_step is not None else hp.agreed_fields(engine.seq_data_parallel_group)
     # DeepSpeed stores the fp32 slices without their end padding, the optimizer states with it
     parts = hp.recut(["fp32"] + fields, layouts, rank, strip_padding={"fp32"}, later=later, stream=stream)
@@ -181,6 +181,7 @@ def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int,
         "partition_count": [world] * len(layouts),
         "ds_version": __version__,
         "param_slice_mappings": slice_mappings,
+        FRAGMENTS_KEY: described.record(rank),
     }
     if engine.zero_optimization_stage() > 0:
         from ..zero.config import ZeroStageEnum
