@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ... import comm as ds_comm
+from ...checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from ...version import __version__
 from ..zero.partition import BucketPartition
 from .hp_state import HpState, upstream_scaler  # noqa: F401 (upstream_scaler: re-exported)
@@ -90,6 +91,9 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
     reserved = set(out) & set(client_state)
     if reserved:
         raise KeyError(f"save_checkpoint: client_state uses reserved checkpoint keys {sorted(reserved)}")
+    info = getattr(module, UNIVERSAL_CHECKPOINT_INFO, None)
+    if info is not None:   # AutoTP's description, affine maps included (upstream's engine writes it too)
+        out[UNIVERSAL_CHECKPOINT_INFO] = copy.deepcopy(info)
     out.update(client_state)
     return out
 
