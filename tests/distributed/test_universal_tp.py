@@ -93,6 +93,17 @@ def test_universal_files_are_whole_and_upstream_shaped(tmp_path):
         torch.testing.assert_close(states["module"][name], value, rtol=0, atol=0)
 
 
+def test_zero3_tp2_converts_to_whole_weights(tmp_path):
+    """AutoTP at ZeRO-3, whose model states hold empty module placeholders: the universal files hold the
+    whole weights (the placeholders were once joined as slices and the conversion failed)."""
+    run_distributed(2, train_tp, "glu", 1, 2, 3, micro=2, momentum=0.9, save_dir=str(tmp_path))
+    out = _to_universal(tmp_path)
+    whole = run_distributed(2, train_tp, "glu", 0, 2, 3, micro=2, momentum=0.9, load_dir=str(tmp_path))[0]["params"]
+    for name, value in whole.items():
+        record = torch.load(os.path.join(out, "zero", name, "fp32.pt"), weights_only=False)
+        torch.testing.assert_close(record["param"], value, rtol=0, atol=0)
+
+
 def test_deepspeed_pattern_description_converts_the_same(tmp_path):
     """DeepSpeed's own AutoTP checkpoints have no tp_partition_dims, only `universal_checkpoint_info` name
     patterns (row-parallel, replicated, fused sub-parameters): converted from those, the files are the same."""
