@@ -65,6 +65,13 @@ def test_pipe_tensor_resume_equals_uninterrupted(tmp_path, autotp):
             torch.testing.assert_close(torch.load(universal, weights_only=False)["param"], value,
                                        rtol=1e-5, atol=1e-6, msg=name)
     assert {p.name for p in (tmp_path / "mid_universal" / "zero").iterdir() if p.is_dir()} == set(want)
+    from deepspeed.checkpoint.tp_maps import recorded_map, split_map
+
+    states = torch.load(tmp_path / "mid" / "mp_rank_00_model_states.pt", weights_only=False)
+    dims = states.get("tensor_model_parallel_dims") or states.get("tp_partition_dims")
+    for name, shape in ((n, s) for g in states["param_shapes"] for n, s in g.items()):   # each one's affine map
+        full = [d * (2 if i == dims.get(name) else 1) for i, d in enumerate(shape)]
+        assert recorded_map(states, name, 2) == split_map(full, dims.get(name), None, 2), name
     if autotp:
         return
     # a slice tagged tensor_model_parallel without partition_dim: refused, not guessed
