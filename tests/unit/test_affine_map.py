@@ -190,3 +190,15 @@ def test_ds_to_universal_joins_by_the_recorded_map():
     unit = _Unit([_Reader(torch.ones(3), states), _Reader(torch.ones(3), states)], {}, {})
     assert torch.equal(_joined(unit, "w", lambda r: asked.append(r) or r.value), torch.ones(3))
     assert asked == [unit.readers[0]]   # a replicated parameter: tensor rank 0's value only
+
+
+def test_tp_reslice_refuses_an_uneven_recorded_layout():
+    """The executor moves even slices: a recorded uneven split (upstream can write one) is refused by name."""
+    from deepspeed.runtime.checkpoint.tp_reslice import TPReslicedReader
+
+    amap = contiguous_split_map((5, 2), [3, 2], 0)
+    states = {"universal_checkpoint_info": {"affine_map": {"version": 1, "params": {"^w$": amap.to_dict()}}}}
+    full = torch.randn(5, 2)
+    readers = [_Reader(amap.extract(full, r), states) for r in range(2)]
+    with pytest.raises(CheckpointError, match="'w'.*not an even split"):
+        TPReslicedReader(readers, {"w": 0}, {}, 1, 0).read("w", "fp32")

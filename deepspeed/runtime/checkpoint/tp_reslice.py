@@ -122,7 +122,11 @@ class TPReslicedReader:
         dim, blocks = self.dims[name], self.blocks.get(name)
         states = getattr(self.readers[0], "model_states", None) or {}
         saved = saved_map(states, name, saved_shape, self.saved_tp, dim, blocks)
-        return plan_segments(saved, split_map(saved.logical_shape, dim, blocks, self.new_tp), self.new_index, dim)
+        running = split_map(saved.logical_shape, dim, blocks, self.new_tp)
+        if running.shard_shapes[self.new_index] != tuple(self._new_shape(name, saved_shape)):
+            raise files.CheckpointError(f"{name!r}: the saved slices ({saved.logical_shape} whole) are not an even "
+                                        f"split of {tuple(saved_shape)} per tensor rank; cannot move them")
+        return plan_segments(saved, running, self.new_index, dim)
 
     def groups(self) -> list[list[tuple[str, torch.Size]]]:
         return self._groups
