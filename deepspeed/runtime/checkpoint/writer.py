@@ -96,8 +96,7 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
         out[UNIVERSAL_CHECKPOINT_INFO] = copy.deepcopy(info)
     if out.get(MEGATRON_TP_DIMS):   # your tensor layers' slices on the pipeline grid: their maps too
         out[UNIVERSAL_CHECKPOINT_INFO] = _with_megatron_maps(out.get(UNIVERSAL_CHECKPOINT_INFO), module,
-                                                             out[MEGATRON_TP_DIMS],
-                                                             engine.grid.get_slice_parallel_world_size())
+                                                             out[MEGATRON_TP_DIMS])
     out.update(client_state)
     return out
 
@@ -217,6 +216,30 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _with_megatron_maps(info: dict | None, module: Any, dims: dict[str, int]) -> dict:
+    """`info` (AutoTP's, or a new one) with an affine map for every parameter of the pipeline `module` it does
+    not describe yet: split on its tagged partition dim over the grid's slice ranks, else whole on each
+    ([Note: affine maps] in checkpoint/affine.py)."""
+    import re
+
+    from ...checkpoint.constants import (AFFINE_MAP, AFFINE_MAP_PARAMS, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                         UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+    from ...checkpoint.tp_maps import published, recorded_maps, split_map
+
+    tp = module.mpu().get_slice_parallel_world_size()
+    info = dict(info or {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+    maps = recorded_maps({UNIVERSAL_CHECKPOINT_INFO: info})
+    for name, p in module.named_parameters():
+        pattern = rf"^{re.escape(name)}$"
+        if pattern not in maps:
+            full = list(p.shape)
+            if name in dims:
+                full[dims[name]] *= tp
+            maps[pattern] = split_map(full, dims.get(name), None, tp).to_dict()
+    info[AFFINE_MAP] = {**published({}), AFFINE_MAP_PARAMS: maps}
+    return info
+
+
 def _tp_partition_dims(module: Any) -> tuple[dict[str, int], dict[str, list[int]]]:
     """{parameter name: the dim AutoTP split it on}, and {name: fused block sizes along it} (both empty
     without tensor-parallel layers)."""
@@ -246,28 +269,6 @@ def _megatron_partition_dims(module: Any) -> dict[str, int | None]:
             dim, stride = getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1)
             out[name] = int(dim) if dim is not None and stride == 1 else None
     return out
-
-
-def _with_megatron_maps(info: dict | None, module: Any, dims: dict[str, int], tp: int) -> dict:
-    """`info` (AutoTP's, or a new one) with an affine map for every parameter it does not describe yet: split
-    on its tagged partition dim over the `tp` slice ranks, else whole on each ([Note: affine maps])."""
-    import re
-
-    from ...checkpoint.constants import (AFFINE_MAP, AFFINE_MAP_PARAMS, UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                         UNIVERSAL_CHECKPOINT_VERSION_VALUE)
-    from ...checkpoint.tp_maps import published, recorded_maps, split_map
-
-    info = dict(info or {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
-    maps = recorded_maps({UNIVERSAL_CHECKPOINT_INFO: info})
-    for name, p in module.named_parameters():
-        pattern = rf"^{re.escape(name)}$"
-        if pattern not in maps:
-            full = list(p.shape)
-            if name in dims:
-                full[dims[name]] *= tp
-            maps[pattern] = split_map(full, dims.get(name), None, tp).to_dict()
-    info[AFFINE_MAP] = {**published({}), AFFINE_MAP_PARAMS: maps}
-    return info
 
 
 def dp_rank(engine: Any) -> int:
