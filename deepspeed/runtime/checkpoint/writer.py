@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from ... import comm as ds_comm
-from ...checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from ...version import __version__
 from ..zero.partition import BucketPartition
 from .hp_state import HpState, upstream_scaler  # noqa: F401 (upstream_scaler: re-exported)
@@ -91,12 +90,7 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
     reserved = set(out) & set(client_state)
     if reserved:
         raise KeyError(f"save_checkpoint: client_state uses reserved checkpoint keys {sorted(reserved)}")
-    info = getattr(module, UNIVERSAL_CHECKPOINT_INFO, None)
-    if info is not None:   # AutoTP's description, affine maps included (upstream's engine writes it too)
-        out[UNIVERSAL_CHECKPOINT_INFO] = copy.deepcopy(info)
-    if out.get(MEGATRON_TP_DIMS):   # your tensor layers' slices on the pipeline grid: their maps too
-        out[UNIVERSAL_CHECKPOINT_INFO] = _with_megatron_maps(out.get(UNIVERSAL_CHECKPOINT_INFO), module,
-                                                             out[MEGATRON_TP_DIMS])
+    out.update(_universal_info(module, out.get(MEGATRON_TP_DIMS)))
     out.update(client_state)
     return out
 
@@ -216,14 +210,25 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _universal_info(module: Any, megatron_dims: dict[str, int] | None) -> dict:
+    """{"universal_checkpoint_info": the module's (AutoTP's description, affine maps included; upstream's engine
+    writes it too), with maps for a pipeline's Megatron-style slices added}, or {} when there is none."""
+    from ...checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    info = copy.deepcopy(getattr(module, UNIVERSAL_CHECKPOINT_INFO, None))
+    if megatron_dims:   # your tensor layers' slices on the pipeline grid: their maps too
+        info = _with_megatron_maps(info, module, megatron_dims)
+    return {} if info is None else {UNIVERSAL_CHECKPOINT_INFO: info}
+
+
 def _with_megatron_maps(info: dict | None, module: Any, dims: dict[str, int]) -> dict:
     """`info` (AutoTP's, or a new one) with an affine map for every parameter of the pipeline `module` it does
     not describe yet: split on its tagged partition dim over the grid's slice ranks, else whole on each
     ([Note: affine maps] in checkpoint/affine.py)."""
     import re
 
-    from ...checkpoint.constants import (AFFINE_MAP, AFFINE_MAP_PARAMS, UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                         UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+    from ...checkpoint.constants import (AFFINE_MAP, AFFINE_MAP_PARAMS, UNIVERSAL_CHECKPOINT_INFO,
+                                         UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
     from ...checkpoint.tp_maps import published, recorded_maps, split_map
 
     tp = module.mpu().get_slice_parallel_world_size()
