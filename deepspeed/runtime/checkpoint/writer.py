@@ -81,10 +81,9 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
         out["tp_partition_dims"] = tp_dims   # zero_to_fp32 joins the tensor ranks' slices along these
     if tp_blocks:
         out["tp_sub_param_sizes"] = tp_blocks   # fused weights: joined block by block
-    if getattr(engine, "pipeline_parallelism", False):
-        sliced = {n: d for n, d in _megatron_partition_dims(module).items() if n not in tp_dims}   # AutoTP's own
-        if sliced:   # zero_to_fp32 joins a 3-D checkpoint's tensor slices along these
-            out[MEGATRON_TP_DIMS] = sliced
+    sliced = {n: d for n, d in _megatron_partition_dims(module).items() if n not in tp_dims}   # AutoTP's own
+    if sliced:   # zero_to_fp32 joins the tensor slices of your layers (3-D, client mpu) along these
+        out[MEGATRON_TP_DIMS] = sliced
     if hp is not None:
         out["optimizer_param_names"] = hp.optimizer_names
     reserved = set(out) & set(client_state)
