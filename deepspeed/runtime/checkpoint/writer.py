@@ -215,8 +215,8 @@ def _universal_info(module: Any, megatron_dims: dict[str, int] | None) -> dict:
     from ...checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
     info = copy.deepcopy(getattr(module, UNIVERSAL_CHECKPOINT_INFO, None))
-    if megatron_dims:   # your tensor layers' slices on the pipeline grid: their maps too
-        info = _with_megatron_maps(info, module, megatron_dims)
+    if megatron_dims and callable(getattr(module, "mpu", None)):   # your layers' slices on a pipeline grid: maps
+        info = _with_megatron_maps(info, module, megatron_dims)   # too (on a client mpu: their dims only)
     return {} if info is None else {UNIVERSAL_CHECKPOINT_INFO: info}
 
 
