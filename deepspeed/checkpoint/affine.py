@@ -202,7 +202,8 @@ class ParamAffineMap:
         shards = {int(r): s for r, s in shards.items()}
         unknown = sorted(set(shards) - set(self.shard_shapes))
         if unknown:
-            raise ValueError(f"affine map: shards of ranks {unknown} given; the map has ranks {sorted(self.shard_shapes)}")
+            raise ValueError(f"affine map: shards of ranks {unknown} given; the map has ranks "
+                             f"{sorted(self.shard_shapes)}")
         for rank, shard in shards.items():
             if shard.numel() != math.prod(self.shard_shapes[rank]):
                 raise ValueError(f"affine map: rank {rank}'s shard has {shard.numel()} elements, the map says "
@@ -276,7 +277,8 @@ class ParamAffineMap:
 
 def _dense_span(piece: AffinePiece) -> tuple[int, int] | None:
     """[start, stop) of a piece that is one contiguous run of its shard; None for a strided or empty one."""
-    if piece.numel == 0 or any(n > 1 and s != d for n, s, d in zip(piece.shape, piece.dest_strides, _dense(piece.shape))):
+    dense = _dense(piece.shape)
+    if piece.numel == 0 or any(n > 1 and s != d for n, s, d in zip(piece.shape, piece.dest_strides, dense)):
         return None
     return piece.dest_offset, piece.dest_offset + piece.numel
 
@@ -332,7 +334,8 @@ def contiguous_split_map(shape: Sequence[int], per_rank_sizes: Sequence[int], pa
     """Rank r holds one contiguous block of `per_rank_sizes[r]` along `partition_dim` (uneven allowed)."""
     starts = [sum(per_rank_sizes[:r]) for r in range(len(per_rank_sizes))]
     if sum(per_rank_sizes) != tuple(shape)[partition_dim]:
-        raise ValueError(f"per_rank_sizes {list(per_rank_sizes)} do not add up to dim {partition_dim} of {tuple(shape)}")
+        raise ValueError(f"per_rank_sizes {list(per_rank_sizes)} do not add up to dim {partition_dim} of "
+                         f"{tuple(shape)}")
     return _runs_map(shape, partition_dim, {r: [(starts[r], w, [r])] for r, w in enumerate(per_rank_sizes)})
 
 
@@ -342,7 +345,8 @@ def sub_param_map(shape: Sequence[int], sub_dim_sizes: Sequence[int], shard_widt
     `partition_dim`, each split on its own (`shard_widths[i][r]`: rank r's width of sub-parameter i); a
     rank's shard is its piece of each sub-parameter in turn."""
     if len(sub_dim_sizes) != len(shard_widths) or any(sum(w) != s for s, w in zip(sub_dim_sizes, shard_widths)):
-        raise ValueError(f"shard_widths {[list(w) for w in shard_widths]} do not split sub_dim_sizes {list(sub_dim_sizes)}")
+        raise ValueError(f"shard_widths {[list(w) for w in shard_widths]} do not split sub_dim_sizes "
+                         f"{list(sub_dim_sizes)}")
     tp = len(shard_widths[0])
     runs: dict[int, list] = {r: [] for r in range(tp)}
     base = 0

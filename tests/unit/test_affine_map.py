@@ -53,11 +53,12 @@ def test_pieces_sit_where_the_builders_say():
 def test_an_upstream_encoded_dict_loads():
     """Written by hand in DeepSpeed 0.19.8's encoding (as its `collect_autotp_universal_checkpoint_info` stores
     it, rank keys as a JSON file has them): a fused [gate; up] weight (8, 3) at TP=2 and a replicated norm."""
+    def piece(source, dest, rank):
+        return {"shape": [2, 3], "source": [source, [3, 1]], "dest": [dest, [3, 1]], "locations": [rank]}
+
     gate_up = {"logical_shape": [8, 3], "ranks": {
-        "0": {"shard_shape": [4, 3], "pieces": [{"shape": [2, 3], "source": [0, [3, 1]], "dest": [0, [3, 1]], "locations": [0]},
-                                                {"shape": [2, 3], "source": [12, [3, 1]], "dest": [6, [3, 1]], "locations": [0]}]},
-        "1": {"shard_shape": [4, 3], "pieces": [{"shape": [2, 3], "source": [6, [3, 1]], "dest": [0, [3, 1]], "locations": [1]},
-                                                {"shape": [2, 3], "source": [18, [3, 1]], "dest": [6, [3, 1]], "locations": [1]}]}}}
+        "0": {"shard_shape": [4, 3], "pieces": [piece(0, 0, 0), piece(12, 6, 0)]},
+        "1": {"shard_shape": [4, 3], "pieces": [piece(6, 0, 1), piece(18, 6, 1)]}}}
     norm = {"logical_shape": [3], "ranks": {r: {"shard_shape": [3], "pieces": [
         {"shape": [3], "source": [0, [1]], "dest": [0, [1]], "locations": [0, 1]}]} for r in ("0", "1")}}
     states = {"universal_checkpoint_info": {"affine_map": {"version": 1, "params": {
@@ -106,7 +107,8 @@ def test_plan_reslices_to_the_new_cut(saved_tp, new_tp, dim, blocks):
 def test_plan_of_a_fused_weight_2_to_1_reads_block_by_block():
     steps = plan(split_map((16, 2), 0, [8, 8], 2), split_map((16, 2), 0, [8, 8], 1), 0)
     assert [(s.saved_rank, s.src, s.dst, s.shape) for s in steps] == [
-        (0, (0, 0), (0, 0), (4, 2)), (1, (0, 0), (4, 0), (4, 2)), (0, (4, 0), (8, 0), (4, 2)), (1, (4, 0), (12, 0), (4, 2))]
+        (0, (0, 0), (0, 0), (4, 2)), (1, (0, 0), (4, 0), (4, 2)),   # gate rows 0-3, 4-7
+        (0, (4, 0), (8, 0), (4, 2)), (1, (4, 0), (12, 0), (4, 2))]   # up rows 0-3, 4-7
 
 
 def test_plan_refuses_what_it_cannot_move():

@@ -166,7 +166,8 @@ def test_universal_checkpoint_info_names_each_parameter_layout():
     assert info[PARAMETER_WITH_SUB_PARAMS][0]["shape"] == [(4, 4, 4), -1]
     assert info["sub_param_shard_widths"][r"^qkv\.weight$"] == [[4], [4], [4]]   # upstream's 0.4 key
     maps = info["affine_map"]   # one affine map per parameter, in upstream's encoding
-    assert maps["version"] == 1 and sorted(maps["params"]) == sorted(rf"^{re.escape(n)}$" for n, _ in net.named_parameters())
+    assert maps["version"] == 1
+    assert sorted(maps["params"]) == sorted(rf"^{re.escape(n)}$" for n, _ in net.named_parameters())
     assert maps["params"][r"^qkv\.weight$"] == split_map((12, 8), 0, (4, 4, 4), 1).to_dict()
     assert maps["params"][r"^norm\.weight$"] == split_map((8,), None, None, 1).to_dict()
 
