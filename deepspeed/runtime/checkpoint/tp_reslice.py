@@ -104,6 +104,7 @@ class TPReslicedReader:
     def __init__(self, readers: list[CheckpointReader], dims: dict[str, int], blocks: dict[str, list[int]],
                  new_tp: int, new_index: int) -> None:
         self.readers, self.dims, self.blocks = readers, dims, blocks
+        self._plans: dict[tuple, list[Segment]] = {}   # (name, saved slice shape): its plan (asked per read)
         self.saved_tp, self.new_tp, self.new_index = len(readers), new_tp, new_index
         self._saved_shapes = {n: s for g in readers[0].groups() for n, s in g}
         self._groups = [[(n, self._new_shape(n, s)) for n, s in g] for g in readers[0].groups()]
@@ -119,6 +120,12 @@ class TPReslicedReader:
     def _plan(self, name: str, saved_shape: Sequence[int]) -> list[Segment]:
         """From the saved layout's affine map (recorded in the checkpoint, else derived from its partition dims)
         and this run's (`split_map`, the layers' own rule)."""
+        key = (name, tuple(saved_shape))
+        if key not in self._plans:
+            self._plans[key] = self._planned(name, saved_shape)
+        return self._plans[key]
+
+    def _planned(self, name: str, saved_shape: Sequence[int]) -> list[Segment]:
         dim, blocks = self.dims[name], self.blocks.get(name)
         states = getattr(self.readers[0], "model_states", None) or {}
         saved = saved_map(states, name, saved_shape, self.saved_tp, dim, blocks)
