@@ -65,6 +65,7 @@ def test_pipe_tensor_resume_equals_uninterrupted(tmp_path, autotp):
             torch.testing.assert_close(torch.load(universal, weights_only=False)["param"], value,
                                        rtol=1e-5, atol=1e-6, msg=name)
     assert {p.name for p in (tmp_path / "mid_universal" / "zero").iterdir() if p.is_dir()} == set(want)
+    _check_maps(tmp_path / "mid" / "mp_rank_00_model_states.pt")
     if autotp:
         return
     # a slice tagged tensor_model_parallel without partition_dim: refused, not guessed
@@ -105,8 +106,21 @@ def test_megatron_client_mpu_checkpoint_moves_tensor_size(tmp_path):
     reference (losses, clipped norms, weights)."""
     steps, micro = 4, 2
     run_distributed(4, jobs.train_mpu, 2, micro, 1, steps, 0.5, str(tmp_path), 2)
+    _check_maps(tmp_path / "mid" / "mp_rank_00_model_states.pt")
     results = run_distributed(2, jobs.train_mpu, 1, micro, 1, steps, 0.5, str(tmp_path), None, 2)
     _check(results, steps, micro, 1, 2, 0.5, start=2, rtol=1e-6)
+
+
+def _check_maps(path) -> None:
+    """Every trained parameter of a saved TP=2 model-states file has its affine map: split on its recorded
+    partition dim, else whole on each tensor rank."""
+    from deepspeed.checkpoint.tp_maps import recorded_map, split_map
+
+    states = torch.load(path, weights_only=False)
+    dims = states.get("tensor_model_parallel_dims") or states.get("tp_partition_dims")
+    for name, shape in ((n, s) for g in states["param_shapes"] for n, s in g.items()):
+        full = [d * (2 if i == dims.get(name) else 1) for i, d in enumerate(shape)]
+        assert recorded_map(states, name, 2) == split_map(full, dims.get(name), None, 2), name
 
 
 @pytest.mark.parametrize("zero", [1])

@@ -88,6 +88,7 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
     reserved = set(out) & set(client_state)
     if reserved:
         raise KeyError(f"save_checkpoint: client_state uses reserved checkpoint keys {sorted(reserved)}")
+    out.update(_universal_info(module, out.get(MEGATRON_TP_DIMS), out["mp_world_size"]))
     out.update(client_state)
     return out
 
@@ -207,6 +208,43 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _universal_info(module: Any, megatron_dims: dict[str, int] | None, mp_world_size: int) -> dict:
+    """{"universal_checkpoint_info": the module's (AutoTP's description, affine maps included; upstream's engine
+    writes it too), with maps for your Megatron-style layers' slices added}, or {} when there is none. Their
+    slice count: a pipeline module's grid's slice size, else (a client mpu) the model-parallel size."""
+    from ...checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    info = copy.deepcopy(getattr(module, UNIVERSAL_CHECKPOINT_INFO, None))
+    if megatron_dims:
+        grid = module.mpu() if callable(getattr(module, "mpu", None)) else None
+        tp = grid.get_slice_parallel_world_size() if grid is not None else mp_world_size
+        info = _with_megatron_maps(info, module, megatron_dims, tp)
+    return {} if info is None else {UNIVERSAL_CHECKPOINT_INFO: info}
+
+
+def _with_megatron_maps(info: dict | None, module: Any, dims: dict[str, int], tp: int) -> dict:
+    """`info` (AutoTP's, or a new one) with an affine map for every parameter of `module` it does not describe
+    yet: split on its tagged partition dim over `tp` ranks, else whole on each ([Note: affine maps] in
+    checkpoint/affine.py)."""
+    import re
+
+    from ...checkpoint.constants import (AFFINE_MAP, AFFINE_MAP_PARAMS, UNIVERSAL_CHECKPOINT_INFO,
+                                         UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+    from ...checkpoint.tp_maps import published, recorded_maps, split_map
+
+    info = dict(info or {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+    maps = recorded_maps({UNIVERSAL_CHECKPOINT_INFO: info})
+    for name, p in module.named_parameters():
+        pattern = rf"^{re.escape(name)}$"
+        if pattern not in maps:
+            full = list(getattr(p, "ds_shape", None) or p.shape)   # ZeRO-3: the real shape of a released one
+            if name in dims:
+                full[dims[name]] *= tp
+            maps[pattern] = split_map(full, dims.get(name), None, tp).to_dict()
+    info[AFFINE_MAP] = {**published({}), AFFINE_MAP_PARAMS: maps}
+    return info
 
 
 def _tp_partition_dims(module: Any) -> tuple[dict[str, int], dict[str, list[int]]]:
