@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ...checkpoint import files
+from ...checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from ...checkpoint.mapped import copy_released
 from ...checkpoint.reader import CheckpointReader, checks_then_copies, is_universal
 from ...utils.progress import NoBar, min_bytes, progress
@@ -160,7 +161,9 @@ def tensor_parallel_reader(engine: Any, load_dir: str, tag: str, layout: tuple |
     mpu = getattr(engine, "mpu", None)   # ALST's sequence-parallel mpu (parallel_state_sp) has no tensor groups
     if mpu is not None and not hasattr(mpu, "initialize_sequence_parallel") and not moe_io.is_moe_engine(engine):
         return _client_mpu_reader(engine, load_dir, tag, path, states)
-    saved = int(states.get("mp_world_size", 1) or 1) if states.get("tp_partition_dims") else 1
+    # our AutoTP files record tp_partition_dims; DeepSpeed 0.19.8's only universal_checkpoint_info (patterns, maps)
+    described = states.get("tp_partition_dims") or states.get(UNIVERSAL_CHECKPOINT_INFO)
+    saved = int(states.get("mp_world_size", 1) or 1) if described else 1
     have = tensor_parallel_size(engine.module)
     if saved == have:
         return None

@@ -252,6 +252,10 @@ def resliced_reader(engine: Any, load_dir: str, tag: str, saved_tp: int, states:
     new_tp = tensor_parallel_size(engine.module)
     path = files.tag_dir(load_dir, tag)
     dims, blocks = dict(states.get("tp_partition_dims") or {}), dict(states.get("tp_sub_param_sizes") or {})
+    if not dims and saved_tp > 1:   # DeepSpeed 0.19.8's AutoTP files: dims and fused blocks from its name patterns
+        from ...checkpoint.ds_to_universal import _dims_from_patterns
+
+        dims, blocks = _dims_from_patterns(states)
     own_dims, own_blocks = _tp_partition_dims(engine.module)
     if new_tp > 1 and saved_tp > 1 and (own_dims != dims or own_blocks != blocks):
         raise files.CheckpointError(
