@@ -249,25 +249,54 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", 0))
 
 
-def load_deepspeed_fixture(fixture: str) -> dict:
-    """A 2-rank ep=2 engine loads DeepSpeed 0.19.8's stage-0 MoE checkpoint (tests/fixtures/ds_0_19_8_moe)."""
+def load_deepspeed_fixture(fixture: str, ep_size: int = 2, refuse_ungrouped: bool = False) -> dict:
+    """An ep=`ep_size` engine loads DeepSpeed 0.19.8's stage-0 MoE checkpoint (tests/fixtures/ds_0_19_8_moe,
+    saved at ep=2 on 2 ranks). `expected`: what DeepSpeed recorded on the ranks that held this rank's
+    parameters; `exp_avg_sq_expected`: read from its files by the positions spelled out here.
+    `refuse_ungrouped`: also load into an engine with one optimizer group and return its error."""
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     from deepspeed.utils import groups
 
-    groups._create_expert_and_data_parallel(2)
-    ep_rank = groups._get_expert_parallel_rank("ep_size_2")
-    model = ToyModel(2, ep_rank)
+    groups._create_expert_and_data_parallel(ep_size)
+    ep_rank = groups._get_expert_parallel_rank(f"ep_size_{ep_size}") if ep_size > 1 else 0
+    model = ToyModel(ep_size, ep_rank)
     params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
     engine, optimizer, *_ = deepspeed.initialize(model=model, model_parameters=params,
                                                  config=config(opt="Adam", lr=1e-2))
     engine.load_checkpoint(os.path.join(fixture, "ckpt"), tag="t")
-    expected = torch.load(os.path.join(fixture, f"expected_rank{dist.get_rank()}.pt"))
-    state = global_state(engine.module, 2, ep_rank)
-    exp_avg = {"exp_avg:" + global_state_name(n, 2, ep_rank): optimizer.state[p]["exp_avg"].clone()
-               for n, p in engine.module.named_parameters()}
-    return {"state": state, "exp_avg": exp_avg, "expected": expected, "steps": engine.global_steps}
+    state = global_state(engine.module, ep_size, ep_rank)
+    by_name = {global_state_name(n, ep_size, ep_rank): optimizer.state[p] for n, p in engine.module.named_parameters()}
+    saved = {}   # DeepSpeed recorded on 2 ranks (ep=2): the replicated parameters alike on both
+    for rank in range(2):
+        saved.update(torch.load(os.path.join(fixture, f"expected_rank{rank}.pt")))
+    sq = {}
+    dense = ["inp.weight", "inp.bias", "out.weight", "out.bias", "moes.0.deepspeed_moe.gate.wg.weight",
+             "moes.1.deepspeed_moe.gate.wg.weight"]
+    for saved_rank in range(2):   # upstream's positions: non-expert group, then the expert group (2 local experts)
+        optim = torch.load(os.path.join(fixture, "ckpt", "t", f"expp_rank_{saved_rank}_mp_rank_00_optim_states.pt"),
+                           weights_only=False)["optimizer"]["state"]
+        experts = [f"moes.{layer}.deepspeed_moe.experts.deepspeed_experts.{2 * saved_rank + j}.{p}"
+                   for layer in range(2) for j in range(2) for p in ("weight", "bias")]
+        sq.update({"exp_avg_sq:" + n: optim[i]["exp_avg_sq"] for i, n in enumerate(dense + experts)})
+    out = {"state": state, "steps": engine.global_steps,
+           "exp_avg": {"exp_avg:" + n: s["exp_avg"].clone() for n, s in by_name.items()},
+           "exp_avg_sq": {"exp_avg_sq:" + n: s["exp_avg_sq"].clone() for n, s in by_name.items()},
+           "step": sorted({float(s["step"]) for s in by_name.values()}),
+           "expected": {k: v for k, v in saved.items() if k.split(":")[-1] in state},
+           "exp_avg_sq_expected": {k: v for k, v in sq.items() if k.split(":")[-1] in state},
+           "group_names": [g["name"] for g in optimizer.param_groups]}
+    if refuse_ungrouped:
+        other = ToyModel(ep_size, ep_rank)
+        plain, *_ = deepspeed.initialize(model=other, model_parameters=other.parameters(),
+                                         config=config(opt="Adam", lr=1e-2))
+        try:
+            plain.load_checkpoint(os.path.join(fixture, "ckpt"), tag="t")
+        except Exception as error:   # the test checks type and message
+            out["refused"] = f"{type(error).__name__}: {error}"
+    dist.barrier()
+    return out
 
 
 def global_state_name(name: str, ep_size: int, ep_rank: int) -> str:

@@ -206,6 +206,28 @@ def test_moe_loads_deepspeed_0_19_8_checkpoint() -> None:
             torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("ep_size,world", [(1, 2), pytest.param(4, 4, marks=pytest.mark.slow)])
+def test_moe_loads_deepspeed_0_19_8_checkpoint_at_another_ep_size(ep_size: int, world: int) -> None:
+    """DeepSpeed 0.19.8's stage-0 MoE checkpoint saved at ep=2 loads at ep=1 (each rank all 4 experts) and
+    ep=4 with a plain load_checkpoint: parameters, Adam's exp_avg (DeepSpeed's record) and exp_avg_sq (its
+    files, by upstream's positions) are pure copies, the step count kept; optimizer groups that do not
+    match upstream's split are refused naming the group counts."""
+    import os
+
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "ds_0_19_8_moe")
+    for r in run_distributed(world, load_deepspeed_fixture, fixture, ep_size, refuse_ungrouped=world == 2):
+        assert r["steps"] == 2 and r["step"] == [2.0]
+        assert len(r["state"]) == 6 + 2 * 2 * 4 // ep_size   # dense + (layers x experts held x weight, bias)
+        got = {**r["state"], **r["exp_avg"], **r["exp_avg_sq"]}
+        expected = {**r["expected"], **r["exp_avg_sq_expected"]}
+        assert set(got) == set(expected)
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+        assert r["group_names"] == ["p", f"ep_size_{ep_size}"]   # this engine's group names stay
+        if world == 2:
+            assert "CheckpointError" in r["refused"] and "2 optimizer param groups" in r["refused"], r["refused"]
+
+
 def test_load_moe_state_dict_static_reads_deepspeed_expert_files() -> None:
     """Upstream's static `DeepSpeedEngine.load_moe_state_dict` (Megatron-DeepSpeed calls it) fills a state
     dict with this rank's experts of DeepSpeed 0.19.8's ep=2 checkpoint, under local names, equal to

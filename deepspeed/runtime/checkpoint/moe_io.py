@@ -33,6 +33,7 @@ from ...utils import groups
 from ...module_inject.auto_ep_layer import local_expert_state
 from ..engine_moe import moe_layers
 from ...checkpoint.constants import AUTOEP_LAYERS_KEY
+from . import moe_ds_ep
 from .autoep_io import autoep_params, expert_entries, layer_metadata, module_rows, piece_in_whole
 
 EXPERT_RE = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")
@@ -275,7 +276,7 @@ class MoECheckpointReader(CheckpointReader):
         self._ds_optimizer = None
         states = [self._load(source) for source in found]
         if states and not any(PIECES in s.get("optimizer_state_dict", s) for s in states):
-            self._ds_optimizer = _deepspeed_optimizer(engine, path, found, states)
+            self._ds_optimizer, self._ds_ep = _deepspeed_optimizer(engine, path, found, states), _ep_layout(engine)
             self._full = {"fp32": self._module_values(module)}
             return
         for source, state in zip(found, states):
@@ -356,43 +357,53 @@ class MoECheckpointReader(CheckpointReader):
     def bind_replicated_names(self, optimizer_names: list, trainable: set, strict: bool = True) -> None:
         """Pieces are named; DeepSpeed's stage-0 `expp_rank_*` file keys its torch optimizer state by
         position in the optimizer's param groups, which this engine's groups name (they must list the
-        same parameters: upstream's `split_params_into_different_moe_groups_for_optimizer` groups)."""
-        sd = self._ds_optimizer
-        if sd is None:
+        same parameters: upstream's `split_params_into_different_moe_groups_for_optimizer` groups); saved at
+        another ep_size, moe_ds_ep names each saved rank's positions from this model's groups."""
+        saved = self._ds_optimizer
+        if saved is None:
             return
         module, shapes = self.model_states["module"], {}
-        counts = [len(g["params"]) for g in sd["param_groups"]]
-        if counts != [len(names) for names in optimizer_names]:
-            raise CheckpointError(f"{self.path}: DeepSpeed's optimizer groups hold {counts} parameters, this "
-                                  f"engine's {[len(n) for n in optimizer_names]}; build the optimizer groups as "
-                                  "the saving job did (split_params_into_different_moe_groups_for_optimizer)")
-        for group, names in zip(sd["param_groups"], optimizer_names):
-            for index, name in zip(group["params"], names):
-                for field, value in sd["state"].get(index, {}).items():
-                    if torch.is_tensor(value) and value.dim() > 0:
-                        self._full.setdefault(field, {})[name] = value
-                    elif field == "step":
-                        self._step = float(value)
-                if name in trainable:
-                    shapes[name] = module[name].shape
-        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+        if len(saved) != self._ds_ep[0]:   # [Note: DeepSpeed MoE optimizer at another ep_size]
+            pairs, groups = moe_ds_ep.entries(self.path, saved, optimizer_names, module, *self._ds_ep[2:])
+        else:
+            sd = saved[self._ds_ep[1]]
+            counts = [len(g["params"]) for g in sd["param_groups"]]
+            if counts != [len(names) for names in optimizer_names]:
+                raise CheckpointError(f"{self.path}: DeepSpeed's optimizer groups hold {counts} parameters, this "
+                                      f"engine's {[len(n) for n in optimizer_names]}; build the optimizer groups as "
+                                      "the saving job did (split_params_into_different_moe_groups_for_optimizer)")
+            pairs = [(name, sd["state"].get(index, {})) for group, names in zip(sd["param_groups"], optimizer_names)
+                     for index, name in zip(group["params"], names)]
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+        for name, entry in pairs:
+            for field, value in entry.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    self._full.setdefault(field, {})[name] = value
+                elif field == "step":
+                    self._step = float(value)
+            if name in trainable:
+                shapes[name] = module[name].shape
+        self.param_groups = groups
         self._set_groups([shapes])
 
 
 def _deepspeed_optimizer(engine: Any, path: str, found: list[str], states: list[dict]) -> dict:
-    """The torch optimizer state of DeepSpeed's own stage-0 MoE checkpoint for this rank's EP rank
-    (`expp_rank_<ep>_...`: `{'optimizer': state_dict}`); its ZeRO MoE files are not read here."""
+    """The torch optimizer states of DeepSpeed's own stage-0 MoE checkpoint by saved EP rank (`expp_rank_<ep>_...`:
+    `{'optimizer': state_dict}`); its ZeRO MoE files are not read here."""
     expp = {int(re.search(r"expp_rank_(\d+)_", os.path.basename(f)).group(1)): s
             for f, s in zip(found, states) if os.path.basename(f).startswith("expp_rank_")}
     if len(expp) != len(found) or any("optimizer" not in s for s in expp.values()):
         raise CheckpointError(f"{path}: the optimizer files of DeepSpeed's ZeRO MoE checkpoints are not readable by "
                               "this build (those of its stage-0 MoE checkpoints, expp_rank_*, are)")
+    return {e: s["optimizer"] for e, s in expp.items()}
+
+
+def _ep_layout(engine: Any) -> tuple:
+    """(ep_size, ep_rank, the expert renaming, experts per MoE layer, each layer's ep_size): what maps
+    DeepSpeed's optimizer positions to this engine's parameters at its ep_size or another."""
     name = engine.moe_layers[0].expert_group_name if engine.moe_layers else f"ep_size_{groups._get_max_expert_size()}"
-    ep_size, ep_rank = groups._get_expert_parallel_world_size(name), groups._get_expert_parallel_rank(name)
-    if len(expp) != ep_size:
-        raise CheckpointError(f"{path}: saved by DeepSpeed at ep_size {len(expp)} (expp_rank_* files), this model has "
-                              f"ep_size {ep_size}; load DeepSpeed's MoE checkpoints at the ep_size they were saved at")
-    return expp[ep_rank]["optimizer"]
+    return (groups._get_expert_parallel_world_size(name), groups._get_expert_parallel_rank(name), global_names(engine),
+            [int(n) for n in engine.num_experts], [int(m.ep_size) for m in engine.moe_layers])
 
 
 class GlobalNamedReader:
