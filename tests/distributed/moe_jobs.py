@@ -253,7 +253,8 @@ def load_deepspeed_fixture(fixture: str, ep_size: int = 2, refuse_ungrouped: boo
     """An ep=`ep_size` engine loads DeepSpeed 0.19.8's stage-0 MoE checkpoint (tests/fixtures/ds_0_19_8_moe,
     saved at ep=2 on 2 ranks). `expected`: what DeepSpeed recorded on the ranks that held this rank's
     parameters; `exp_avg_sq_expected`: read from its files by the positions spelled out here.
-    `refuse_ungrouped`: also load into an engine with one optimizer group and return its error."""
+    `after`: the parameters after two more steps. `refuse_ungrouped`: also load into an engine with one
+    optimizer group and return its error."""
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -287,6 +288,8 @@ def load_deepspeed_fixture(fixture: str, ep_size: int = 2, refuse_ungrouped: boo
            "expected": {k: v for k, v in saved.items() if k.split(":")[-1] in state},
            "exp_avg_sq_expected": {k: v for k, v in sq.items() if k.split(":")[-1] in state},
            "group_names": [g["name"] for g in optimizer.param_groups]}
+    run_steps(engine, batches(dist.get_world_size(), 2))   # the loaded state continues: two more Adam steps
+    out["after"] = global_state(engine.module, ep_size, ep_rank)
     if refuse_ungrouped:
         other = ToyModel(ep_size, ep_rank)
         plain, *_ = deepspeed.initialize(model=other, model_parameters=other.parameters(),

@@ -210,12 +210,16 @@ def test_moe_loads_deepspeed_0_19_8_checkpoint() -> None:
 def test_moe_loads_deepspeed_0_19_8_checkpoint_at_another_ep_size(ep_size: int, world: int) -> None:
     """DeepSpeed 0.19.8's stage-0 MoE checkpoint saved at ep=2 loads at ep=1 (each rank all 4 experts) and
     ep=4 with a plain load_checkpoint: parameters, Adam's exp_avg (DeepSpeed's record) and exp_avg_sq (its
-    files, by upstream's positions) are pure copies, the step count kept; optimizer groups that do not
-    match upstream's split are refused naming the group counts."""
+    files, by upstream's positions) are pure copies, the step count kept, and two more steps equal those
+    after a load at ep=2; optimizer groups that do not match upstream's split are refused naming the group
+    counts."""
     import os
 
     fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "ds_0_19_8_moe")
+    same = merged([{"state": r["after"]} for r in run_distributed(world, load_deepspeed_fixture, fixture, 2)])
     for r in run_distributed(world, load_deepspeed_fixture, fixture, ep_size, refuse_ungrouped=world == 2):
+        for name, value in r["after"].items():   # continues as the load at the saved ep_size does
+            torch.testing.assert_close(value, same[name], rtol=1e-6, atol=1e-7, msg=name)
         assert r["steps"] == 2 and r["step"] == [2.0]
         assert len(r["state"]) == 6 + 2 * 2 * 4 // ep_size   # dense + (layers x experts held x weight, bias)
         got = {**r["state"], **r["exp_avg"], **r["exp_avg_sq"]}
