@@ -133,7 +133,7 @@ def config(stage: int = 0, opt: str = "SGD", lr: float = 0.1, clip: float = 0.0,
 
 def make_engine(ep_size: int, cfg_kwargs: dict) -> tuple[Any, int]:
     import deepspeed
-    from deepspeed.utils import groups
+    from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     groups._create_expert_and_data_parallel(ep_size)
     ep_rank = groups._get_expert_parallel_rank(f"ep_size_{ep_size}")
@@ -249,26 +249,26 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", 0))
 
 
-def load_deepspeed_fixture(fixture: str, ep_size: int = 2, refuse_ungrouped: bool = False) -> dict:
+def load_deepspeed_fixture(fixture: str, ep_size: int = 2, refuse_ungrouped: bool = False, stage: int = 0) -> dict:
     """An ep=`ep_size` engine loads DeepSpeed 0.19.8's stage-0 MoE checkpoint (tests/fixtures/ds_0_19_8_moe,
     saved at ep=2 on 2 ranks). `expected`: what DeepSpeed recorded on the ranks that held this rank's
     parameters; `exp_avg_sq_expected`: read from its files by the positions spelled out here.
     `after`: the parameters after two more steps. `refuse_ungrouped`: also load into an engine with one
-    optimizer group and return its error."""
+    optimizer group and return its error. `stage`: the loading engine's ZeRO stage."""
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-    from deepspeed.utils import groups
+    from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     groups._create_expert_and_data_parallel(ep_size)
     ep_rank = groups._get_expert_parallel_rank(f"ep_size_{ep_size}") if ep_size > 1 else 0
     model = ToyModel(ep_size, ep_rank)
     params = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
     engine, optimizer, *_ = deepspeed.initialize(model=model, model_parameters=params,
-                                                 config=config(opt="Adam", lr=1e-2))
+                                                 config=config(stage=stage, opt="Adam", lr=1e-2))
     engine.load_checkpoint(os.path.join(fixture, "ckpt"), tag="t")
-    state = global_state(engine.module, ep_size, ep_rank)
-    by_name = {global_state_name(n, ep_size, ep_rank): optimizer.state[p] for n, p in engine.module.named_parameters()}
+    named = {global_state_name(n, ep_size, ep_rank): p for n, p in engine.module.named_parameters()}
+    state = {n: safe_get_full_fp32_param(p) for n, p in named.items()}
     saved = {}   # DeepSpeed recorded on 2 ranks (ep=2): the replicated parameters alike on both
     for rank in range(2):
         saved.update(torch.load(os.path.join(fixture, f"expected_rank{rank}.pt")))
@@ -282,14 +282,15 @@ def load_deepspeed_fixture(fixture: str, ep_size: int = 2, refuse_ungrouped: boo
                    for layer in range(2) for j in range(2) for p in ("weight", "bias")]
         sq.update({"exp_avg_sq:" + n: optim[i]["exp_avg_sq"] for i, n in enumerate(dense + experts)})
     out = {"state": state, "steps": engine.global_steps,
-           "exp_avg": {"exp_avg:" + n: s["exp_avg"].clone() for n, s in by_name.items()},
-           "exp_avg_sq": {"exp_avg_sq:" + n: s["exp_avg_sq"].clone() for n, s in by_name.items()},
-           "step": sorted({float(s["step"]) for s in by_name.values()}),
+           "exp_avg": {"exp_avg:" + n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in named.items()},
+           "exp_avg_sq": {"exp_avg_sq:" + n: safe_get_full_optimizer_state(p, "exp_avg_sq") for n, p in named.items()},
+           "step": sorted({float(s["step"]) for s in getattr(optimizer, "optimizer", optimizer).state.values()}),
            "expected": {k: v for k, v in saved.items() if k.split(":")[-1] in state},
            "exp_avg_sq_expected": {k: v for k, v in sq.items() if k.split(":")[-1] in state},
            "group_names": [g["name"] for g in optimizer.param_groups]}
     run_steps(engine, batches(dist.get_world_size(), 2))   # the loaded state continues: two more Adam steps
-    out["after"] = global_state(engine.module, ep_size, ep_rank)
+    with _whole(engine):
+        out["after"] = global_state(engine.module, ep_size, ep_rank)
     if refuse_ungrouped:
         other = ToyModel(ep_size, ep_rank)
         plain, *_ = deepspeed.initialize(model=other, model_parameters=other.parameters(),
