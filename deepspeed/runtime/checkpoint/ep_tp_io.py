@@ -21,12 +21,12 @@ import glob
 import os
 from typing import Any
 
-from ...checkpoint.constants import FOLDING_METADATA_KEY
+from ...checkpoint.constants import EP_TP_LAYOUT_KEY, FOLDING_METADATA_KEY
 from ...checkpoint.files import CheckpointError, expert_file
 from ...utils import groups
 from .folding import folding_spec, make_engine_folding, param_family, validate_checkpoint_folding
 
-LAYOUT_KEY = "ep_tp_layout"
+LAYOUT_KEY = EP_TP_LAYOUT_KEY
 
 
 def tensor_size(engine: Any) -> int:
