@@ -26,6 +26,7 @@ import torch
 
 from .constants import (AUTOEP_LAYERS_KEY, AUTOEP_ZERO3_SOURCE_GROUP, CAT_DIM, EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS,
                         EP_TP_LAYOUT_KEY, FOLDING_METADATA_KEY, PARAM)
+from ..version import __version__
 from .files import CheckpointError, expert_file, load_file, model_file, save_file
 
 PIECES = "ds_moe_pieces"   # runtime/checkpoint/moe_io.py writes them
@@ -226,7 +227,7 @@ def write_universal(output_folder: str, states: dict, whole: dict[str, dict[str,
     for name in sorted(whole["fp32"]):
         folder = os.path.join(zero_dir, name)
         os.makedirs(folder, exist_ok=True)
-        extra = _markers(name, prefixes) or ({CAT_DIM: cat_dims[name]} if name in (cat_dims or {}) else {})
+        extra = _markers(name, prefixes) or ({} if raw_dense else {CAT_DIM: (cat_dims or {}).get(name, 0)})
         for field, values in whole.items():
             if name in values:
                 value = values[name].view(shapes[name])
@@ -234,16 +235,39 @@ def write_universal(output_folder: str, states: dict, whole: dict[str, dict[str,
                           os.path.join(folder, f"{field}.pt"))
         if steps:
             save_file(torch.tensor(float(next(iter(steps)))), os.path.join(folder, "step.pt"))  # host: a file
-    save_file(common_state(param_groups, loss_scaler), os.path.join(zero_dir, "optimizer_state.pt"))
+    save_file(common_state(param_groups, loss_scaler, states), os.path.join(zero_dir, "optimizer_state.pt"))
     save_file(universal_states(states, whole["fp32"], shapes), os.path.join(output_folder, model_file()))
 
 
-def common_state(param_groups: list[dict], loss_scaler: Any) -> dict:
-    """`zero/optimizer_state.pt`: the param groups (one index each, as upstream's) and the loss scaler."""
-    common = {"param_groups": [dict(g, params=[i]) for i, g in enumerate(param_groups)]}
-    if loss_scaler is not None:
-        common["loss_scaler"] = loss_scaler
+def common_state(param_groups: list[dict], loss_scaler: Any, states: dict) -> dict:
+    """`zero/optimizer_state.pt`: the param groups (one index each), the loss scaler and `ds_version` (upstream's
+    load_universal asserts it). Upstream's AutoEP engine splits each optimizer group into its dense parameters
+    and, appended after all of them, one group per expert group (`split_params_into_different_moe_groups_for_
+    optimizer`: `name` "ep_size_<ep>", `moe` True), and its load_universal pairs the saved groups with its own by
+    position (zip: a missing group is silently not loaded), so an AutoEP checkpoint's groups are written in that
+    form; our loader folds them back (moe_io.source_param_groups)."""
+    groups = [dict(g) for g in param_groups]
+    sizes = sorted({int(entry["ep_size"]) for entry in states.get(AUTOEP_LAYERS_KEY) or []})
+    if sizes and not any(g.get("moe") for g in groups):
+        dense = [dict(g, name=g.get("name", "dense-params")) for g in groups]
+        groups = dense + [dict(g, name=f"ep_size_{ep}", moe=True) for g in dense for ep in sizes]
+    common = {"param_groups": [dict(g, params=[i]) for i, g in enumerate(groups)],
+              "ds_version": states.get("ds_version") or __version__}
+    if loss_scaler is not None:   # upstream unpickles its scaler class there (the pieces keep a state dict)
+        common["loss_scaler"], common["dynamic_loss_scale"] = _scaler_object(loss_scaler)
     return common
+
+
+def _scaler_object(saved: Any) -> tuple[Any, bool]:
+    """(the loss scaler as the object DeepSpeed's ZeRO files pickle, whether it is dynamic) from the state
+    dict an MoE checkpoint's pieces keep (or that object itself)."""
+    from ..runtime.checkpoint.hp_state import upstream_scaler
+    from ..runtime.precision.loss_scaler import scaler_from_state_dict
+
+    if not isinstance(saved, dict):
+        return saved, bool(getattr(saved, "dynamic", False))
+    scaler = scaler_from_state_dict(saved)
+    return upstream_scaler(scaler), scaler.dynamic
 
 
 def universal_states(states: dict, trained: dict, shapes: dict) -> dict:

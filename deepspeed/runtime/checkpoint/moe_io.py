@@ -33,7 +33,7 @@ from ...utils import groups
 from ...module_inject.auto_ep_layer import local_expert_state
 from ..engine_moe import moe_layers
 from ...checkpoint.constants import AUTOEP_LAYERS_KEY
-from .autoep_io import autoep_params, expert_entries, layer_metadata, module_rows, piece_in_whole
+from .autoep_io import autoep_params, drop_router_aliases, expert_entries, layer_metadata, module_rows, piece_in_whole
 
 EXPERT_RE = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")
 PIECES = "ds_moe_pieces"
@@ -434,6 +434,25 @@ class GlobalNamedReader:
 
 
 def universal_reader(engine: Any, reader: Any) -> Any:
-    """`reader` (a universal checkpoint) under this rank's local expert names (deepspeed.moe layers)."""
+    """`reader` (a universal checkpoint) under this rank's local expert names (deepspeed.moe layers), its
+    param groups as this engine's optimizer has them (source_param_groups)."""
     renamed = global_names(engine) if getattr(engine, "_expert_comm", None) else {}
-    return GlobalNamedReader(reader, renamed) if renamed else reader
+    out = GlobalNamedReader(reader, renamed) if renamed else reader
+    optimizer = getattr(engine, "optimizer", None)
+    count = len(getattr(optimizer, "param_groups", None) or [])
+    saved = list(reader.param_groups or [])
+    if count and saved and len(saved) != count:
+        out.param_groups = source_param_groups(saved, count)
+    module = reader.model_states.get("module") or {}
+    kept = drop_router_aliases(engine, module)
+    if len(kept) != len(module):
+        out.model_states = dict(reader.model_states, module=kept)
+    return out
+
+
+def source_param_groups(saved: list[dict], count: int) -> list[dict]:
+    """The `count` groups an engine that did not split its optimizer groups by expert group had, from groups
+    written split as upstream's AutoEP engine does (its dense groups first, then `moe` copies: the copies
+    hold the same hyperparameters); other lists are returned as they are (the loader names the mismatch)."""
+    dense = [g for g in saved if not g.get("moe")]
+    return dense if len(dense) == count and len(dense) < len(saved) else saved
