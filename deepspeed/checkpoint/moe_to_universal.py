@@ -216,12 +216,12 @@ def convert_moe(input_folder: str, output_folder: str) -> int:
 
 def write_universal(output_folder: str, states: dict, whole: dict[str, dict[str, torch.Tensor]], shapes: dict,
                     steps: set, param_groups: list[dict], loss_scaler: Any, raw_dense: bool = False,
-                    cat_dims: dict[str, int] | None = None) -> None:
+                    cat_dims: dict[str, int] | None = None, common: dict | None = None) -> None:
     """Upstream's universal layout from whole values ({field: {name: flat tensor}}): `zero/<name>/<field>.pt`
     (AutoEP expert tensors with their markers, tensor-sliced ones with the `cat_dim` of `cat_dims` they were
     joined on, as upstream's converter writes it; with `raw_dense` the other parameters as bare tensors, as
-    upstream writes a ZeRO-3 tag's), `step.pt`, `zero/optimizer_state.pt`, and the model states `states`
-    with every trained parameter, experts whole, in `param_shapes`."""
+    upstream writes a ZeRO-3 tag's), `step.pt`, `zero/optimizer_state.pt` (with `common`'s entries), and the
+    model states `states` with every trained parameter, experts whole, in `param_shapes`."""
     prefixes = _expert_markers(states)
     zero_dir = os.path.join(output_folder, "zero")
     for name in sorted(whole["fp32"]):
@@ -235,7 +235,8 @@ def write_universal(output_folder: str, states: dict, whole: dict[str, dict[str,
                           os.path.join(folder, f"{field}.pt"))
         if steps:
             save_file(torch.tensor(float(next(iter(steps)))), os.path.join(folder, "step.pt"))  # host: a file
-    save_file(common_state(param_groups, loss_scaler, states), os.path.join(zero_dir, "optimizer_state.pt"))
+    save_file({**(common or {}), **common_state(param_groups, loss_scaler, states)},
+              os.path.join(zero_dir, "optimizer_state.pt"))
     save_file(universal_states(states, whole["fp32"], shapes), os.path.join(output_folder, model_file()))
 
 
@@ -305,8 +306,16 @@ def convert_autoep_zero3(input_folder: str, output_folder: str) -> int:
     base = optim[0]["optimizer_state_dict"]
     steps = {float(entry["step"]) for entry in base["state"].values() if "step" in entry}
     states = dict(models[0], param_shapes=[{n: torch.Size(shapes[n]) for n in g} for g in models[0]["param_shapes"]])
+    # upstream's ZeRO-3 load_universal reads the step and hyperparameters from rank 0's optimizer state, kept
+    # here as its converter keeps it (without the flat partitions)
+    inner = {"state": {i: {"step": e["step"]} for i, e in base["state"].items() if "step" in e},
+             "param_groups": base["param_groups"]}
+    kept = {k: v for k, v in optim[0].items() if k not in ("fp32_flat_groups", "optimizer_state_dict")}
     write_universal(output_folder, states, whole, shapes, steps, source_groups(base["param_groups"]),
-                    optim[0].get("loss_scaler"), raw_dense=True)
+                    optim[0].get("loss_scaler"), raw_dense=True, common={**kept, "optimizer_state_dict": inner})
+    for r in range(len(ranks)):   # as upstream's converter: its ZeRO-3 load_universal reads these
+        shutil.copyfile(os.path.join(input_folder, model_file(0, zero3_dp_rank=r)),
+                        os.path.join(output_folder, model_file(0, zero3_dp_rank=r)))
     return len(shapes)
 
 

@@ -311,6 +311,10 @@ def test_autoep_universal_moves_experts(tmp_path, save_ep: int, load_ep: int, st
                                      "exp_avg.pt"), weights_only=False)
     assert record["is_expert_param"] is True and record["ep_num_experts"] == 4 and record["cat_dim"] == 0
     assert record["param"].shape[0] == 4
+    # DeepSpeed 0.19.8's load_universal pairs these groups with its split ones by position and asserts ds_version
+    common = torch.load(os.path.join(tmp_path, "got", "t_universal", "zero", "optimizer_state.pt"), weights_only=False)
+    assert [(g.get("name"), g.get("moe", False)) for g in common["param_groups"]] == \
+        [("dense-params", False), (f"ep_size_{save_ep}", True)] and common["ds_version"]
 
 
 def test_autoep_universal_sees_a_dropped_moment(tmp_path) -> None:
