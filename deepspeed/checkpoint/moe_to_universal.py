@@ -10,7 +10,9 @@ and ZeRO stage wrote them, and written in upstream's universal layout: `zero/<na
 layer's `expert_key_prefix` of `ds_autoep_layers`) also carries upstream's markers: `cat_dim` 0,
 `is_expert_param` and `ep_num_experts`, from which any ep_size cuts its rows. `deepspeed.moe` experts
 are one parameter per global expert (`...deepspeed_experts.{E}...`), each written whole under that name.
-The model-states and per-expert files are copied (both are independent of ep_size).
+The model-states and per-expert files are copied (both are independent of ep_size). With tensor
+parallelism (EP x TP: one `mp_rank_XX` file set per tensor rank) the sets are joined too (`join_moe`).
+For AutoEP the files are DeepSpeed 0.19.8's form (`common_state`), which its load_universal reads.
 """
 
 from __future__ import annotations

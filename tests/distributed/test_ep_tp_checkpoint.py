@@ -144,7 +144,7 @@ def test_autoep_autotp_universal_at_another_layout(tmp_path, tp: int, ep: int, w
     assert records["model.layers.0.self_attn.q_proj.weight"]["cat_dim"] == 0   # whole, and joined on dim 0
     assert records["model.layers.0.self_attn.o_proj.weight"]["param"].shape == saved[
         "model.layers.0.self_attn.o_proj.weight"].shape
-    assert "cat_dim" not in records["model.norm.weight"]
+    assert records["model.layers.0.self_attn.o_proj.weight"]["cat_dim"] == 1   # row-parallel: joined on dim 1
     got = run_distributed(world, autoep_continue, "mixtral", str(tmp_path), "t_universal", 1, tp, ep, STEPS, STEPS)
     want = run_distributed(world, autoep_continue, "mixtral", str(tmp_path), None, 1, tp, ep, 0, 2 * STEPS)
     _check_universal(saved, got, want)

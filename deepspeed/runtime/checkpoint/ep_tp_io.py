@@ -12,7 +12,9 @@ that holds it; with an mpu each tensor rank holds a copy and writes its own), an
 model-states file records the layout (`ep_tp_layout`: tensor and expert-parallel sizes): a load reads
 its own tensor rank's files and resumes exactly at the layout that saved; another tensor or expert
 size is refused on every rank before any collective, naming both layouts (the expert files of another
-layout lie on other tensor ranks' files, and the optimizer pieces of the sliced layers are cut by tp).
+layout lie on other tensor ranks' files, and the optimizer pieces of the sliced layers are cut by tp);
+`ds_to_universal` joins the file sets (checkpoint/moe_to_universal.join_moe) and `load_universal` cuts
+any other layout from the whole tensors.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def check_layout(engine: Any, path: str, model_states: dict) -> None:
         raise CheckpointError(f"{path} was saved with experts at {describe(saved)}; this run has {describe(mine)}: "
                               "a checkpoint of experts with tensor parallelism resumes only at the layout that saved "
                               "it (same tensor_parallel.autotp_size / mpu tensor size and ep_size; the data-parallel "
-                              f"size and ZeRO stage may differ); resume at {describe(saved)}")
+                              f"size and ZeRO stage may differ); resume at {describe(saved)}, or convert it with "
+                              "ds_to_universal and load that with checkpoint.load_universal at any layout")
     spec = folding_spec(engine)
     if spec is not None:   # AutoEP folded: upstream's record, checked as upstream checks it
         validate_checkpoint_folding(model_states, folding_spec=spec, family="dense", zero_partition_group="dense_dp",
