@@ -30,6 +30,7 @@ from .constants import (AUTOEP_LAYERS_KEY, AUTOEP_ZERO3_SOURCE_GROUP, CAT_DIM, E
                         EP_TP_LAYOUT_KEY, FOLDING_METADATA_KEY, PARAM)
 from ..version import __version__
 from .files import CheckpointError, expert_file, load_file, model_file, save_file
+from .reader import CheckpointReader
 
 PIECES = "ds_moe_pieces"   # runtime/checkpoint/moe_io.py writes them
 
@@ -204,6 +205,25 @@ def _expert_files(input_folder: str) -> dict[str, str]:
         if match:
             out[expert_file(int(match.group(1)), int(match.group(2)))] = source
     return out
+
+
+class JoinedReader(CheckpointReader):
+    """A MoE-layout tag read as its universal form would be (`join_moe`'s whole values, in memory): how
+    load_checkpoint reads an EP x TP checkpoint at another tensor or expert-parallel size, each rank then
+    cutting its slices as from a universal checkpoint (runtime/checkpoint/tp_reslice.universal_cut_reader)."""
+
+    def __init__(self, path: str, tag: str) -> None:   # (not CheckpointReader's: nothing is read lazily)
+        joined = join_moe(path)
+        self.path, self.tag, self.mp_rank, self.universal = path, tag, 0, True
+        self.rank_files, self.zero_states, self.optimizer_state, self.mappings = [], [], [], []
+        self._partitions, self._parts, self._read_ranks, self._stage_value = [], {}, set(), 0
+        self.model_states = universal_states(joined.states, joined.whole["fp32"], joined.shapes)
+        self._full = {field: {n: v.view(joined.shapes[n]) for n, v in values.items()}
+                      for field, values in joined.whole.items()}
+        self._set_groups([{n: torch.Size(joined.shapes[n]) for n in sorted(joined.whole["fp32"])}])
+        self.common_state = common_state(joined.param_groups, joined.loss_scaler, joined.states)
+        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.common_state["param_groups"]]
+        self._step = float(next(iter(joined.steps))) if joined.steps else None
 
 
 def convert_moe(input_folder: str, output_folder: str) -> int:

@@ -200,20 +200,6 @@ def moe_consolidated_names(consolidated: dict) -> dict:
     return out
 
 
-def layout_change_refused(kind: str, save_dir: str, tp: int, ep: int) -> str:
-    """Load the checkpoint in `save_dir` (tag t) at AutoEP ep x AutoTP tp: the error on this rank."""
-    import deepspeed
-
-    config = _config(1, tensor_parallel={"autotp_size": tp},
-                     expert_parallel={"enabled": True, "autoep_size": ep, "preset_model": kind})
-    engine = deepspeed.initialize(model=_model(kind), config=config)[0]
-    try:
-        engine.load_checkpoint(save_dir, tag="t")
-    except Exception as exc:   # noqa: BLE001 - the test reads the message
-        return f"{type(exc).__name__}: {exc}"
-    return ""
-
-
 def load_whole(kind: str, save_dir: str, stage: int, tp: int = 2, ep: int = 2) -> dict:
     """A fresh AutoEP x AutoTP engine at ZeRO `stage` loads tag t: its whole weights."""
     import deepspeed

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from eptp_ckpt_jobs import (autoep_autotp_checkpoint, autoep_continue, autoep_save_universal, layout_change_refused,
-                            load_whole, moe_consolidated_names, moe_continue, moe_mpu_checkpoint, moe_reference,
-                            moe_save_universal, reference)
+from eptp_ckpt_jobs import (autoep_autotp_checkpoint, autoep_continue, autoep_save_universal, load_whole,
+                            moe_consolidated_names, moe_continue, moe_mpu_checkpoint, moe_reference, moe_save_universal,
+                            reference)
 from harness import _POOLS, run_distributed
 
 STEPS = 2
@@ -91,11 +91,14 @@ def test_moe_mpu_save_resume_consolidate(tmp_path, stage: int) -> None:
         get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="t")   # refused, not joined wrongly
 
 
-def test_autoep_autotp_layout_change_refused(tmp_path) -> None:
-    """A checkpoint saved at tp 2 x ep 2, loaded at tp 2 x ep 4: refused alike on every rank, naming both."""
-    run_distributed(4, autoep_autotp_checkpoint, "mixtral", str(tmp_path), 1, 1)
-    errors = run_distributed(4, layout_change_refused, "mixtral", str(tmp_path), 2, 4)
-    assert len(set(errors)) == 1 and "ep_size [2]" in errors[0] and "ep_size [4]" in errors[0], errors
+def test_autoep_autotp_loads_at_another_expert_size(tmp_path) -> None:
+    """A checkpoint saved at tp 2 x ep 2, loaded by load_checkpoint at tp 2 x ep 4 (experts re-homed, through the
+    tag joined whole: moe_io.moe_reader): the whole weights are the saved ones."""
+    saved = run_distributed(4, autoep_autotp_checkpoint, "mixtral", str(tmp_path), 1, 1)[0]["at_save"]
+    loaded = run_distributed(4, load_whole, "mixtral", str(tmp_path), 1, 2, 4)[0]
+    assert sorted(loaded) == sorted(saved)
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), name
 
 
 @pytest.mark.slow
@@ -148,11 +151,14 @@ def test_autoep_autotp_universal_at_another_layout(tmp_path, tp: int, ep: int, w
     got = run_distributed(world, autoep_continue, "mixtral", str(tmp_path), "t_universal", 1, tp, ep, STEPS, STEPS)
     want = run_distributed(world, autoep_continue, "mixtral", str(tmp_path), None, 1, tp, ep, 0, 2 * STEPS)
     _check_universal(saved, got, want)
+    # a plain load_checkpoint of the tag at this layout reads it joined whole, as the universal form
+    _check_universal(saved, run_distributed(world, autoep_continue, "mixtral", str(tmp_path), "t", 1, tp, ep, STEPS,
+                                            STEPS), want)
 
 
-def _moe_universal(tmp_path, tp: int, ep: int, world: int, drop: str | None = None) -> tuple:
+def _moe_universal(tmp_path, tp: int, ep: int, world: int, drop: str | None = None, tag: str = "t_universal") -> tuple:
     saved = run_distributed(4, moe_save_universal, str(tmp_path), STEPS, drop)[0]
-    got = run_distributed(world, moe_continue, str(tmp_path), "t_universal", 1, tp, ep, STEPS, STEPS)
+    got = run_distributed(world, moe_continue, str(tmp_path), tag, 1, tp, ep, STEPS, STEPS)
     want = run_distributed(world, moe_continue, str(tmp_path), None, 1, tp, ep, 0, 2 * STEPS)
     return saved, got, want
 
@@ -162,6 +168,12 @@ def test_moe_mpu_universal_at_another_layout(tmp_path, tp: int, ep: int, world: 
     """deepspeed.moe with an mpu, tp 2 x ep 2 -> ds_to_universal (each global expert once, from tensor rank 0's
     copy) -> load_universal at tp 2 x ep 1 (experts re-homed) or tp 1 x ep 1."""
     _check_universal(*_moe_universal(tmp_path, tp, ep, world))
+
+
+@pytest.mark.slow
+def test_moe_mpu_plain_load_at_another_layout(tmp_path) -> None:
+    """load_checkpoint of the tp 2 x ep 2 tag itself at tp 2 x ep 1 (read joined whole, as its universal form)."""
+    _check_universal(*_moe_universal(tmp_path, 2, 1, 4, tag="t"))
 
 
 def test_moe_mpu_universal_sees_a_dropped_moment(tmp_path) -> None:

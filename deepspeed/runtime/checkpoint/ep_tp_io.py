@@ -24,7 +24,7 @@ import os
 from typing import Any
 
 from ...checkpoint.constants import EP_TP_LAYOUT_KEY, FOLDING_METADATA_KEY
-from ...checkpoint.files import CheckpointError, expert_file
+from ...checkpoint.files import CheckpointError, expert_file, load_file, model_file
 from ...utils import groups
 from .folding import folding_spec, make_engine_folding, param_family, validate_checkpoint_folding
 
@@ -49,6 +49,18 @@ def layout(engine: Any) -> dict:
 
 def describe(saved: dict) -> str:
     return f"tensor-parallel size {saved.get('tensor_parallel_size', 1)} x ep_size {saved.get('expert_parallel_sizes')}"
+
+
+def other_layout(engine: Any, path: str, mp: int) -> bool:
+    """Whether the MoE-layout tag `path` was saved at another EP x TP layout than this run's (one of them with
+    tensor parallelism): then load_checkpoint reads it joined whole (moe_io.moe_reader)."""
+    own = os.path.join(path, model_file(mp))
+    states = load_file(own if os.path.isfile(own) else os.path.join(path, model_file(0)))
+    saved = states.get(LAYOUT_KEY) or {"tensor_parallel_size": 1, "expert_parallel_sizes": None}
+    mine = layout(engine)
+    if saved["tensor_parallel_size"] == mine["tensor_parallel_size"] == 1:
+        return False
+    return saved != mine and not saved.get("expert_tensor_parallel") and not mine["expert_tensor_parallel"]
 
 
 def check_layout(engine: Any, path: str, model_states: dict) -> None:

@@ -81,7 +81,7 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
     elif not universal and path is not None and _autoep_zero3(path, layout):
         reader = autoep_zero3_io.AutoEPZero3Reader(engine, load_dir, str(tag))   # [Note: AutoEP ZeRO-3 layout]
     elif not universal and moe_io.reads_moe(engine, load_dir, str(tag)):   # [Note: MoE checkpoint layout]
-        reader = moe_io.MoECheckpointReader(engine, load_dir, str(tag))
+        reader = moe_io.moe_reader(engine, load_dir, str(tag))
     elif hasattr(engine, "_checkpoint_reader"):
         reader = engine._checkpoint_reader(load_dir, str(tag))
     else:   # a universal checkpoint has no tensor ranks' files: one mp_rank_00 (per pipeline stage)
@@ -161,7 +161,7 @@ def tensor_parallel_reader(engine: Any, load_dir: str, tag: str, layout: tuple |
     if saved > 1 and hasattr(engine, "grid"):   # a pipeline's mp_world_size is pipe x slice: count its slice files
         saved = len({m.group(1) for m in map(_LAYER_SLICE.match, os.listdir(path)) if m}) or 1
     have = tensor_parallel_size(engine.module)
-    if saved == have:
+    if saved == have or moe_io.is_moe_checkpoint(path):   # the MoE layout's readers move EP x TP (moe_reader)
         return None
     if moe_io.is_moe_engine(engine) or hasattr(engine, "_checkpoint_reader") or getattr(engine, "mpu", None):
         raise files.CheckpointError(

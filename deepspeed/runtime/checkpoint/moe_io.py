@@ -200,6 +200,21 @@ def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool,
     return entries
 
 
+def moe_reader(engine: Any, load_dir: str, tag: str) -> Any:
+    """The reader of a MoE-layout tag: MoECheckpointReader, or at another EP x TP layout than the one that
+    saved it the tag joined whole (checkpoint/moe_to_universal.JoinedReader, a universal checkpoint's view,
+    which the loader cuts as one: [Note: EP x TP checkpoint layout])."""
+    from ...checkpoint.files import tag_dir
+    from ...checkpoint.moe_to_universal import JoinedReader
+    from . import ep_tp_io
+    from .writer import mp_rank
+
+    path = tag_dir(load_dir, tag)
+    if path is not None and ep_tp_io.other_layout(engine, path, mp_rank(engine)):
+        return JoinedReader(path, tag)
+    return MoECheckpointReader(engine, load_dir, tag)
+
+
 def _segments(pieces: list[tuple[int, int, torch.Tensor]], lo: int, hi: int) -> Any:
     """(value, offset in it, offset in [lo, hi), count) of the pieces (sorted by start) that hold
     elements of [lo, hi), each element taken once (stage-0 files repeat the dense parameters' pieces)."""
