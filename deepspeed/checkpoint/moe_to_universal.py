@@ -347,5 +347,6 @@ def source_groups(saved: list[dict]) -> list[dict]:
     firsts: dict[int, dict] = {}
     for i, group in enumerate(saved):
         firsts.setdefault(int(group.get(AUTOEP_ZERO3_SOURCE_GROUP, i)), group)
-    drop = {"params", AUTOEP_ZERO3_SOURCE_GROUP, "name", "moe"}
+    ours = any(AUTOEP_ZERO3_SOURCE_GROUP in group for group in saved)   # upstream's: its split groups, kept
+    drop = {"params", AUTOEP_ZERO3_SOURCE_GROUP} | ({"name", "moe"} if ours else set())
     return [{k: v for k, v in firsts[g].items() if k not in drop} for g in sorted(firsts)]
