@@ -9,17 +9,15 @@ with our uninterrupted 4 steps at that size (docs/checkpointing.md "With DeepSpe
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from run import rel, run  # noqa: E402
+from run import rel, report, run, setup  # noqa: E402
 
 WORKER = os.path.join(HERE, "autoep_worker.py")
 
@@ -31,14 +29,7 @@ def job(impl: str, venv: str, scratch: str, **spec) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ds-venv", default=os.environ.get("DS_VENV", "/tmp/ds-venv"))
-    parser.add_argument("--work", default=None)
-    parser.add_argument("--stages", default="1,3")
-    args = parser.parse_args()
-    work = args.work or tempfile.mkdtemp(prefix="autoep_interop_")
-    scratch = os.path.join(work, "cwd")
-    os.makedirs(scratch, exist_ok=True)
+    args, work, scratch = setup(__doc__.split("\n")[0], "--stages", "1,3", "autoep_interop_")
     summary = []
     for stage in map(int, args.stages.split(",")):
         want = {ep: job("ours", args.ds_venv, scratch, ckpt=work, ep=ep, stage=stage, steps=4, start=0) for ep in (2, 1)}
@@ -60,10 +51,7 @@ def main() -> int:
                         case["error"] = got["error"]
                     else:
                         case.update(losses=got["losses"], max_rel=rel(got["losses"], want[ep]["losses"][2:]))
-                    summary.append(case)
-                    print(f"ZeRO-{stage} written by {writer:8s} loaded by {reader:8s} at ep {ep}: " +
-                          (f"max rel diff {case['max_rel']:.2e} (losses {case['losses']})" if "max_rel" in case
-                           else f"FAILED: {case['error'][:300]}"), flush=True)
+                    report(summary, case, f"ZeRO-{stage} written by {writer:8s} loaded by {reader:8s} at ep {ep}")
     print("SUMMARY " + json.dumps(summary))
     return 0
 
