@@ -67,6 +67,7 @@ AUTOEP_ZERO3_SOURCE_GROUP = "ds_optimizer_group"   # ours, in each saved param g
 # --- EP x TP folding metadata (AutoEP with AutoTP; upstream's keys): a dict under FOLDING_METADATA_KEY
 # in each model-states, expert and optimizer file of a folded checkpoint (checkpoint/autoep_universal.py)
 FOLDING_METADATA_KEY = "folding"
+EP_TP_LAYOUT_KEY = "ep_tp_layout"   # ours, in model states: the tensor and expert-parallel sizes that saved
 FOLDING_METADATA_VERSION = 1
 FOLDING_TP_SIZE = "tp_size"
 FOLDING_TP_RANK = "tp_rank"

@@ -25,13 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime.checkpoint.writer import MEGATRON_TP_DIMS
 from ..utils.progress import progress
 from ..utils.zero_to_fp32 import join_tp_slices
 from . import tp_maps
 from .constants import CAT_DIM, PARAM, UNIVERSAL_CHECKPOINT_INFO
 from .files import CheckpointError, model_file, save_file, write_text
-from .moe_to_universal import convert_autoep_zero3, convert_moe, is_autoep_zero3_layout, is_moe_layout
+from .moe_to_universal import convert_autoep_zero3, convert_moe, is_autoep_zero3_layout, is_moe_layout, megatron_dims
 from .reader import CheckpointReader
 
 _PER_ELEMENT = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings",
@@ -87,12 +86,7 @@ def _partition_dims(where: str, states: dict, tp: int) -> tuple[dict[str, int], 
     """A stage's sliced parameters, from its model states: AutoTP's `tp_partition_dims` (and fused
     `tp_sub_param_sizes`), and the `partition_dim` your Megatron-style layers tag."""
     dims = dict(states.get("tp_partition_dims") or {})
-    tagged = states.get(MEGATRON_TP_DIMS) or {}
-    undescribed = sorted(n for n, d in tagged.items() if d is None)
-    if undescribed:
-        raise CheckpointError(f"{where}: tensor-parallel parameters {undescribed} carry no partition_dim "
-                              "(or a partition_stride other than 1); cannot join their slices")
-    dims.update(tagged)
+    dims.update(megatron_dims(where, states))
     if tp > 1 and not dims and states.get(UNIVERSAL_CHECKPOINT_INFO):
         return _dims_from_patterns(states)
     if tp > 1 and not dims:

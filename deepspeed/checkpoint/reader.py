@@ -408,9 +408,15 @@ class CheckpointReader:
         self._full = full
         # DeepSpeed also writes fp32.pt for buffers and frozen parameters: the trained ones are those
         # of param_shapes (or, without it, those with optimizer state)
-        trained = {n for g in (self.model_states.get("param_shapes") or []) for n in g} or \
-            {n for f, values in full.items() if f != "fp32" for n in values}
-        shapes = {n: s for n, s in shapes.items() if n in trained}
+        listed = {n: torch.Size(s) for g in (self.model_states.get("param_shapes") or []) for n, s in g.items()}
+        trained = set(listed) or {n for f, values in full.items() if f != "fp32" for n in values}
+        # DeepSpeed's converter writes a ZeRO-3 tag's dense parameters flat: their shape is param_shapes'
+        shapes = {n: listed[n] if n in listed and listed[n].numel() == s.numel() else s
+                  for n, s in shapes.items() if n in trained}
+        for values in full.values():
+            for name, value in values.items():
+                if name in shapes and value.shape != shapes[name]:
+                    values[name] = value.view(shapes[name])
         self._set_groups([shapes])
         self.param_groups = []
         optimizer_state = os.path.join(self.path, "zero", "optimizer_state.pt")
@@ -418,6 +424,9 @@ class CheckpointReader:
             self.common_state = load_file(optimizer_state)
             self.param_groups = [{k: v for k, v in g.items() if k != "params"}
                                  for g in self.common_state.get("param_groups", [])]
+            if self._step is None:   # DeepSpeed's ZeRO-3 form: no step.pt; its rank 0's optimizer state has it
+                saved = (self.common_state.get("optimizer_state_dict") or {}).get("state") or {}
+                self._step = next((float(e["step"]) for e in saved.values() if "step" in e), None)
 
     # --- reading ----------------------------------------------------------------------------
     @property

@@ -322,6 +322,7 @@ class AutoEPMoELayer(_WholeExpertState, nn.Module):
         self.score_apply = resolve_score_apply_mode(spec, config.score_apply)
         self.combine_impl = "weighted_sum" if config.combine_impl == "auto" else config.combine_impl
         gate = getattr(source_module, spec.router_name)
+        self.source_router_name = spec.router_name   # upstream also registers the router there (checkpoint alias)
         bias = getattr(gate, "bias", None)
         correction = getattr(gate, "e_score_correction_bias", None)
         self.router = TokenChoiceTopKRouter(spec.hidden_size, spec.num_experts, spec.num_expert_groups,

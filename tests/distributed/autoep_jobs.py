@@ -492,6 +492,28 @@ def deepspeed_autoep_zero3_run(fixture: str) -> dict:
             "whole": whole, "steps": engine.global_steps, "loss": loss.item()}
 
 
+def deepspeed_autoep_zero3_universal_run(fixture: str, out: str, ep: int) -> dict:
+    """DeepSpeed 0.19.8's AutoEP ZeRO-3 checkpoint converted by our ds_to_universal (rank 0), loaded strictly with
+    load_universal at autoep_size `ep` (its module state's router alias entries dropped): the whole weights."""
+    import sys
+
+    import deepspeed
+    import deepspeed.comm as dist
+
+    sys.path.insert(0, fixture)
+    import autoep_model
+
+    if dist.get_rank() == 0:
+        from deepspeed.checkpoint.ds_to_universal import convert
+
+        convert(os.path.join(fixture, "ckpt", "t"), os.path.join(out, "t_universal"))
+    dist.barrier()
+    config = dict(autoep_model.config(ep), checkpoint={"load_universal": True})
+    engine, *_ = deepspeed.initialize(model=autoep_model.Model(), config=config)
+    engine.load_checkpoint(out, tag="t_universal")
+    return whole_state(engine)
+
+
 def frozen_expert_save_run(save_dir: str) -> str:
     """AutoEP at ZeRO-3 with one expert tensor frozen: what save_checkpoint raises on this rank."""
     import deepspeed

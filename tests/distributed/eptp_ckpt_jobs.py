@@ -108,33 +108,81 @@ def autoep_autotp_checkpoint(kind: str, save_dir: str, stage: int, steps: int, t
     return _save_resume(save_dir, steps, make, train, _whole_autoep, sixteen)
 
 
-def moe_mpu_checkpoint(save_dir: str, stage: int, steps: int, tp: int = 2, ep: int = 2) -> dict:
-    """deepspeed.moe.layer.MoE with a Megatron-style mpu of tensor pairs: _save_resume's results."""
+def _moe_engine(stage: int, tp: int, ep: int, load_universal: bool = False) -> tuple[Any, int]:
+    """deepspeed.moe.layer.MoE (MoENet) at ep_size `ep`, with a Megatron-style mpu of tensor groups of `tp`
+    (none at tp 1): the engine and its data rank."""
     import deepspeed
+    import deepspeed.comm as dist
     from deepspeed.utils import groups
 
     groups.mpu = None
-    mpu = MPU(tp)
-    dp_rank = mpu.get_data_parallel_rank()
+    mpu = MPU(tp) if tp > 1 else None
+    dp_rank = mpu.get_data_parallel_rank() if mpu is not None else dist.get_rank()
+    config = {**_config(stage), "train_micro_batch_size_per_gpu": 2, "checkpoint": {"load_universal": load_universal}}
+    return deepspeed.initialize(model=MoENet(ep, dp_rank % ep), config=config, mpu=mpu)[0], dp_rank
+
+
+def _moe_train(engine: Any, dp_rank: int, first: int, steps: int) -> list:
+    losses = []
+    for step in range(first, first + steps):
+        loss = engine(_moe_data(step, dp_rank))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _moe_whole(engine: Any, ep: int) -> dict:
+    from deepspeed.utils import groups
+
+    return _moe_state(engine.module, ep, groups._get_expert_parallel_group(f"ep_size_{ep}"))
+
+
+def moe_mpu_checkpoint(save_dir: str, stage: int, steps: int, tp: int = 2, ep: int = 2) -> dict:
+    """deepspeed.moe.layer.MoE with a Megatron-style mpu of tensor pairs: _save_resume's results."""
+    from deepspeed.utils import groups
+
+    dp_rank = []
 
     def make() -> Any:
-        groups.mpu = None
-        config = {**_config(stage), "train_micro_batch_size_per_gpu": 2}
-        return deepspeed.initialize(model=MoENet(ep, dp_rank % ep), config=config, mpu=mpu)[0]
+        engine, rank = _moe_engine(stage, tp, ep)
+        dp_rank[:] = [rank]
+        return engine
 
-    def train(engine: Any, first: int) -> list:
-        losses = []
-        for step in range(first, first + steps):
-            loss = engine(_moe_data(step, dp_rank))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        return losses
+    out = _save_resume(save_dir, steps, make, lambda engine, first: _moe_train(engine, dp_rank[0], first, steps),
+                       lambda engine: _moe_whole(engine, ep))
+    groups.mpu = None
+    return out
 
-    def whole(engine: Any) -> dict:
-        return _moe_state(engine.module, ep, groups._get_expert_parallel_group(f"ep_size_{ep}"))
 
-    out = _save_resume(save_dir, steps, make, train, whole)
+def moe_save_universal(save_dir: str, steps: int, drop: str | None = None) -> dict:
+    """MoE with an mpu at tp 2 x ep 2 (ZeRO-1): train `steps`, save tag t, rank 0 writes t_universal
+    (`drop`: as autoep_save_universal). The whole weights (_moe_state's names) at the save."""
+    import deepspeed.comm as dist
+    from autoep_jobs import _universal_copy
+    from deepspeed.utils import groups
+
+    engine, dp_rank = _moe_engine(1, 2, 2)
+    _moe_train(engine, dp_rank, 0, steps)
+    engine.save_checkpoint(save_dir, tag="t")
+    if dist.get_rank() == 0:
+        _universal_copy(os.path.join(save_dir, "t"), os.path.join(save_dir, "t_universal"), drop)
+    dist.barrier()
+    out = _moe_whole(engine, 2)
+    groups.mpu = None
+    return out
+
+
+def moe_continue(save_dir: str, tag: str | None, stage: int, tp: int, ep: int, first: int, steps: int) -> dict:
+    """autoep_continue for MoENet with an mpu of tensor groups of `tp` (none at tp 1)."""
+    from deepspeed.utils import groups
+
+    engine, dp_rank = _moe_engine(stage, tp, ep, load_universal=str(tag).endswith("_universal"))
+    if tag is not None:
+        engine.load_checkpoint(save_dir, tag=tag)
+    loaded = _moe_whole(engine, ep)
+    losses = _moe_train(engine, dp_rank, first, steps)
+    out = {"loaded": loaded, "losses": losses, "whole": _moe_whole(engine, ep)}
     groups.mpu = None
     return out
 
@@ -152,20 +200,6 @@ def moe_consolidated_names(consolidated: dict) -> dict:
     return out
 
 
-def layout_change_refused(kind: str, save_dir: str, tp: int, ep: int) -> str:
-    """Load the checkpoint in `save_dir` (tag t) at AutoEP ep x AutoTP tp: the error on this rank."""
-    import deepspeed
-
-    config = _config(1, tensor_parallel={"autotp_size": tp},
-                     expert_parallel={"enabled": True, "autoep_size": ep, "preset_model": kind})
-    engine = deepspeed.initialize(model=_model(kind), config=config)[0]
-    try:
-        engine.load_checkpoint(save_dir, tag="t")
-    except Exception as exc:   # noqa: BLE001 - the test reads the message
-        return f"{type(exc).__name__}: {exc}"
-    return ""
-
-
 def load_whole(kind: str, save_dir: str, stage: int, tp: int = 2, ep: int = 2) -> dict:
     """A fresh AutoEP x AutoTP engine at ZeRO `stage` loads tag t: its whole weights."""
     import deepspeed
@@ -175,3 +209,40 @@ def load_whole(kind: str, save_dir: str, stage: int, tp: int = 2, ep: int = 2) -
     engine = deepspeed.initialize(model=_model(kind), config=config)[0]
     engine.load_checkpoint(save_dir, tag="t")
     return _whole_autoep(engine)
+
+
+def _autoep_engine(kind: str, stage: int, tp: int, ep: int, load_universal: bool = False) -> Any:
+    import deepspeed
+
+    extra = {"tensor_parallel": {"autotp_size": tp}} if tp > 1 else {}
+    if ep:   # (ep 0: no expert_parallel section; AutoTP refuses AutoEP at autoep_size 1 as upstream does)
+        extra["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": kind}
+    config = _config(stage, checkpoint={"load_universal": load_universal}, **extra)
+    return deepspeed.initialize(model=_model(kind), config=config)[0]
+
+
+def autoep_save_universal(kind: str, save_dir: str, steps: int, drop: str | None = None) -> dict:
+    """AutoEP x AutoTP at tp 2 x ep 2 (ZeRO-1): train `steps`, save tag t; rank 0 writes its universal form
+    t_universal (`drop`: that optimizer field then zeroed in every file). The whole weights at the save."""
+    import deepspeed.comm as dist
+    from autoep_jobs import _universal_copy
+
+    engine = _autoep_engine(kind, 1, 2, 2)
+    train_steps(engine, steps, engine.get_data_parallel_rank())
+    engine.save_checkpoint(save_dir, tag="t")
+    if dist.get_rank() == 0:
+        _universal_copy(os.path.join(save_dir, "t"), os.path.join(save_dir, "t_universal"), drop)
+    dist.barrier()
+    return _whole_autoep(engine)
+
+
+def autoep_continue(kind: str, save_dir: str, tag: str | None, stage: int, tp: int, ep: int, first: int,
+                    steps: int) -> dict:
+    """A fresh AutoEP engine at tp x ep loads `tag` (the universal form when it ends in _universal; None: no
+    load): its whole weights as loaded, then after `steps` more steps (batches from `first`), and the losses."""
+    engine = _autoep_engine(kind, stage, tp, ep, load_universal=str(tag).endswith("_universal"))
+    if tag is not None:
+        engine.load_checkpoint(save_dir, tag=tag)
+    loaded = _whole_autoep(engine)
+    losses = train_steps(engine, steps, engine.get_data_parallel_rank(), first)["losses"]
+    return {"loaded": loaded, "losses": losses, "whole": _whole_autoep(engine)}

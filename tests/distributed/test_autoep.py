@@ -172,6 +172,23 @@ def test_autoep_engine_checkpoint_resumes(tmp_path, world: int, stage: int, save
                                        msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("ep", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_deepspeed_autoep_zero3_checkpoint_converts_and_loads_strictly(tmp_path, ep: int) -> None:
+    """The same checkpoint through our ds_to_universal, loaded with load_universal and load_module_strict (the
+    default) at ep 1 / 2: its module state's `mlp.gate.gate.weight` router aliases are accepted (equal to the
+    router), and the whole weights are DeepSpeed's."""
+    import os
+
+    from autoep_jobs import deepspeed_autoep_zero3_universal_run
+
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "ds_0_19_8_autoep_zero3")
+    expected = torch.load(os.path.join(fixture, "expected.pt"), weights_only=False)["whole"]
+    for whole in run_distributed(2, deepspeed_autoep_zero3_universal_run, fixture, str(tmp_path), ep):
+        assert sorted(whole) == sorted(expected)
+        for name, value in expected.items():
+            assert torch.equal(whole[name], value), name
+
+
 def test_deepspeed_autoep_zero3_checkpoint_loads() -> None:
     """DeepSpeed 0.19.8's AutoEP ZeRO-3 checkpoint (its partition-native layout, 2 ranks, ep 2, Adam): loaded
     here, each rank's optimizer state as this build would save it equals DeepSpeed's file bit for bit (fp32
@@ -311,6 +328,10 @@ def test_autoep_universal_moves_experts(tmp_path, save_ep: int, load_ep: int, st
                                      "exp_avg.pt"), weights_only=False)
     assert record["is_expert_param"] is True and record["ep_num_experts"] == 4 and record["cat_dim"] == 0
     assert record["param"].shape[0] == 4
+    # DeepSpeed 0.19.8's load_universal pairs these groups with its split ones by position and asserts ds_version
+    common = torch.load(os.path.join(tmp_path, "got", "t_universal", "zero", "optimizer_state.pt"), weights_only=False)
+    assert [(g.get("name"), g.get("moe", False)) for g in common["param_groups"]] == \
+        [("dense-params", False), (f"ep_size_{save_ep}", True)] and common["ds_version"]
 
 
 def test_autoep_universal_sees_a_dropped_moment(tmp_path) -> None:

@@ -81,15 +81,28 @@ def rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def report(summary: list, case: dict, label: str) -> None:
+    """Add `case` to `summary` and print its line."""
+    summary.append(case)
+    print(f"{label}: " + (f"max rel diff {case['max_rel']:.2e} (losses {case['losses']})" if "max_rel" in case
+                          else f"FAILED: {case['error'][:400]}"), flush=True)
+
+
+def setup(description: str, option: str, default: str, prefix: str) -> tuple[argparse.Namespace, str, str]:
+    """(arguments: --ds-venv, --work and `option`; the work directory; its scratch cwd, created)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--ds-venv", default=os.environ.get("DS_VENV", "/tmp/ds-venv"))
     parser.add_argument("--work", default=None)
-    parser.add_argument("--optimizers", default="adamw,sgd")
+    parser.add_argument(option, default=default)
     args = parser.parse_args()
-    work = args.work or tempfile.mkdtemp(prefix="univ_interop_")
+    work = args.work or tempfile.mkdtemp(prefix=prefix)
     scratch = os.path.join(work, "cwd")
     os.makedirs(scratch, exist_ok=True)
+    return args, work, scratch
+
+
+def main() -> int:
+    args, work, scratch = setup(__doc__.split("\n")[0], "--optimizers", "adamw,sgd", "univ_interop_")
     summary = []
     for opt in args.optimizers.split(","):
         want = {tp: job("ours", args.ds_venv, scratch, ckpt=work, tp=tp, stage=1, steps=4, start=0, optimizer=opt)
@@ -113,10 +126,7 @@ def main() -> int:
                         else:
                             case.update(losses=got["losses"], want=want[tp]["losses"][2:],
                                         max_rel=rel(got["losses"], want[tp]["losses"][2:]))
-                    summary.append(case)
-                    print(f"{opt:6s} written by {writer:8s} loaded by {reader:8s} at TP={tp}: " +
-                          (f"max rel diff {case['max_rel']:.2e} (losses {case['losses']})" if "max_rel" in case
-                           else f"FAILED: {case['error'][:400]}"), flush=True)
+                    report(summary, case, f"{opt:6s} written by {writer:8s} loaded by {reader:8s} at TP={tp}")
     print("SUMMARY " + json.dumps(summary))
     return 0
 

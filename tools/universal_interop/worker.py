@@ -129,13 +129,17 @@ def rank_main(rank: int, spec: dict, port: int, queue) -> None:
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
+    spawn(rank_main, json.loads(sys.argv[1]))
+
+
+def spawn(target, spec: dict) -> None:
+    """Run `target(rank, spec, port, queue)` on spec["world"] (2) processes; print rank 0's RESULT line."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, spec, port, queue)) for r in range(spec.get("world", 2))]
+    procs = [ctx.Process(target=target, args=(r, spec, port, queue)) for r in range(spec.get("world", 2))]
     for p in procs:
         p.start()
     import queue as queues

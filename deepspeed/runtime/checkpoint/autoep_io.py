@@ -135,3 +135,23 @@ def check_expert_counts(engine: Any, reader: Any) -> None:
                     f"(target_local_experts={layer.num_local_experts}, "
                     f"checkpoint_local_experts={shape[0] // layer.ep_size}): load it into a model with "
                     f"{shape[0]} experts")
+
+
+def drop_router_aliases(engine: Any, module: dict) -> dict:
+    """`module` (a saved module state) without the router aliases of upstream's whole-block AutoEP layers: its
+    AutoEPMoELayer also registers the router under the MoE block's router name (`mlp.gate`), so its module
+    state holds `<block>.gate.gate.weight` beside `<block>.router.gate.weight` (one tensor); ours registers the
+    router once. An alias entry equal to the router's is dropped, so a strict load does not call it unexpected."""
+    from ..engine_moe import moe_layers
+
+    out = dict(module)
+    for prefix, layer in moe_layers(engine.module):
+        alias = getattr(layer, "source_router_name", None)
+        if not getattr(layer, "_is_autoep_layer", False) or alias in (None, "router"):
+            continue
+        head = f"{prefix}.{alias}." if prefix else f"{alias}."
+        for key in [k for k in out if k.startswith(head)]:
+            target = f"{prefix}.router.{key[len(head):]}" if prefix else f"router.{key[len(head):]}"
+            if target in out and torch.is_tensor(out[key]) and torch.equal(out[key], out[target]):
+                del out[key]
+    return out

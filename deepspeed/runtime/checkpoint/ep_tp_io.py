@@ -10,9 +10,11 @@ that holds it; with an mpu each tensor rank holds a copy and writes its own), an
 `[bf16_]zero_pp_rank_{dp}_mp_rank_{tp}_optim_states.pt` (ZeRO) or `expp_rank_{ep}_mp_rank_{tp}_...`
 (stage 0). AutoEP's files carry upstream's folding record ([Note: folding metadata]). Every
 model-states file records the layout (`ep_tp_layout`: tensor and expert-parallel sizes): a load reads
-its own tensor rank's files and resumes exactly at the layout that saved; another tensor or expert
-size is refused on every rank before any collective, naming both layouts (the expert files of another
-layout lie on other tensor ranks' files, and the optimizer pieces of the sliced layers are cut by tp).
+its own tensor rank's files and resumes exactly at the layout that saved. At another tensor or expert
+size the expert files lie on other tensor ranks' files and the optimizer pieces of the sliced layers are
+cut by tp, so the tag is joined whole as `ds_to_universal` joins it (checkpoint/moe_to_universal.join_moe,
+`other_layout` decides) and each rank cuts its slices from the whole tensors as from a universal
+checkpoint; experts sliced over the tensor ranks are refused there, naming both layouts.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ import glob
 import os
 from typing import Any
 
-from ...checkpoint.constants import FOLDING_METADATA_KEY
-from ...checkpoint.files import CheckpointError, expert_file
+from ...checkpoint.constants import EP_TP_LAYOUT_KEY, FOLDING_METADATA_KEY
+from ...checkpoint.files import CheckpointError, expert_file, load_file, model_file
 from ...utils import groups
 from .folding import folding_spec, make_engine_folding, param_family, validate_checkpoint_folding
 
-LAYOUT_KEY = "ep_tp_layout"
+LAYOUT_KEY = EP_TP_LAYOUT_KEY
 
 
 def tensor_size(engine: Any) -> int:
@@ -49,18 +51,33 @@ def describe(saved: dict) -> str:
     return f"tensor-parallel size {saved.get('tensor_parallel_size', 1)} x ep_size {saved.get('expert_parallel_sizes')}"
 
 
+def other_layout(engine: Any, path: str, mp: int) -> bool:
+    """Whether the MoE-layout tag `path` was saved at another EP x TP layout than this run's (one of them with
+    tensor parallelism): then load_checkpoint reads it joined whole (moe_io.moe_reader)."""
+    own = os.path.join(path, model_file(mp))
+    saved, mine = _layouts(engine, load_file(own if os.path.isfile(own) else os.path.join(path, model_file(0))))
+    if saved["tensor_parallel_size"] == mine["tensor_parallel_size"] == 1:
+        return False
+    return saved != mine and not saved.get("expert_tensor_parallel") and not mine["expert_tensor_parallel"]
+
+
+def _layouts(engine: Any, model_states: dict) -> tuple[dict, dict]:
+    """(the layout that saved, this run's)."""
+    return model_states.get(LAYOUT_KEY) or {"tensor_parallel_size": 1, "expert_parallel_sizes": None}, layout(engine)
+
+
 def check_layout(engine: Any, path: str, model_states: dict) -> None:
-    """Refuse a checkpoint of another EP x TP layout ([Note: EP x TP checkpoint layout]); runs inside the
-    load's agreed phase, so every rank raises alike."""
-    saved = model_states.get(LAYOUT_KEY) or {"tensor_parallel_size": 1, "expert_parallel_sizes": None}
-    mine = layout(engine)
+    """Refuse a checkpoint of another EP x TP layout that `other_layout` cannot join (experts sliced over the
+    tensor ranks; [Note: EP x TP checkpoint layout]); runs inside the load's agreed phase, so every rank
+    raises alike."""
+    saved, mine = _layouts(engine, model_states)
     if saved["tensor_parallel_size"] == mine["tensor_parallel_size"] == 1:
         return   # the plain MoE layout: any ep_size (moe_io)
     if saved != mine:
         raise CheckpointError(f"{path} was saved with experts at {describe(saved)}; this run has {describe(mine)}: "
-                              "a checkpoint of experts with tensor parallelism resumes only at the layout that saved "
-                              "it (same tensor_parallel.autotp_size / mpu tensor size and ep_size; the data-parallel "
-                              f"size and ZeRO stage may differ); resume at {describe(saved)}")
+                              "experts sliced over the tensor ranks (MoE enable_expert_tensor_parallelism) resume only "
+                              "at the tensor and expert-parallel sizes that saved them (the data-parallel size and "
+                              f"ZeRO stage may differ); resume at {describe(saved)}")
     spec = folding_spec(engine)
     if spec is not None:   # AutoEP folded: upstream's record, checked as upstream checks it
         validate_checkpoint_folding(model_states, folding_spec=spec, family="dense", zero_partition_group="dense_dp",

@@ -80,7 +80,7 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
     elif not universal and path is not None and _autoep_zero3(path, layout):
         reader = autoep_zero3_io.AutoEPZero3Reader(engine, load_dir, str(tag))   # [Note: AutoEP ZeRO-3 layout]
     elif not universal and moe_io.reads_moe(engine, load_dir, str(tag)):   # [Note: MoE checkpoint layout]
-        reader = moe_io.MoECheckpointReader(engine, load_dir, str(tag))
+        reader = moe_io.moe_reader(engine, load_dir, str(tag))
     elif hasattr(engine, "_checkpoint_reader"):
         reader = engine._checkpoint_reader(load_dir, str(tag))
     else:   # a universal checkpoint has no tensor ranks' files: one mp_rank_00 (per pipeline stage)
@@ -165,7 +165,7 @@ def tensor_parallel_reader(engine: Any, load_dir: str, tag: str, layout: tuple |
     described = states.get("tp_partition_dims") or states.get(UNIVERSAL_CHECKPOINT_INFO)
     saved = int(states.get("mp_world_size", 1) or 1) if described else 1
     have = tensor_parallel_size(engine.module)
-    if saved == have:
+    if saved == have or moe_io.is_moe_checkpoint(path):   # the MoE layout's readers move EP x TP (moe_reader)
         return None
     if moe_io.is_moe_engine(engine):
         raise files.CheckpointError(

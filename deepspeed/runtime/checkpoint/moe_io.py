@@ -34,7 +34,7 @@ from ...module_inject.auto_ep_layer import local_expert_state
 from ..engine_moe import moe_layers
 from ...checkpoint.constants import AUTOEP_LAYERS_KEY
 from . import moe_ds_ep
-from .autoep_io import autoep_params, expert_entries, layer_metadata, module_rows, piece_in_whole
+from .autoep_io import autoep_params, drop_router_aliases, expert_entries, layer_metadata, module_rows, piece_in_whole
 
 EXPERT_RE = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")
 PIECES = "ds_moe_pieces"
@@ -199,6 +199,21 @@ def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool,
                             {"optimizer": hp.base.state_dict(), **pieces,
                              **(ep_tp_io.expert_record(engine, layer) if layer is not None else {})}))
     return entries
+
+
+def moe_reader(engine: Any, load_dir: str, tag: str) -> Any:
+    """The reader of a MoE-layout tag: MoECheckpointReader, or at another EP x TP layout than the one that
+    saved it the tag joined whole (checkpoint/moe_to_universal.JoinedReader, a universal checkpoint's view,
+    which the loader cuts as one: [Note: EP x TP checkpoint layout])."""
+    from ...checkpoint.files import tag_dir
+    from ...checkpoint.moe_to_universal import JoinedReader
+    from . import ep_tp_io
+    from .writer import mp_rank
+
+    path = tag_dir(load_dir, tag)
+    if path is not None and ep_tp_io.other_layout(engine, path, mp_rank(engine)):
+        return JoinedReader(path, tag)
+    return MoECheckpointReader(engine, load_dir, tag)
 
 
 def _segments(pieces: list[tuple[int, int, torch.Tensor]], lo: int, hi: int) -> Any:
@@ -445,6 +460,25 @@ class GlobalNamedReader:
 
 
 def universal_reader(engine: Any, reader: Any) -> Any:
-    """`reader` (a universal checkpoint) under this rank's local expert names (deepspeed.moe layers)."""
+    """`reader` (a universal checkpoint) under this rank's local expert names (deepspeed.moe layers), its
+    param groups as this engine's optimizer has them (source_param_groups)."""
     renamed = global_names(engine) if getattr(engine, "_expert_comm", None) else {}
-    return GlobalNamedReader(reader, renamed) if renamed else reader
+    out = GlobalNamedReader(reader, renamed) if renamed else reader
+    optimizer = getattr(engine, "optimizer", None)
+    count = len(getattr(optimizer, "param_groups", None) or [])
+    saved = list(reader.param_groups or [])
+    if count and saved and len(saved) != count:
+        out.param_groups = source_param_groups(saved, count)
+    module = reader.model_states.get("module") or {}
+    kept = drop_router_aliases(engine, module)
+    if len(kept) != len(module):
+        out.model_states = dict(reader.model_states, module=kept)
+    return out
+
+
+def source_param_groups(saved: list[dict], count: int) -> list[dict]:
+    """The `count` groups an engine that did not split its optimizer groups by expert group had, from groups
+    written split as upstream's AutoEP engine does (its dense groups first, then `moe` copies: the copies
+    hold the same hyperparameters); other lists are returned as they are (the loader names the mismatch)."""
+    dense = [g for g in saved if not g.get("moe")]
+    return dense if len(dense) == count and len(dense) < len(saved) else saved

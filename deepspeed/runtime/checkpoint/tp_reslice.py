@@ -301,21 +301,23 @@ def engine_tensor_layout(engine: Any) -> tuple[int, int, dict[str, int], dict[st
 
 def universal_cut_reader(engine: Any, reader: Any) -> Any:
     """A universal checkpoint holds whole values (TP=1): at tensor-parallel size > 1 (AutoTP or Megatron-style
-    layers, with or without a pipeline) each rank reads its own slice of them through the TP=1 -> TP=t plan;
-    at TP=1 the reader itself."""
+    layers, with or without a pipeline) each rank reads its own slice of them through the TP=1 -> TP=t plan,
+    and under AutoEP (with or without tensor parallelism: its experts are whole on each rank) each fused expert
+    tensor's rows of this rank's experts (dim 0 cut ep_size ways); at TP=1 without AutoEP the reader itself."""
     from .autoep_io import autoep_params
 
     size, index, dims, blocks = engine_tensor_layout(engine)
+    cut = reader if size == 1 else TPReslicedReader([reader], dims, blocks, size, index)
     experts = autoep_params(engine)
-    if experts:   # AutoEP: each fused expert tensor's rows of this rank's experts (dim 0 cut ep_size ways)
-        layers = [layer for _, layer in experts.values()]
-        if size > 1 or len({layer.ep_size for layer in layers}) > 1:
-            raise files.CheckpointError(f"{reader.path}: loading a universal checkpoint into AutoEP with "
-                                        f"tensor parallelism (autotp_size {size}) or with AutoEP layers of "
-                                        f"different ep_size is not supported")
-        first = layers[0]
-        if first.ep_size == 1:
-            return reader
-        return TPReslicedReader([reader], {n: 0 for n in experts}, {}, first.ep_size,
-                                first.first_expert // first.num_local_experts)
-    return reader if size == 1 else TPReslicedReader([reader], dims, blocks, size, index)
+    if not experts:
+        return cut
+    layers = [layer for _, layer in experts.values()]
+    if len({layer.ep_size for layer in layers}) > 1:
+        raise files.CheckpointError(f"{reader.path}: loading a universal checkpoint into AutoEP layers of "
+                                    f"different ep_size ({sorted({layer.ep_size for layer in layers})}) is not "
+                                    "supported")
+    first = layers[0]
+    if first.ep_size == 1:
+        return cut
+    return TPReslicedReader([cut], {n: 0 for n in experts}, {}, first.ep_size,
+                            first.first_expert // first.num_local_experts)
