@@ -24,6 +24,7 @@ import torch
 
 from ...checkpoint.files import CheckpointError, load_file, tag_dir
 from ...checkpoint.reader import CheckpointReader, is_universal
+from ..checkpoint.view import CheckpointView
 
 
 def saved_stage_count(path: str) -> int:
@@ -94,25 +95,24 @@ class MergedReader:
         self._index()
 
 
-def checkpoint_reader(engine: Any, load_dir: str, tag: str) -> Any:
-    """The reader for this stage: its own files when the stage count is unchanged, else merged."""
-    from ..checkpoint.writer import mp_rank
-
+def checkpoint_reader(view: CheckpointView, load_dir: str, tag: str) -> Any:
+    """The reader for this stage: its own files when the stage count is unchanged, else merged (the
+    pipeline engine's `reader_factory`: [Note: checkpoint view])."""
     path = tag_dir(load_dir, tag)
     if path is None:
         raise CheckpointError(f"checkpoint tag {tag!r} not found in {load_dir} (no directory {tag})")
-    module_state = module_state_from_layers(engine.module, path)
+    module_state = module_state_from_layers(view.module, path)
     saved = saved_stage_count(path)
     if is_universal(path):   # one mp_rank file per stage, whole values (the loader cuts tensor slices)
         module_state = module_state or None   # no layer files: the module entries of the model states
-        if saved == engine.num_stages:
-            return CheckpointReader(load_dir, tag, mp_rank=engine.stage_id, module_state=module_state)
-    elif saved == engine.num_stages * engine.grid.get_slice_parallel_world_size():
-        return CheckpointReader(load_dir, tag, mp_rank=mp_rank(engine), module_state=module_state)
+        if saved == view.num_stages:
+            return CheckpointReader(load_dir, tag, mp_rank=view.stage_id, module_state=module_state)
+    elif saved == view.num_stages * view.grid.get_slice_parallel_world_size():
+        return CheckpointReader(load_dir, tag, mp_rank=view.mp_rank, module_state=module_state)
     readers = []
     for m in range(saved):   # each saved stage's file names only its own parameters: give it its part
         readers.append(CheckpointReader(load_dir, tag, mp_rank=m, module_state=module_state))
-    return MergedReader(readers, set(engine.module.state_dict().keys()))
+    return MergedReader(readers, set(view.module.state_dict().keys()))
 
 
 def load_pipeline_checkpoint_into_sequential(layers: list[Any], load_dir: str, tag: str | None = None) -> torch.nn.Sequential:
