@@ -1,7 +1,7 @@
 """The folding record of EP x TP checkpoints ([Note: folding metadata] in checkpoint/autoep_universal.py):
 what an engine with AutoEP folded into AutoTP writes into each file, and the check a loading engine
 runs on what it reads (upstream's engine helpers `_make_autoep_folding_metadata` and
-`_validate_autoep_folding_checkpoint_metadata`, here as functions of the engine)."""
+`_validate_autoep_folding_checkpoint_metadata`, here as functions of the CheckpointView)."""
 
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ def is_moe_checkpoint(path: str) -> bool:
 
 
 def reads_moe(view: CheckpointView, load_dir: str, tag: str) -> bool:
-    """Whether `engine` reads `load_dir/tag` with MoECheckpointReader: an MoE engine, or one with
+    """Whether the engine of `view` reads `load_dir/tag` with MoECheckpointReader: an MoE engine, or one with
     experts at ZeRO-3 and ep_size=1 (the usual ZeRO-3 layout when it saves) loading an MoE checkpoint."""
     from ...checkpoint.files import tag_dir
 
