@@ -23,11 +23,11 @@ BUFFER_NAMES = "buffer_names"
 FROZEN_PARAM_SHAPES = "frozen_param_shapes"
 FROZEN_PARAM_FRAGMENTS = "frozen_param_fragments"
 DS_VERSION = "ds_version"
-# A client-state key: Megatron-style trainers store their parameter-handling patterns under it for
-# upstream's universal converter. Ours saves it like any client state and does not need it.
+# The model's `universal_checkpoint_info` attribute (AutoTP's) in every model-states file, as upstream's
+# engine writes it; Megatron-style trainers may pass their own under this key as client state (theirs wins).
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
 # Keys inside that info (upstream's names). AutoTP attaches it to the model (module_inject/layers.py, [Universal-checkpoint info])
-# for upstream's converter; this package's ds_to_universal does not read it (docs/compatibility.md).
+# and every model-states file records it; ds_to_universal and the TP re-slice read its affine maps.
 UNIVERSAL_CHECKPOINT_VERSION_KEY = "universal_checkpoint_version"
 UNIVERSAL_CHECKPOINT_VERSION_VALUE = 0.4
 ORIGINAL_VOCAB_SIZE = "original_vocab_size"
@@ -36,6 +36,13 @@ PARAMETER_WITH_ROW_PARALLELISM_PATTERNS = "parameter_with_row_parallelism_patter
 TP_REPLICATED_PARAMETER_PATTERNS = "tp_replicated_parameter_patterns"
 PARAMETER_WITH_SUB_PARAMS = "parameter_with_sub_params"
 AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS = "autotp_unsupported_parameter_patterns"
+SUB_PARAM_SHAPE = "sub_param_shape"
+SUB_PARAM_SHARD_WIDTHS = "sub_param_shard_widths"   # {pattern: per sub-parameter, each rank's width}
+# Each parameter's affine map (checkpoint/affine.py, [Note: affine maps]): {AFFINE_MAP_VERSION: 1,
+# AFFINE_MAP_PARAMS: {name pattern: ParamAffineMap.to_dict()}}
+AFFINE_MAP = "affine_map"
+AFFINE_MAP_VERSION = "version"
+AFFINE_MAP_PARAMS = "params"
 
 # --- file names ---------------------------------------------------------------------------------
 ZERO_FILE_PREFIX = "zero_pp_rank_"

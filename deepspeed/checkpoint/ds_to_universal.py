@@ -28,13 +28,14 @@ import torch
 from ..runtime.checkpoint.writer import MEGATRON_TP_DIMS
 from ..utils.progress import progress
 from ..utils.zero_to_fp32 import join_tp_slices
+from . import tp_maps
 from .constants import CAT_DIM, PARAM, UNIVERSAL_CHECKPOINT_INFO
 from .files import CheckpointError, model_file, save_file, write_text
 from .moe_to_universal import convert_autoep_zero3, convert_moe, is_autoep_zero3_layout, is_moe_layout
 from .reader import CheckpointReader
 
 _PER_ELEMENT = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings",
-                "fp32_flat_groups", "optimizer_state_dict")
+                "fp32_flat_groups", "optimizer_state_dict", "ds_fragments")
 
 
 @dataclass
@@ -127,13 +128,20 @@ def _shapes(reader: CheckpointReader) -> dict[str, torch.Size]:
 
 
 def _joined(unit: _Unit, name: str, read) -> torch.Tensor | None:
-    """Parameter `name` whole: `read(reader)` of each tensor rank joined along its partition dim (rank 0's
-    value when it is replicated); None when a rank has no value."""
-    slices = [read(r) for r in (unit.readers if name in unit.dims else unit.readers[:1])]
+    """Parameter `name` whole: `read(reader)` of each tensor rank put together by the affine map the checkpoint
+    records for it ([Note: affine maps] in affine.py; only the ranks it needs are read: rank 0 of a replicated
+    one), else joined along its partition dim (rank 0's value when it is replicated); None when a rank has no
+    value. ZeRO-3's empty module placeholders stay one empty placeholder."""
+    tp = len(unit.readers)
+    amap = tp_maps.recorded_map(unit.readers[0].model_states, name, tp) if tp > 1 else None
+    ranks = tp_maps.source_ranks(amap) if amap is not None else range(tp) if name in unit.dims else [0]
+    slices = [read(unit.readers[r]) for r in ranks]
     if any(s is None for s in slices):
         return None
-    if name not in unit.dims:
+    if len(slices) == 1 and amap is None or all(s.numel() == 0 for s in slices):
         return slices[0]
+    if amap is not None:
+        return tp_maps.rebuild(amap, name, dict(zip(ranks, slices)))
     return join_tp_slices(slices, unit.dims[name], unit.blocks.get(name))
 
 

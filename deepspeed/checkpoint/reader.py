@@ -12,17 +12,18 @@ own rank owns, so a checkpoint saved by N ranks at stage s loads on M ranks at s
 conversion step and without materialising the whole model on any rank.
 
 [Note: reading only what a rank needs]
-No optimizer-state file is opened up front. The partition geometry follows from the model-states
-file's `param_shapes`, the number of optimizer-state files (a glob) and whether the tag has per-rank
-model-states files (ZeRO-3), so `sources` (pure: `placements` of the saved partition) says which saved
-ranks hold elements [start, start+numel) of a parameter, and a rank's file is opened (and unpickled,
-once) when a slice of it is first asked for. What every rank's file holds alike (ZeRO stage, rank
-count, param groups, step, loss scaler) comes from the first file opened, checked against the glob,
-else from `own_rank`'s. A ZeRO-3 rank at the same layout thus opens its own optimizer-state and
-model-states files only; a ZeRO-1/2 rank the saved shards its bucket slices lie in (this runtime's
-buckets run in reverse parameter order, the files in parameter order: a few files, not N); at another
-layout, only the saved ranks whose shards overlap its slices (tests/distributed/test_checkpoint_reads.py
-counts them).
+No optimizer-state file is opened up front. What the files hold is a `Description` built from the
+model-states file alone ([Note: a checkpoint describes itself]: its `ds_layout`, else derived from
+`param_shapes`, the number of optimizer-state files (a glob) and whether the tag has per-rank
+model-states files (ZeRO-3)), so its plan (`sources`, pure) says which saved ranks hold elements
+[start, start+numel) of a parameter, and a rank's file is opened (and unpickled, once, its recorded
+fragments checked against the Description) when a slice of it is first asked for. What every rank's
+file holds alike (ZeRO stage, rank count, param groups, step, loss scaler) comes from the first file
+opened, checked against the glob, else from `own_rank`'s. A ZeRO-3 rank at the same layout thus opens
+its own optimizer-state and model-states files only; a ZeRO-1/2 rank the saved shards its bucket slices
+lie in (this runtime's buckets run in reverse parameter order, the files in parameter order: a few
+files, not N); at another layout, only the saved ranks whose shards overlap its slices
+(tests/distributed/test_checkpoint_reads.py counts them).
 """
 
 from __future__ import annotations
@@ -35,11 +36,9 @@ from typing import Any
 
 import torch
 
-from ..runtime.zero.partition import BucketPartition, ParamwisePartition
+from .description import FRAGMENTS_KEY, LAYOUT_KEY, PARAMWISE, Description, Read
 from .files import CheckpointError, load_file, model_file, tag_dir, wait_for_background_saves
 from .mapped import Mapping, copy_released, mapping_of
-
-ALIGNMENT = 2  # DeepSpeed pads each ZeRO-1/2 param group to a multiple of 2 * world size
 
 
 def is_universal(path: str) -> bool:
@@ -62,6 +61,7 @@ class CheckpointReader:
     # defaults for readers built without this __init__ (moe_io, autoep_zero3_io)
     mappings: Any = ()
     _zero3 = False
+    _description: Description | None = None   # what partitioned files hold; None: whole values (replicated)
     model_name: str | None = None   # the model-states file read (ZeRO-3: this rank's)
 
     def __init__(self, load_dir: str, tag: str, mp_rank: int = 0, module_state: dict | None = None,
@@ -104,7 +104,6 @@ class CheckpointReader:
         self._full: dict[str, dict[str, torch.Tensor]] = {}   # replicated layouts: field -> name -> tensor
         self._groups: list[list[tuple[str, torch.Size]]] = []
         self._where: dict[str, tuple[int, int]] = {}           # name -> (group, index)
-        self._partitions: list[Any] = []
         self._parts: dict[str, list[list[Any]]] = {}  # field -> group -> rank -> flat (None: not read yet)
         self._read_ranks: set[int] = set()
         if self.universal:
@@ -129,7 +128,11 @@ class CheckpointReader:
         return self.optimizer_state[self.zero_states.first if self.zero_states.first is not None else self._own]
 
     def _opened(self, rank: int, state: dict) -> None:
-        """A rank's file was just opened: the first one's rank count and stage are checked."""
+        """A rank's file was just opened: what it records of its fragments is checked against the
+        description the reads are planned from; the first one's rank count and stage are checked."""
+        record = (state.get("optimizer_state_dict") or {}).get(FRAGMENTS_KEY)
+        if record is not None and self._description is not None:
+            self._description.check_record(record, rank, self.rank_files[rank])
         if self.zero_states.first is not None:
             return
         self._check_rank_count(state)
@@ -190,14 +193,16 @@ class CheckpointReader:
 
     def _check_rank_count(self, first: dict) -> None:
         count = first.get("optimizer_state_dict", {}).get("partition_count")
-        if count is None:
-            return
-        expected = int(count[0] if isinstance(count, (list, tuple)) else count)
+        if count is not None:
+            self._check_count(int(count[0] if isinstance(count, (list, tuple)) else count), "")
+
+    def _check_count(self, expected: int, source: str) -> None:
+        """`expected` saved ranks (a file's `partition_count`, or the `ds_layout` named by `source`)."""
         if expected != len(self.rank_files):
             prefix = os.path.basename(self.rank_files[0]).split("zero_pp_rank_")[0]
             missing = [f"{prefix}zero_pp_rank_{r}_mp_rank_{self.mp_rank:02d}_optim_states.pt"
                        for r in range(expected) if r >= len(self.rank_files)]
-            raise CheckpointError(f"{self.path}: written by {expected} ranks but {len(self.rank_files)} "
+            raise CheckpointError(f"{self.path}: written by {expected} ranks{source} but {len(self.rank_files)} "
                                   f"optimizer-state files are present; missing ranks "
                                   f"{list(range(len(self.rank_files), expected))}: {missing}")
 
@@ -219,7 +224,7 @@ class CheckpointReader:
         return name in self._where
 
     def fields(self) -> list[str]:
-        if self._partitions:
+        if self._description is not None:
             return sorted(f for f in self._field_tables() if f != "fp32")
         return sorted(f for f in self._full if f != "fp32")
 
@@ -229,16 +234,20 @@ class CheckpointReader:
         if shapes is None:
             raise CheckpointError(f"{self.path}: {model_file()} has no 'param_shapes'; cannot map the flat "
                                   "optimizer partitions to parameter names")
-        if isinstance(shapes, dict):
-            shapes = [shapes]
-        world = self.world_size
-        if self._zero3:  # all groups share one per-parameter walk of each rank's flat
-            shapes = [{n: s for g in shapes for n, s in g.items()}]
-        self._set_groups(shapes)
-        for g, group in enumerate(self._groups):
-            numels = tuple(int(torch.Size(s).numel()) for _, s in group)
-            self._partitions.append(ParamwisePartition(numels, world) if self._zero3
-                                    else BucketPartition(numels, world, ALIGNMENT))
+        layout = self.model_states.get(LAYOUT_KEY)
+        try:   # recorded by the files ([Note: a checkpoint describes itself]), else DeepSpeed's rule
+            described = Description.derived(shapes, self.world_size, self._zero3) if layout is None \
+                else Description.from_layout(layout, shapes)
+        except CheckpointError as error:
+            raise CheckpointError(f"{os.path.join(self.path, self.model_name)}: {error}") from None
+        self._check_count(described.world_size, f" (the {LAYOUT_KEY} of {self.model_name})")
+        if (described.kind == PARAMWISE) != self._zero3:
+            raise CheckpointError(f"{os.path.join(self.path, self.model_name)}: its {LAYOUT_KEY} describes "
+                                  f"{described.summary()}, but the tag's files are{'' if self._zero3 else ' not'} "
+                                  "ZeRO-3's (one model-states file per rank)")
+        self._description = described
+        groups = [dict(g) for g in described.groups]
+        self._set_groups([{n: s for g in groups for n, s in g.items()}] if self._zero3 else groups)
         # no optimizer-state file is opened here: each is opened when a slice of it is first asked for,
         # and what all hold alike comes from the first one opened ([Note: reading only what a rank needs])
 
@@ -257,7 +266,7 @@ class CheckpointReader:
             states = self._base_states(meta)
             self._step = self._find_step(states, {} if self._zero3 else meta)
             for field in ["fp32", *self._tensor_fields(states)]:
-                self._parts[field] = [[None] * self.world_size for _ in self._groups]
+                self._parts[field] = [[None] * self.world_size for _ in range(self._description.num_flats)]
         return self._parts
 
     def _read_rank(self, rank: int) -> None:
@@ -413,13 +422,13 @@ class CheckpointReader:
     # --- reading ----------------------------------------------------------------------------
     @property
     def step(self) -> Any:
-        if self._partitions:
+        if self._description is not None:
             self._field_tables()
         return self._step
 
     def has_field(self, name: str, field: str) -> bool:
         """Whether `read(name, field)` gives values (rather than None), without reading them."""
-        if self._partitions:
+        if self._description is not None:
             return field in self._field_tables() and name in self._where
         return self._full.get(field, {}).get(name) is not None
 
@@ -437,31 +446,32 @@ class CheckpointReader:
         """`read` straight into `out` (1-D, `out.numel()` elements, any dtype and device): no copy of its
         own in between, and the files' pages given back as they are read ([Note: released reads])."""
         g, i, numel = self._locate(name, start, out.numel())
-        if not self._partitions:
+        if self._description is None:
             value = self._full.get(field, {}).get(name)
             if value is None:
                 raise CheckpointError(f"{self.path}: no {field!r} for parameter {name!r} in the checkpoint")
             copy_released(out, value.reshape(-1)[start:start + numel], self.mappings)
             return
-        for rank, src, length, dst, part in self._pieces(g, i, field, start, numel):
+        for read, part in self._pieces(name, field, start, numel):
+            src, length, dst = read.flat_offset, read.numel, read.out_offset
             copy_released(out[dst:dst + length], part[src:src + length], self.mappings)
 
     def check(self, name: str, field: str, start: int = 0, numel: int | None = None) -> None:
         """Everything `read` would check (the files exist, load and hold the elements), without copying
         them: the read phase of a load whose copies run later ([Note: reading only what a rank needs])."""
         g, i, numel = self._locate(name, start, numel)
-        if not self._partitions:
+        if self._description is None:
             if self._full.get(field, {}).get(name) is None:
                 raise CheckpointError(f"{self.path}: no {field!r} for parameter {name!r} in the checkpoint")
             return
-        for _ in self._pieces(g, i, field, start, numel):
+        for _ in self._pieces(name, field, start, numel):
             pass
 
-    def sources(self, name: str, start: int = 0, numel: int | None = None) -> list[tuple[int, int, int, int]]:
-        """The pure plan of a read: (saved rank, offset in its flat, length, offset in the result) for
-        each run of elements [start, start+numel) of `name` (partitioned layouts; [] otherwise)."""
+    def sources(self, name: str, start: int = 0, numel: int | None = None) -> list[Read]:
+        """The pure plan of a read: the Description's reads (saved rank, flat, offset in it, length, offset
+        in the result) for elements [start, start+numel) of `name` (partitioned layouts; [] otherwise)."""
         g, i, numel = self._locate(name, start, numel)
-        return list(self._partitions[g].placements(i, start, numel)) if self._partitions else []
+        return self._description.plan(name, start, numel) if self._description is not None else []
 
     def _locate(self, name: str, start: int, numel: int | None) -> tuple[int, int, int]:
         if name not in self._where:
@@ -474,17 +484,16 @@ class CheckpointReader:
                                   f"{total}")
         return g, i, numel
 
-    def _pieces(self, g: int, i: int, field: str, start: int, numel: int) -> Any:
-        """(rank, src, length, dst, that rank's flat) per run of the plan, opening only those ranks' files."""
-        for rank, src, length, dst in self._partitions[g].placements(i, start, numel):
-            self._read_rank(rank)
-            part = self._parts[field][g][rank] if field in self._parts else None
-            if part is None or part.numel() < src + length:
-                have = 0 if part is None else max(0, part.numel() - src)
-                raise CheckpointError(f"{self.path}: parameter {self._groups[g][i][0]!r} ({field}) is incomplete "
-                                      f"in the checkpoint: rank {rank}'s file holds {have} of the {length} "
-                                      f"elements it should")
-            yield rank, src, length, dst, part
+    def _pieces(self, name: str, field: str, start: int, numel: int) -> Any:
+        """(read, that rank's flat) per read of the plan, opening only those ranks' files: the executor."""
+        for read in self._description.plan(name, start, numel):
+            self._read_rank(read.rank)
+            part = self._parts[field][read.flat][read.rank] if field in self._parts else None
+            if part is None or part.numel() < read.flat_offset + read.numel:
+                have = 0 if part is None else max(0, part.numel() - read.flat_offset)
+                raise CheckpointError(f"{self.path}: parameter {name!r} ({field}) is incomplete in the checkpoint: "
+                                      f"rank {read.rank}'s file holds {have} of the {read.numel} elements it should")
+            yield read, part
 
     def module_tensor(self, name: str) -> torch.Tensor | None:
         """A module state-dict entry (buffer or frozen parameter), full size, or None."""

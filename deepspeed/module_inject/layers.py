@@ -33,9 +33,10 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from ..checkpoint.constants import (AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS, ORIGINAL_VOCAB_SIZE,
+from ..checkpoint.affine import ParamAffineMap, replicated_map
+from ..checkpoint.constants import (AFFINE_MAP, AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS, ORIGINAL_VOCAB_SIZE,
                                     PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, PARAMETER_WITH_SUB_PARAMS,
-                                    TP_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_INFO,
+                                    SUB_PARAM_SHARD_WIDTHS, TP_REPLICATED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_INFO,
                                     UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE,
                                     VOCABULARY_PARAMETER_PATTERNS)
 from .. import comm as ds_comm
@@ -203,6 +204,15 @@ class TensorParallel_Layer(nn.Module):
         """(parameter, the dim it is split on) for each sharded parameter."""
         raise NotImplementedError
 
+    def affine_map(self, param: torch.Tensor, dim: int) -> ParamAffineMap:
+        """Where each tensor rank's slice of `param` (split on `dim`) sits in the whole tensor, as `_slice`
+        cuts it ([Note: affine maps] in checkpoint/affine.py)."""
+        from ..checkpoint.tp_maps import split_map
+
+        full = list(param.shape)
+        full[dim] *= self.tp_world_size
+        return split_map(full, dim, self._blocks(dim), self.tp_world_size)
+
     @torch.no_grad()
     def full_param(self, param: torch.Tensor, dim: int) -> torch.Tensor:
         """The whole parameter, all-gathered over the group (collective)."""
@@ -345,27 +355,31 @@ def gather_full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # [Universal-checkpoint info]
-# Upstream's `model.universal_checkpoint_info` for an AutoTP model: the parameter patterns a universal
-# checkpoint converter needs to join the tensor ranks' slices (which are row-parallel, which are the
-# same on every TP rank, which hold a vocabulary, which are fused blocks).
-#
-# It describes the layout the layers above make: a row layer's weight is split on
-# dim 1, a column layer's weight and bias on dim 0, every other parameter (norms, embeddings, a row
-# layer's bias) is whole on every TP rank. Upstream's `ds_to_universal` reads it from the model's
-# checkpoint state; this package's converter does not use it yet (docs/compatibility.md).
+# Upstream's `model.universal_checkpoint_info` for an AutoTP model, in its schema (version 0.4): the
+# parameter patterns of upstream's older converter (row-parallel, TP-replicated, vocabulary, fused blocks
+# with their per-rank `sub_param_shard_widths`) and, under `affine_map`, each parameter's affine map
+# ([Note: affine maps] in checkpoint/affine.py): which block of the whole tensor every tensor rank's shard
+# holds, replicated parameters (norms, embeddings, a row layer's bias) as one piece on every rank. The maps
+# are the description: our ds_to_universal and TP re-slice read them, and upstream 0.19.8's converter
+# prefers them over the patterns. Every model-states file records the info (runtime/checkpoint/writer.py).
 
 
 def collect_autotp_universal_checkpoint_info(model: nn.Module) -> dict[str, Any]:
-    """The conversion patterns of `model`'s parameters, each under its first (canonical) name."""
+    """The conversion description of `model`'s parameters, each under its first (canonical) name."""
+    from ..checkpoint.tp_maps import published
+
     split = {id(p): (layer, dim) for layer in tp_layers(model) for p, dim in layer.sharded_params()}
-    rows, replicated, vocabulary, fused = [], [], [], []
+    tp = tensor_parallel_size(model)
+    rows, replicated, vocabulary, fused, widths, maps = [], [], [], [], {}, {}
     vocab_size = None
     for name, param in model.named_parameters():   # tied parameters: the first name only
         pattern = rf"^{re.escape(name)}$"
         if id(param) not in split:
             replicated.append(pattern)
+            maps[pattern] = replicated_map(param.shape, tp)
             continue
         layer, dim = split[id(param)]
+        maps[pattern] = layer.affine_map(param, dim)
         if dim == 1:
             rows.append(pattern)
         elif param.dim() == 2 and ("embed" in name or "lm_head" in name):
@@ -376,12 +390,16 @@ def collect_autotp_universal_checkpoint_info(model: nn.Module) -> dict[str, Any]
             shape: list[Any] = [-1] * param.dim()
             shape[dim] = tuple(blocks)
             fused.append({"patterns": [pattern], "shape": shape, "partition_dim": dim})
+            widths[pattern] = [[b // layer.tp_world_size] * layer.tp_world_size for b in blocks]
     info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
             PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: sorted(rows),
             TP_REPLICATED_PARAMETER_PATTERNS: sorted(replicated),
             VOCABULARY_PARAMETER_PATTERNS: sorted(vocabulary),
             PARAMETER_WITH_SUB_PARAMS: fused,
-            AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS: {}}
+            AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS: {},
+            AFFINE_MAP: published(maps)}
+    if widths:
+        info[SUB_PARAM_SHARD_WIDTHS] = widths
     if vocab_size is not None:
         info[ORIGINAL_VOCAB_SIZE] = vocab_size
     return info

@@ -144,7 +144,8 @@ def micro_batches(step: int, replica: int, micro: int, gas: int, dp: int):
 
 
 def train(pp: int, mp: int, micro: int, gas: int, zero: int, steps: int, clip: float, ckpt_dir: str | None = None,
-          save_at: int = 0, autotp: bool = False, universal: str | None = None, start: int = 0):
+          save_at: int = 0, autotp: bool = False, universal: str | None = None, start: int = 0,
+          load_universal: bool = True):
     """Train 3-D; returns (losses, norms, this rank's params by reference name, meta). With
     `ckpt_dir`, save after `save_at` steps, then build a new engine, load and go on. With `autotp`
     the blocks are plain (AutoBlock) and `tensor_parallel.autotp_size` shards them in each stage.
@@ -180,7 +181,7 @@ def train(pp: int, mp: int, micro: int, gas: int, zero: int, steps: int, clip: f
            "zero_optimization": {"stage": zero}}
     if autotp:
         cfg["tensor_parallel"] = {"autotp_size": mp}
-    if universal is not None:
+    if universal is not None and load_universal:
         cfg["checkpoint"] = {"load_universal": True}
 
     def build():
@@ -276,9 +277,11 @@ class MegatronMPU:
         return self._data
 
 
-def train_mpu(tp: int, micro: int, zero: int, steps: int, clip: float):
+def train_mpu(tp: int, micro: int, zero: int, steps: int, clip: float, ckpt_dir: str | None = None,
+              save_at: int | None = None, start: int = 0):
     """Megatron-style tensor layers x data on a client mpu, no pipeline (Megatron-DeepSpeed without
-    pipeline parallelism): returns (losses, norms, this rank's params by reference name, meta)."""
+    pipeline parallelism): returns (losses, norms, this rank's params by reference name, meta).
+    `ckpt_dir`: save tag "mid" there before step `save_at`; with `start`, load it first and train from there."""
     import deepspeed
 
     mpu = MegatronMPU(tp)
@@ -290,7 +293,11 @@ def train_mpu(tp: int, micro: int, zero: int, steps: int, clip: float):
            "zero_optimization": {"stage": zero}}
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg, mpu=mpu, model_parameters=model.parameters())
     losses, norms = [], []
-    for step in range(steps):
+    if ckpt_dir is not None and start:
+        engine.load_checkpoint(ckpt_dir, tag="mid")
+    for step in range(start, steps):
+        if ckpt_dir is not None and step == save_at:
+            engine.save_checkpoint(ckpt_dir, tag="mid")
         (ids, labels), = micro_batches(step, mpu.get_data_parallel_rank(), micro, 1, dp)
         loss = loss_fn(engine(ids), labels)
         engine.backward(loss)

@@ -83,6 +83,25 @@ def sp_tp_resume(stage: int, save_dir: str, before: int = 2, after: int = 2, sp:
     return out
 
 
+def sp_tp_load(stage: int, save_dir: str, tp: int, before: int = 2, after: int = 2, sp: int = 2) -> dict:
+    """sp x `tp` at ZeRO `stage` (AdamW): a fresh engine loads tag "t" of `save_dir` (saved at any tensor
+    size by sp_tp_resume) and trains the `after` steps that follow: the whole weights loaded, the losses."""
+    from deepspeed.utils import groups
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = {**_engine_config(2, sp, stage, 0.0, 1.0, "fp32"), "tensor_parallel": {"autotp_size": tp},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}}
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    try:
+        groups.mpu = None
+        engine, loader, group = _sp_tp_engine(config, before + after, first=before)
+        engine.load_checkpoint(save_dir, tag="t")
+        return {"loaded": _whole(engine), "resumed": _train(engine, loader, group, after)[0]}
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+        groups.mpu = None
+
+
 def _sp_tp_engine(config: dict, steps: int, tp_first: bool = False, first: int = 0) -> tuple:
     """The engine on sp x tp (ALST registered, AutoTP from the config) and its loader of this rank's
     shards of its replica's batches from step `first` (a multiple of sp) to `steps`."""

@@ -65,6 +65,7 @@ def test_pipe_tensor_resume_equals_uninterrupted(tmp_path, autotp):
             torch.testing.assert_close(torch.load(universal, weights_only=False)["param"], value,
                                        rtol=1e-5, atol=1e-6, msg=name)
     assert {p.name for p in (tmp_path / "mid_universal" / "zero").iterdir() if p.is_dir()} == set(want)
+    _check_maps(tmp_path / "mid" / "mp_rank_00_model_states.pt")
     if autotp:
         return
     # a slice tagged tensor_model_parallel without partition_dim: refused, not guessed
@@ -96,6 +97,30 @@ def test_megatron_tensor_layers_on_a_client_mpu_match_one_process(zero):
     steps, micro = 3, 2
     results = run_distributed(4, jobs.train_mpu, 2, micro, zero, steps, 0.5)
     _check(results, steps, micro, 1, 2, 0.5)
+
+
+def test_megatron_client_mpu_checkpoint_moves_tensor_size(tmp_path):
+    """Megatron-style tensor layers on a client mpu, tensor 2 x data 2 (ZeRO-1, AdamW, clipping) saved after 2
+    steps and resumed with a plain load_checkpoint at tensor 1 x data 2: the slices are joined along the
+    partition dims the files record (before: a shape mismatch). The continued steps equal the one-process
+    reference (losses, clipped norms, weights)."""
+    steps, micro = 4, 2
+    run_distributed(4, jobs.train_mpu, 2, micro, 1, steps, 0.5, str(tmp_path), 2)
+    _check_maps(tmp_path / "mid" / "mp_rank_00_model_states.pt")
+    results = run_distributed(2, jobs.train_mpu, 1, micro, 1, steps, 0.5, str(tmp_path), None, 2)
+    _check(results, steps, micro, 1, 2, 0.5, start=2, rtol=1e-6)
+
+
+def _check_maps(path) -> None:
+    """Every trained parameter of a saved TP=2 model-states file has its affine map: split on its recorded
+    partition dim, else whole on each tensor rank."""
+    from deepspeed.checkpoint.tp_maps import recorded_map, split_map
+
+    states = torch.load(path, weights_only=False)
+    dims = states.get("tensor_model_parallel_dims") or states.get("tp_partition_dims")
+    for name, shape in ((n, s) for g in states["param_shapes"] for n, s in g.items()):
+        full = [d * (2 if i == dims.get(name) else 1) for i, d in enumerate(shape)]
+        assert recorded_map(states, name, 2) == split_map(full, dims.get(name), None, 2), name
 
 
 @pytest.mark.parametrize("zero", [1])
@@ -140,15 +165,22 @@ def test_megatron_3d_example_matches_one_process(tmp_path):
     assert "check against one process" in run.stdout, run.stdout[-3000:]
 
 
-def _universal_into(tmp_path, autotp: bool, targets, drop: str | None = None) -> None:
+def _universal_into(tmp_path, autotp: bool, targets, drop: str | None = None, universal: bool = True) -> None:
     """2 stages x TP 2 trained 2 steps, saved, converted by ds_to_universal, then loaded with
     `load_universal` into each (stages, tensor size) target on stages x tensor ranks: the 2 continued steps
     equal the uninterrupted run (the one-process reference: losses, clipped norms, weights). `drop`:
-    that optimizer field zeroed in every universal file first (the comparison must then fail)."""
+    that optimizer field zeroed in every universal file first (the comparison must then fail).
+    `universal=False`: the saved tag itself, loaded by a plain load_checkpoint."""
     from deepspeed.checkpoint.ds_to_universal import convert
 
     steps, micro, gas, clip = 4, 2, 2, 0.5
     run_distributed(4, jobs.train, 2, 2, micro, gas, 1, 3, clip, str(tmp_path), 2, autotp=autotp)
+    if not universal:
+        for pp, mp in targets:
+            results = run_distributed(pp * mp, jobs.train, pp, mp, micro, gas, 1, steps, clip, str(tmp_path),
+                                      autotp=autotp, universal="mid", start=2, load_universal=False)
+            _check(results, steps, micro, gas, 1, clip, autotp=autotp, start=2, rtol=1e-6)
+        return
     convert(str(tmp_path / "mid"), str(tmp_path / "mid_universal"))
     if drop is not None:
         for path in (tmp_path / "mid_universal" / "zero").glob(f"*/{drop}.pt"):
@@ -171,3 +203,12 @@ def test_universal_from_pipe_tensor_sees_a_dropped_moment(tmp_path):
     """The comparison above sees the moments: exp_avg_sq zeroed in the universal files, the run differs."""
     with pytest.raises(AssertionError):
         _universal_into(tmp_path, True, [(1, 2)], drop="exp_avg_sq")
+
+
+@pytest.mark.parametrize("autotp", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_plain_load_moves_pipe_tensor_checkpoints(tmp_path, autotp):
+    """The same moves with a plain load_checkpoint of the 2 x 2 tag, no conversion ([Note: pipeline x tensor
+    checkpoints at another layout]): into 1 stage x TP 2 each rank reads its own tensor rank's slices from
+    both saved stages (before, every rank read tensor rank 0's and trained on without an error), into
+    2 stages x TP 1 and 1 x TP 4 the saved slices are re-sliced (before: refused)."""
+    _universal_into(tmp_path, autotp, [(1, 2), (2, 1), (1, 4)], universal=False)

@@ -71,16 +71,37 @@ def test_dropped_moment_would_be_caught(tmp_path):
 
 def test_universal_files_are_whole_and_upstream_shaped(tmp_path):
     """Each file holds the whole tensor under 'param' (a row/column weight also its 'cat_dim', as upstream's
-    converter writes it); the model states say TP=1 and hold whole module weights."""
+    converter writes it); the model states say TP=1 and hold whole module weights. The saved TP=2 files
+    record every parameter's affine map, and each map cuts exactly that tensor rank's module slice out of the
+    whole weight (fused gate_up block by block, replicated norms whole)."""
+    from deepspeed.checkpoint.tp_maps import recorded_map
+
     run_distributed(2, train_tp, "glu", 1, 2, 1, micro=2, momentum=0.9, save_dir=str(tmp_path))
     out = _to_universal(tmp_path)
     whole = run_distributed(2, train_tp, "glu", 0, 2, 1, micro=2, momentum=0.9, load_dir=str(tmp_path))[0]["params"]
+    saved = [torch.load(tmp_path / "tp" / f"mp_rank_{m:02d}_model_states.pt", weights_only=False) for m in (0, 1)]
+    assert saved[0]["universal_checkpoint_info"] == saved[1]["universal_checkpoint_info"]
+    for name, value in whole.items():
+        amap = recorded_map(saved[0], name, 2)
+        for m in (0, 1):
+            assert torch.equal(amap.extract(value, m), saved[m]["module"][name].float()), (name, m)
     states = torch.load(os.path.join(out, "mp_rank_00_model_states.pt"), weights_only=False)
     assert states["mp_world_size"] == 1 and not os.path.exists(os.path.join(out, "mp_rank_01_model_states.pt"))
     for name, value in whole.items():
         record = torch.load(os.path.join(out, "zero", name, "fp32.pt"), weights_only=False)
         torch.testing.assert_close(record["param"], value, rtol=0, atol=0)
         torch.testing.assert_close(states["module"][name], value, rtol=0, atol=0)
+
+
+def test_zero3_tp2_converts_to_whole_weights(tmp_path):
+    """AutoTP at ZeRO-3, whose model states hold empty module placeholders: the universal files hold the
+    whole weights (the placeholders were once joined as slices and the conversion failed)."""
+    run_distributed(2, train_tp, "glu", 1, 2, 3, micro=2, momentum=0.9, save_dir=str(tmp_path))
+    out = _to_universal(tmp_path)
+    whole = run_distributed(2, train_tp, "glu", 0, 2, 3, micro=2, momentum=0.9, load_dir=str(tmp_path))[0]["params"]
+    for name, value in whole.items():
+        record = torch.load(os.path.join(out, "zero", name, "fp32.pt"), weights_only=False)
+        torch.testing.assert_close(record["param"], value, rtol=0, atol=0)
 
 
 def test_deepspeed_pattern_description_converts_the_same(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -147,6 +149,7 @@ def test_universal_checkpoint_info_names_each_parameter_layout():
     from deepspeed.checkpoint.constants import (ORIGINAL_VOCAB_SIZE, PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
                                                 PARAMETER_WITH_SUB_PARAMS, TP_REPLICATED_PARAMETER_PATTERNS,
                                                 VOCABULARY_PARAMETER_PATTERNS)
+    from deepspeed.checkpoint.tp_maps import split_map
     from deepspeed.module_inject.layers import (LinearAllreduce, LinearLayer, SubParamLinearLayer,
                                                 collect_autotp_universal_checkpoint_info)
 
@@ -161,6 +164,12 @@ def test_universal_checkpoint_info_names_each_parameter_layout():
     assert info[VOCABULARY_PARAMETER_PATTERNS] == [r"^lm_head\.weight$"] and info[ORIGINAL_VOCAB_SIZE] == 10
     assert [e["patterns"] for e in info[PARAMETER_WITH_SUB_PARAMS]] == [[r"^qkv\.weight$"], [r"^qkv\.bias$"]]
     assert info[PARAMETER_WITH_SUB_PARAMS][0]["shape"] == [(4, 4, 4), -1]
+    assert info["sub_param_shard_widths"][r"^qkv\.weight$"] == [[4], [4], [4]]   # upstream's 0.4 key
+    maps = info["affine_map"]   # one affine map per parameter, in upstream's encoding
+    assert maps["version"] == 1
+    assert sorted(maps["params"]) == sorted(rf"^{re.escape(n)}$" for n, _ in net.named_parameters())
+    assert maps["params"][r"^qkv\.weight$"] == split_map((12, 8), 0, (4, 4, 4), 1).to_dict()
+    assert maps["params"][r"^norm\.weight$"] == split_map((8,), None, None, 1).to_dict()
 
 
 def test_hf_tp_plan_skips_the_instance_copy_of_the_base_plan():

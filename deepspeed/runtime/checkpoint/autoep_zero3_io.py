@@ -229,7 +229,7 @@ class AutoEPZero3Reader(CheckpointReader):
                 self._first_row[name] = layer.first_expert * torch.Size(rows[1:]).numel()
                 shapes[name] = rows
         self._set_groups([shapes])
-        self._full, self._fragment_cache, self._parts, self._partitions = {}, {}, {}, []
+        self._full, self._fragment_cache, self._parts = {}, {}, {}
         self.common_state = self.optimizer_state[0]
         base = self.optimizer_state[0]["optimizer_state_dict"]
         self._step = self._find_step([base["state"][k] for k in sorted(base["state"])], {})

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from ... import comm as ds_comm
 from ...checkpoint import files
+from ...checkpoint.description import LAYOUT_KEY, Description
 from ...checkpoint.stream_save import Streamed
 from ...utils.logging import log_dist, logger
 from ..errors import ArgumentError
@@ -150,6 +151,8 @@ def save_checkpoint(view: CheckpointView, save_dir: str, tag: Any = None, client
             client = copy.deepcopy(client_state or {}) if background else dict(client_state or {})
             state = model_states(view, hp, client, exclude_frozen_parameters, partitioned,
                                  zero3_frozen=frozen if zero3 else None, snapshot=background)
+            if optimizer_state is not None:   # what the optimizer-state files hold, for a load's plan
+                state[LAYOUT_KEY] = Description.of(hp.groups, view.dp_world_size, zero3).layout()
             entries.append((files.model_file(mp, zero3_dp_rank=view.dp_rank if zero3 else None), state))
             entries += view.extra_files(exclude_frozen_parameters) if view.extra_files is not None else []
         if optim is not None:

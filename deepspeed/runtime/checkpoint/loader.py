@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ...checkpoint import files
+from ...checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from ...checkpoint.mapped import copy_released
 from ...checkpoint.reader import CheckpointReader, checks_then_copies, is_universal
 from ...utils.progress import NoBar, min_bytes, progress
@@ -36,13 +36,12 @@ from .hp_state import HpState
 from .view import CheckpointView, Counters
 from .writer import set_rng_state
 
-_LAYER_SLICE = re.compile(r"layer_\d+-model_(\d+)-model_states\.pt$")   # a pipeline's per-slice layer files
 DEEPSPEED_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
                   "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
                   "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
                   "mp_world_size", "ds_config", "ds_version", "optimizer_param_names",
                   "checkpoint_parallel_dimensions", "tp_partition_dims",
-                  "tp_sub_param_sizes", "tensor_model_parallel_dims"}
+                  "tp_sub_param_sizes", "tensor_model_parallel_dims", "ds_layout"}
 
 
 @dataclass
@@ -157,18 +156,44 @@ def tensor_parallel_reader(view: CheckpointView, load_dir: str, tag: str, layout
         return None   # the reader names what is missing
     if is_universal(path):
         return None   # universal: whole values, cut after the layout's reader is built (read_plan)
-    saved = int(states.get("mp_world_size", 1) or 1) if states.get("tp_partition_dims") else 1
-    if saved > 1 and view.grid is not None:   # a pipeline's mp_world_size is pipe x slice: count its slice files
-        saved = len({m.group(1) for m in map(_LAYER_SLICE.match, os.listdir(path)) if m}) or 1
+    if view.reader_factory is not None:   # a pipeline's reader moves its stages' tensor slices itself
+        return None   # ([Note: pipeline x tensor checkpoints at another layout] in runtime/pipe/checkpoint.py)
+    mpu = view.mpu   # ALST's sequence-parallel mpu (parallel_state_sp) has no tensor groups
+    if mpu is not None and not hasattr(mpu, "initialize_sequence_parallel") and not moe_io.is_moe_engine(view):
+        return _client_mpu_reader(view, load_dir, tag, path, states)
+    # our AutoTP files record tp_partition_dims; DeepSpeed 0.19.8's only universal_checkpoint_info (patterns, maps)
+    described = states.get("tp_partition_dims") or states.get(UNIVERSAL_CHECKPOINT_INFO)
+    saved = int(states.get("mp_world_size", 1) or 1) if described else 1
     have = tensor_parallel_size(view.module)
     if saved == have:
         return None
-    if moe_io.is_moe_engine(view) or view.reader_factory is not None or view.mpu:
+    if moe_io.is_moe_engine(view):
         raise files.CheckpointError(
             f"{path} was saved at tensor-parallel size (autotp_size) {saved}, and this run has autotp_size {have}: "
-            f"resuming at another tensor-parallel size is supported for AutoTP engines without MoE, pipeline "
-            f"or an mpu; resume with autotp_size={saved} (any data-parallel size)")
+            f"resuming at another tensor-parallel size is supported for AutoTP engines (also in pipeline stages "
+            f"and under ALST) and Megatron-style layers, without MoE; resume with autotp_size={saved} (any "
+            f"data-parallel size)")
     return tp_reslice.resliced_reader(view, load_dir, tag, saved, states, view.mp_rank)
+
+
+def _client_mpu_reader(view: CheckpointView, load_dir: str, tag: str, path: str, states: dict) -> Any:
+    """Your Megatron-style tensor layers on a client mpu: None at the saved tensor size, else the TP re-slicing
+    reader over the saved tensor ranks' file sets (`mp_rank_{t}`), cut along the `partition_dim`s the files
+    record (`tensor_model_parallel_dims`; at saved size 1, along this run's)."""
+    from .writer import MEGATRON_TP_DIMS
+
+    size, index, own_dims, _ = tp_reslice.engine_tensor_layout(view)
+    saved = int(states.get("mp_world_size", 1) or 1)
+    if saved == size:
+        return None
+    tagged = {n: d for n, d in (states.get(MEGATRON_TP_DIMS) or {}).items() if d is not None}
+    if saved > 1 and not tagged:
+        raise files.CheckpointError(
+            f"{path} was saved at tensor-parallel size {saved} and this run's mpu has {size}, but the checkpoint "
+            f"records no partition dims of its tensor layers ({MEGATRON_TP_DIMS}); resume at tensor size {saved}, "
+            f"or convert it with ds_to_universal from a checkpoint that records them")
+    readers = [CheckpointReader(load_dir, tag, mp_rank=t) for t in range(saved)]
+    return tp_reslice.TPReslicedReader(readers, tagged if saved > 1 else own_dims, {}, size, index)
 
 
 def apply_plan(view: CheckpointView, plan: LoadPlan) -> None:

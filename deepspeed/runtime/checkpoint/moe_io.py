@@ -235,7 +235,7 @@ class MoECheckpointReader(CheckpointReader):
         ep_tp_io.check_layout(view, path, self.model_states)
         if source != own:   # same layout but no file of this tensor rank: load_file names it
             self.model_states = self._load(own)
-        self._fragment_cache, self._parts, self._partitions = {}, {}, []
+        self._fragment_cache, self._parts = {}, {}
         renamed = global_names(view)
         module = dict(self.model_states.get("module") or {})
         for local, (layer_id, expert, name) in renamed.items():

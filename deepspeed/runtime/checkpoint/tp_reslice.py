@@ -8,9 +8,11 @@ data-size change, which the reader already handles per file set) reads through `
 which answers the plain reader's questions ("elements [a, b) of parameter `name`, field f") for this
 rank's *new* slice:
 
-* `slice_sources` is the pure plan: which saved tensor rank's slice, at which offset along the
-  partition dim, lands where in the new slice, block by block for fused weights (each block is split
-  on its own, as `TensorParallel_Layer._slice` does);
+* the plan is pure and comes from two affine maps ([Note: affine maps] in checkpoint/affine.py): the saved
+  layout's (the map the checkpoint records, else derived from its `tp_partition_dims` / `tp_sub_param_sizes`:
+  `tp_maps.saved_map`) and this run's (`tp_maps.split_map`, the rule the layers cut by). `affine.plan`
+  intersects their blocks: which saved tensor rank's slice, at which offset along the partition dim, lands
+  where in the new slice, block by block for fused weights (`plan_segments`, `slice_sources`);
 * the executor copies the planned pieces into the new slice, reading the saved slices one at a time:
   `TPReslicedReader.read` asks each saved file set only for the rows that hold the elements asked for
   (a data-parallel piece of the new slice opens only the saved files holding them), `assemble` (module
@@ -30,7 +32,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ...checkpoint import files
+from ...checkpoint import affine, files
+from ...checkpoint.affine import ParamAffineMap
+from ...checkpoint.tp_maps import saved_map, split_map
 from ...checkpoint.reader import CheckpointReader, checks_then_copies
 from .view import CheckpointView
 
@@ -49,24 +53,25 @@ def slice_sources(size: int, blocks: Sequence[int] | None, saved_tp: int, new_tp
                   new_index: int) -> list[Segment]:
     """The plan for tensor rank `new_index` of `new_tp`: where each piece of its slice of a dim of `size`
     (fused `blocks` along it, else one block) lies in the slices saved by `saved_tp` ranks."""
-    blocks = list(blocks) if blocks else [size]
-    if sum(blocks) != size:
-        raise files.CheckpointError(f"fused blocks {blocks} do not add up to the partitioned dim {size}")
-    for b in blocks:
-        if b % saved_tp or b % new_tp:
-            raise files.CheckpointError(f"a partitioned dim (block) of {b} is not divisible by the saved "
-                                        f"tensor-parallel size {saved_tp} and this run's {new_tp}")
-    out: list[Segment] = []
-    src_base = dst_base = 0   # the block's offset in a saved slice and in the new slice
-    for b in blocks:
-        saved_w, new_w = b // saved_tp, b // new_tp
-        lo, hi = new_index * new_w, (new_index + 1) * new_w
-        for r in range(saved_tp):
-            a, z = max(lo, r * saved_w), min(hi, (r + 1) * saved_w)
-            if a < z:
-                out.append(Segment(r, src_base + a - r * saved_w, dst_base + a - lo, z - a))
-        src_base += saved_w
-        dst_base += new_w
+    return plan_segments(split_map([size], 0, blocks, saved_tp), split_map([size], 0, blocks, new_tp), new_index, 0)
+
+
+def plan_segments(saved: ParamAffineMap, running: ParamAffineMap, new_index: int, dim: int) -> list[Segment]:
+    """`affine.plan` of the two maps as runs along partition dim `dim` (what the executor copies): every planned
+    box spans the other dims of both slices whole, else the layout is refused by name."""
+    try:
+        steps = affine.plan(saved, running, new_index)
+    except ValueError as error:
+        raise files.CheckpointError(f"cannot move a tensor-parallel slice: {error}") from error
+    new_shape = running.shard_shapes[new_index]
+    out = []
+    for s in steps:
+        whole = all(d == dim or (a == b == 0 and n == m == o) for d, (a, b, n, m, o) in
+                    enumerate(zip(s.src, s.dst, s.shape, saved.shard_shapes[s.saved_rank], new_shape)))
+        if not whole or s.scale != 1.0:
+            raise files.CheckpointError(f"cannot move a tensor-parallel slice of {saved.logical_shape}: saved rank "
+                                        f"{s.saved_rank}'s block {s} is not a run along partition dim {dim}")
+        out.append(Segment(s.saved_rank, s.src[dim], s.dst[dim], s.shape[dim]))
     return out
 
 
@@ -100,6 +105,7 @@ class TPReslicedReader:
     def __init__(self, readers: list[CheckpointReader], dims: dict[str, int], blocks: dict[str, list[int]],
                  new_tp: int, new_index: int) -> None:
         self.readers, self.dims, self.blocks = readers, dims, blocks
+        self._plans: dict[tuple, list[Segment]] = {}   # (name, saved slice shape): its plan (asked per read)
         self.saved_tp, self.new_tp, self.new_index = len(readers), new_tp, new_index
         self._saved_shapes = {n: s for g in readers[0].groups() for n, s in g}
         self._groups = [[(n, self._new_shape(n, s)) for n, s in g] for g in readers[0].groups()]
@@ -113,8 +119,22 @@ class TPReslicedReader:
         return _resized(saved, self.dims[name], self.saved_tp, self.new_tp)
 
     def _plan(self, name: str, saved_shape: Sequence[int]) -> list[Segment]:
-        size = saved_shape[self.dims[name]] * self.saved_tp
-        return slice_sources(size, self.blocks.get(name), self.saved_tp, self.new_tp, self.new_index)
+        """From the saved layout's affine map (recorded in the checkpoint, else derived from its partition dims)
+        and this run's (`split_map`, the layers' own rule)."""
+        key = (name, tuple(saved_shape))
+        if key not in self._plans:
+            self._plans[key] = self._planned(name, saved_shape)
+        return self._plans[key]
+
+    def _planned(self, name: str, saved_shape: Sequence[int]) -> list[Segment]:
+        dim, blocks = self.dims[name], self.blocks.get(name)
+        states = getattr(self.readers[0], "model_states", None) or {}
+        saved = saved_map(states, name, saved_shape, self.saved_tp, dim, blocks)
+        running = split_map(saved.logical_shape, dim, blocks, self.new_tp)
+        if running.shard_shapes[self.new_index] != tuple(self._new_shape(name, saved_shape)):
+            raise files.CheckpointError(f"{name!r}: the saved slices ({saved.logical_shape} whole) are not an even "
+                                        f"split of {tuple(saved_shape)} per tensor rank; cannot move them")
+        return plan_segments(saved, running, self.new_index, dim)
 
     def groups(self) -> list[list[tuple[str, torch.Size]]]:
         return self._groups
@@ -233,6 +253,10 @@ def resliced_reader(view: CheckpointView, load_dir: str, tag: str, saved_tp: int
     new_tp = tensor_parallel_size(view.module)
     path = files.tag_dir(load_dir, tag)
     dims, blocks = dict(states.get("tp_partition_dims") or {}), dict(states.get("tp_sub_param_sizes") or {})
+    if not dims and saved_tp > 1:   # DeepSpeed 0.19.8's AutoTP files: dims and fused blocks from its name patterns
+        from ...checkpoint.ds_to_universal import _dims_from_patterns
+
+        dims, blocks = _dims_from_patterns(states)
     own_dims, own_blocks = _tp_partition_dims(view.module)
     if new_tp > 1 and saved_tp > 1 and (own_dims != dims or own_blocks != blocks):
         raise files.CheckpointError(

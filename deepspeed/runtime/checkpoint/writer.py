@@ -20,13 +20,11 @@ from typing import Any
 import torch
 
 from ... import comm as ds_comm
+from ...checkpoint.description import FRAGMENTS_KEY, Description
 from ...version import __version__
-from ..zero.partition import BucketPartition
 from .hp_state import HpState, upstream_scaler  # noqa: F401 (upstream_scaler: re-exported)
 from .view import CheckpointView
 from .zero3_io import param_shapes
-
-ALIGNMENT = 2
 
 
 def model_states(view: CheckpointView, hp: HpState | None, client_state: dict, exclude_frozen: bool,
@@ -76,21 +74,22 @@ def model_states(view: CheckpointView, hp: HpState | None, client_state: dict, e
         mp_world_size=view.mp_world_size,
         ds_config=view.ds_config,
         ds_version=__version__,
+        ds_layout=None,   # engine_io: the optimizer-state files' description ([Note: a checkpoint describes itself])
     )
     tp_dims, tp_blocks = _tp_partition_dims(module)
     if tp_dims:
         out["tp_partition_dims"] = tp_dims   # zero_to_fp32 joins the tensor ranks' slices along these
     if tp_blocks:
         out["tp_sub_param_sizes"] = tp_blocks   # fused weights: joined block by block
-    if view.pipeline:
-        sliced = {n: d for n, d in _megatron_partition_dims(module).items() if n not in tp_dims}   # AutoTP's own
-        if sliced:   # zero_to_fp32 joins a 3-D checkpoint's tensor slices along these
-            out[MEGATRON_TP_DIMS] = sliced
+    sliced = {n: d for n, d in _megatron_partition_dims(module).items() if n not in tp_dims}   # AutoTP's own
+    if sliced:   # zero_to_fp32 joins the tensor slices of your layers (3-D, client mpu) along these
+        out[MEGATRON_TP_DIMS] = sliced
     if hp is not None:
         out["optimizer_param_names"] = hp.optimizer_names
     reserved = set(out) & set(client_state)
     if reserved:
         raise KeyError(f"save_checkpoint: client_state uses reserved checkpoint keys {sorted(reserved)}")
+    out.update(_universal_info(module, out.get(MEGATRON_TP_DIMS), out["mp_world_size"]))
     out.update(client_state)
     return out
 
@@ -153,7 +152,8 @@ def partitioned_optimizer_state(view: CheckpointView, hp: HpState, rank: int, wo
     """Rank `rank`'s `optimizer_state_dict` in DeepSpeed's ZeRO-1/2 layout (collective under ZeRO);
     `later`: see HpState.recut_fields; `fields_step`: HpState.agreed_fields(), when already known;
     `stream`: NVMe-offloaded state as StreamedTensors where it can (HpState.recut)."""
-    layouts = [BucketPartition(tuple(s.numel() for _, s in g), world, ALIGNMENT) for g in hp.groups]
+    described = Description.of(hp.groups, world, zero3=False)   # [Note: a checkpoint describes itself]
+    layouts = described.partitions
     fields, step = fields_step if fields_step is not None else hp.agreed_fields(view.dp_group)
     # DeepSpeed stores the fp32 slices without their end padding, the optimizer states with it
     parts = hp.recut(["fp32"] + fields, layouts, rank, strip_padding={"fp32"}, later=later, stream=stream)
@@ -184,6 +184,7 @@ def partitioned_optimizer_state(view: CheckpointView, hp: HpState, rank: int, wo
         "partition_count": [world] * len(layouts),
         "ds_version": __version__,
         "param_slice_mappings": slice_mappings,
+        FRAGMENTS_KEY: described.record(rank),
     }
     if view.zero_stage > 0:
         from ..zero.config import ZeroStageEnum
@@ -209,6 +210,43 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _universal_info(module: Any, megatron_dims: dict[str, int] | None, mp_world_size: int) -> dict:
+    """{"universal_checkpoint_info": the module's (AutoTP's description, affine maps included; upstream's engine
+    writes it too), with maps for your Megatron-style layers' slices added}, or {} when there is none. Their
+    slice count: a pipeline module's grid's slice size, else (a client mpu) the model-parallel size."""
+    from ...checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    info = copy.deepcopy(getattr(module, UNIVERSAL_CHECKPOINT_INFO, None))
+    if megatron_dims:
+        grid = module.mpu() if callable(getattr(module, "mpu", None)) else None
+        tp = grid.get_slice_parallel_world_size() if grid is not None else mp_world_size
+        info = _with_megatron_maps(info, module, megatron_dims, tp)
+    return {} if info is None else {UNIVERSAL_CHECKPOINT_INFO: info}
+
+
+def _with_megatron_maps(info: dict | None, module: Any, dims: dict[str, int], tp: int) -> dict:
+    """`info` (AutoTP's, or a new one) with an affine map for every parameter of `module` it does not describe
+    yet: split on its tagged partition dim over `tp` ranks, else whole on each ([Note: affine maps] in
+    checkpoint/affine.py)."""
+    import re
+
+    from ...checkpoint.constants import (AFFINE_MAP, AFFINE_MAP_PARAMS, UNIVERSAL_CHECKPOINT_INFO,
+                                         UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+    from ...checkpoint.tp_maps import published, recorded_maps, split_map
+
+    info = dict(info or {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+    maps = recorded_maps({UNIVERSAL_CHECKPOINT_INFO: info})
+    for name, p in module.named_parameters():
+        pattern = rf"^{re.escape(name)}$"
+        if pattern not in maps:
+            full = list(getattr(p, "ds_shape", None) or p.shape)   # ZeRO-3: the real shape of a released one
+            if name in dims:
+                full[dims[name]] *= tp
+            maps[pattern] = split_map(full, dims.get(name), None, tp).to_dict()
+    info[AFFINE_MAP] = {**published({}), AFFINE_MAP_PARAMS: maps}
+    return info
 
 
 def _tp_partition_dims(module: Any) -> tuple[dict[str, int], dict[str, list[int]]]:

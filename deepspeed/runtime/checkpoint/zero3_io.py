@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..zero.partition import ParamwisePartition
+from ...checkpoint.description import FRAGMENTS_KEY, Description
 from .hp_state import HpState, upstream_scaler
 from .view import CheckpointView
 
@@ -61,7 +61,8 @@ def optimizer_state(view: CheckpointView, hp: HpState, rank: int, world: int, la
     group one fp32 flat (`fp32_flat_groups`, padding included) and its base optimizer state;
     `later`: see HpState.recut_fields; `fields_step`: HpState.agreed_fields(), when already known;
     `stream`: see writer.partitioned_optimizer_state."""
-    layouts = [ParamwisePartition(tuple(s.numel() for _, s in g), world) for g in hp.groups]
+    described = Description.of(hp.groups, world, zero3=True)   # [Note: a checkpoint describes itself]
+    layouts = described.partitions
     fields, step = fields_step if fields_step is not None else hp.agreed_fields(view.dp_group)
     parts = hp.recut(["fp32"] + fields, layouts, rank, later=later, stream=stream)
     base_state = {}
@@ -72,7 +73,7 @@ def optimizer_state(view: CheckpointView, hp: HpState, rank: int, world: int, la
     param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [g]}
                     for g, group in enumerate(hp.base.param_groups)]
     return {**stage3_header(hp, world), "optimizer_state_dict": {"state": base_state, "param_groups": param_groups},
-            "fp32_flat_groups": parts["fp32"]}
+            "fp32_flat_groups": parts["fp32"], FRAGMENTS_KEY: described.record(rank)}
 
 
 def stage3_header(hp: HpState, world: int) -> dict:

@@ -11,6 +11,17 @@ partition wrote them. Parameter names are global too ([Note: parameter names of 
 the fp32 masters and optimizer state of a parameter are found in whichever stage's files hold
 it: with another stage count the loader reads through a MergedReader over every saved stage,
 each rank still reading only the slices it owns.
+
+[Note: pipeline x tensor checkpoints at another layout]
+With tensor slices (AutoTP in the stages, or Megatron-style layers on the grid's slice groups) the
+files are per stage and tensor rank: `mp_rank_{stage * tp + t}` and `layer_LL-model_{t}`. The saved
+tensor size is the number of distinct `model_{t}` layer files, the saved stage count the number of
+model-states files over it. A stage of another stage count reads, for each saved stage, the files of
+its own tensor rank (the saved slices are this rank's slices when the tensor size is unchanged: reading
+tensor rank 0's for every rank, as a merge over all model-states files did, loaded other ranks' slices
+without an error), or, at another tensor size, every saved tensor rank's files of that stage through
+the TP re-slicing reader ([Note: moving a checkpoint across TP sizes]), with the partition dims the
+saved files record (`tp_partition_dims`, `tensor_model_parallel_dims`, fused `tp_sub_param_sizes`).
 """
 
 from __future__ import annotations
@@ -27,9 +38,18 @@ from ...checkpoint.reader import CheckpointReader, is_universal
 from ..checkpoint.view import CheckpointView
 
 
+_LAYER_SLICE = re.compile(r"layer_\d+-model_(\d+)-model_states\.pt$")   # a layer's file of one tensor rank
+
+
 def saved_stage_count(path: str) -> int:
+    """The number of model-states files (stages x tensor ranks of a pipeline x tensor checkpoint)."""
     found = [re.search(r"mp_rank_(\d+)_model_states\.pt$", f) for f in glob.glob(os.path.join(path, "mp_rank_*_model_states.pt"))]
     return len({int(m.group(1)) for m in found if m})
+
+
+def saved_tensor_size(path: str) -> int:
+    """The tensor-parallel size a pipeline checkpoint was saved at: its layer files' tensor ranks."""
+    return len({m.group(1) for m in map(_LAYER_SLICE.match, os.listdir(path)) if m}) or 1
 
 
 def layer_files(module: Any) -> list[tuple[str, dict]]:
@@ -37,15 +57,16 @@ def layer_files(module: Any) -> list[tuple[str, dict]]:
     return [(os.path.basename(module.ckpt_layer_path("", local)), state) for local, state in module.layer_states()]
 
 
-def module_state_from_layers(module: Any, path: str) -> dict[str, torch.Tensor]:
-    """This stage's module state dict (current names) read from the layer files in `path`."""
+def module_state_from_layers(module: Any, path: str, tensor_rank: int | None = None) -> dict[str, torch.Tensor]:
+    """This stage's module state dict (current names) read from the layer files in `path`: tensor rank
+    `tensor_rank`'s (default: this rank's slice rank)."""
     state: dict[str, torch.Tensor] = {}
     names = {id(m): n for n, m in module.named_modules()}
+    mp = module._grid.get_slice_parallel_rank() if tensor_rank is None else tensor_rank
     for local, layer in sorted(module._stateful.items()):
         files = module.ckpt_layer_path_list(path, local)
         if not files:
             continue
-        mp = module._grid.get_slice_parallel_rank()
         values = load_file(files[mp] if len(files) > mp else files[0])
         prefix = names[id(layer)]
         for key, value in values.items():
@@ -103,16 +124,45 @@ def checkpoint_reader(view: CheckpointView, load_dir: str, tag: str) -> Any:
         raise CheckpointError(f"checkpoint tag {tag!r} not found in {load_dir} (no directory {tag})")
     module_state = module_state_from_layers(view.module, path)
     saved = saved_stage_count(path)
+    wanted = set(view.module.state_dict().keys())
     if is_universal(path):   # one mp_rank file per stage, whole values (the loader cuts tensor slices)
         module_state = module_state or None   # no layer files: the module entries of the model states
         if saved == view.num_stages:
             return CheckpointReader(load_dir, tag, mp_rank=view.stage_id, module_state=module_state)
-    elif saved == view.num_stages * view.grid.get_slice_parallel_world_size():
+        return MergedReader([CheckpointReader(load_dir, tag, mp_rank=m, module_state=module_state)
+                             for m in range(saved)], wanted)
+    tp, tp_rank = view.grid.get_slice_parallel_world_size(), view.grid.get_slice_parallel_rank()
+    saved_tp = saved_tensor_size(path)
+    stages = saved // saved_tp
+    if stages == view.num_stages and saved_tp == tp:
         return CheckpointReader(load_dir, tag, mp_rank=view.mp_rank, module_state=module_state)
-    readers = []
-    for m in range(saved):   # each saved stage's file names only its own parameters: give it its part
-        readers.append(CheckpointReader(load_dir, tag, mp_rank=m, module_state=module_state))
-    return MergedReader(readers, set(view.module.state_dict().keys()))
+    # [Note: pipeline x tensor checkpoints at another layout]: per saved stage, this tensor rank's files
+    # (or every saved tensor rank's, re-sliced); each saved stage's files name only its own parameters
+    if saved_tp == tp:
+        readers = [CheckpointReader(load_dir, tag, mp_rank=s * saved_tp + tp_rank, module_state=module_state)
+                   for s in range(stages)]
+    else:
+        readers = [_resliced_stage(view, load_dir, tag, path, s, saved_tp) for s in range(stages)]
+    return MergedReader(readers, wanted)
+
+
+def _resliced_stage(view: CheckpointView, load_dir: str, tag: str, path: str, stage: int, saved_tp: int) -> Any:
+    """Saved stage `stage`'s parameters cut to this rank's tensor slices (the TP re-slicing reader over the
+    stage's `saved_tp` file sets, with the partition dims they record)."""
+    from ..checkpoint.tp_reslice import TPReslicedReader, engine_tensor_layout
+    from ..checkpoint.writer import MEGATRON_TP_DIMS
+
+    tp, index, own_dims, own_blocks = engine_tensor_layout(view)
+    readers = [CheckpointReader(load_dir, tag, mp_rank=stage * saved_tp + t,
+                                module_state=module_state_from_layers(view.module, path, tensor_rank=t))
+               for t in range(saved_tp)]
+    states = readers[0].model_states
+    dims = {**(states.get("tp_partition_dims") or {}),
+            **{n: d for n, d in (states.get(MEGATRON_TP_DIMS) or {}).items() if d is not None}}
+    blocks = dict(states.get("tp_sub_param_sizes") or {})
+    if saved_tp == 1:   # nothing was sliced at save: this run's layers say how to cut
+        dims, blocks = own_dims, own_blocks
+    return TPReslicedReader(readers, dims, blocks, tp, index)
 
 
 def load_pipeline_checkpoint_into_sequential(layers: list[Any], load_dir: str, tag: str | None = None) -> torch.nn.Sequential:
