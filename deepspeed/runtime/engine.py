@@ -510,7 +510,7 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         (checkpoint.async_save; docs/checkpointing.md); the next save or load and process exit wait for it.
         """
         from .checkpoint.engine_io import save_checkpoint
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        return save_checkpoint(self._checkpoint_view(), save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -519,7 +519,7 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         (None, None) when `load_dir` has no `latest` and no tag is given."""
         from .checkpoint.engine_io import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+        return load_checkpoint(self._checkpoint_view(), load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only, custom_load_fn)
 
     def wait_for_checkpoint(self) -> None:
@@ -527,14 +527,14 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         every rank if it failed on any. Every rank must call it. A no-op without a pending save."""
         from .checkpoint.engine_io import wait_for_checkpoint
 
-        wait_for_checkpoint(self)
+        wait_for_checkpoint(self._checkpoint_slot)
 
     def _optimizer_partition_state(self) -> dict:
         """This rank's ZeRO optimizer state as save_checkpoint writes it (collective): what the ZeRO
         optimizers' `state_dict()` returns (Lightning calls it on every rank when it saves)."""
         from .checkpoint.engine_io import optimizer_partition_state
 
-        return optimizer_partition_state(self)
+        return optimizer_partition_state(self._checkpoint_view())
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -545,7 +545,7 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         is written and every rank returns False."""
         from .checkpoint.model_save import save_16bit_model
 
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+        return save_16bit_model(self._checkpoint_view(), save_dir, save_filename, exclude_frozen_parameters)
 
     save_fp16_model = save_16bit_model  # upstream's older name
 
@@ -554,7 +554,7 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         gathers the units whatever stage3_gather_16bit_weights_on_model_save says, as upstream)."""
         from .checkpoint.model_save import consolidated_16bit_state_dict
 
-        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+        return consolidated_16bit_state_dict(self._checkpoint_view(), exclude_frozen_parameters)
 
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """Upstream's stage-independent name (transformers uses it on its AutoTP path): without
@@ -574,10 +574,10 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         """Remove the engine's hooks so the module can be reused or freed; waits for a background
         checkpoint save of this rank (and raises its error, if it failed here)."""
         try:
-            if getattr(self, "_pending_checkpoint", None) is not None:
+            if self._checkpoint_slot.current is not None:
                 from .checkpoint.engine_io import wait_local
 
-                wait_local(self)
+                wait_local(self._checkpoint_slot)
         finally:
             self._remove_hooks()
             self._obs.close()

@@ -6,7 +6,10 @@ itself reads the typed config. Each accessor is one row of a table instead of on
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from .checkpoint.view import CheckpointView, PendingSlot
 
 # accessor name -> function of the DeepSpeedConfig
 _ACCESSORS: dict[str, Callable[[Any], Any]] = {
@@ -86,11 +89,50 @@ class EngineAccessors:
     """Mixin: one method per row of `_ACCESSORS`, reading `self._config`; and the checkpoint file
     names upstream's engine exposes (tests and Megatron-style trainers call them)."""
 
+    @property
+    def _checkpoint_slot(self) -> PendingSlot:
+        """The background save in flight ([Note: checkpoint view]): one slot per engine, made on first use."""
+        from .checkpoint.view import PendingSlot
+
+        return self.__dict__.setdefault("_pending_slot", PendingSlot())
+
+    def _checkpoint_view(self) -> CheckpointView:
+        """What the checkpoint code reads and writes of this engine, now ([Note: checkpoint view] in
+        runtime/checkpoint/view.py): built at each checkpoint entry point, the only place that reads the
+        engine for it."""
+        from .. import comm as ds_comm
+        from .checkpoint.view import CheckpointView, Counters, file_mp_rank
+
+        def set_counters(counters: Counters) -> None:
+            self.global_steps, self.global_samples = counters.global_steps, counters.global_samples
+            self.skipped_steps = counters.skipped_steps
+
+        section, pipeline = self._config.model.checkpoint, bool(self.pipeline_parallelism)
+        mpu, split = getattr(self, "mpu", None), getattr(self, "_split", None)
+        return CheckpointView(
+            module=self.module, optimizer=self.optimizer, has_optimizer=self._has_optimizer,
+            lr_scheduler=self.lr_scheduler, stage3=self._stage3, global_rank=self.global_rank,
+            dp_group=self.seq_data_parallel_group, dp_rank=ds_comm.get_rank(self.seq_data_parallel_group),
+            dp_world_size=self.seq_dp_world_size, mp_rank=file_mp_rank(mpu, split),
+            mp_world_size=getattr(self, "mp_world_size", 1), mpu=mpu, split=split,
+            expert_comm=getattr(self, "_expert_comm", None) or {}, moe_layers=list(self.moe_layers),
+            num_experts=list(self.num_experts), grid=getattr(self, "grid", None), pipeline=pipeline,
+            num_stages=self.num_stages if pipeline else 1, stage_id=self.stage_id if pipeline else 0,
+            zero_stage=self.zero_optimization_stage(), bf16=bool(self.bfloat16_enabled()),
+            mixed_precision=self.precision.is_mixed, gradient_clipping=float(self.gradient_clipping()),
+            train_batch_size=int(self.train_batch_size()),
+            gather_16bit_weights=bool(self.zero_gather_16bit_weights_on_model_save()), ds_config=self.config,
+            tag_validation=str(section.tag_validation), async_save=bool(section.async_save),
+            load_universal=bool(section.load_universal),
+            counters=Counters(self.global_steps, self.global_samples, self.skipped_steps), set_counters=set_counters,
+            pending=self._checkpoint_slot, extra_files=getattr(self, "_extra_checkpoint_files", None),
+            reader_factory=getattr(self, "_checkpoint_reader", None))
+
     def _load_hp_state(self, checkpoint_dir: str) -> None:
         """The optimizer facade's `load_hp_checkpoint_state_from_checkpoint_dir` (base_optimizer.py)."""
         from .checkpoint.loader import load_hp_state
 
-        load_hp_state(self, checkpoint_dir)
+        load_hp_state(self._checkpoint_view(), checkpoint_dir)
 
     @staticmethod
     def _validate_autoep_folding_checkpoint_metadata(state: Any, **kwargs: Any) -> None:
@@ -135,20 +177,18 @@ class EngineAccessors:
 
     @property
     def checkpoint_mp_rank(self) -> int:
-        from .checkpoint.writer import mp_rank
+        from .checkpoint.view import file_mp_rank
 
-        return mp_rank(self)
+        return file_mp_rank(getattr(self, "mpu", None), getattr(self, "_split", None))
 
     def _get_ckpt_name(self, checkpoints_path: str, tag: Any, mp_placeholder: str | None = None,
                        pp_placeholder: Any = None) -> str:
         """This rank's model-states file under `checkpoints_path/tag`."""
         import os
 
-        from .checkpoint.writer import dp_rank
-
         mp = mp_placeholder if mp_placeholder is not None else f"{self.checkpoint_mp_rank:02d}"
         if self.zero_optimization_partition_weights():
-            dp = pp_placeholder if pp_placeholder is not None else dp_rank(self)
+            dp = pp_placeholder if pp_placeholder is not None else self._checkpoint_view().dp_rank
             return os.path.join(checkpoints_path, str(tag), f"zero_pp_rank_{dp}_mp_rank_{mp}_model_states.pt")
         return os.path.join(checkpoints_path, str(tag), f"mp_rank_{mp}_model_states.pt")
 
@@ -157,10 +197,10 @@ class EngineAccessors:
         import os
 
         from ..checkpoint.files import optim_file
-        from .checkpoint.writer import dp_rank
 
+        dp = self._checkpoint_view().dp_rank
         return os.path.join(checkpoints_path, str(tag),
-                            optim_file(dp_rank(self), bool(self.bfloat16_enabled()), self.checkpoint_mp_rank))
+                            optim_file(dp, bool(self.bfloat16_enabled()), self.checkpoint_mp_rank))
 
     def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag: Any, expp_rank: int) -> str:
         """Upstream's expert-parallel optimizer file name (MoE; this build writes none)."""

@@ -322,7 +322,7 @@ def hp_snapshot(engine: Any) -> dict:
     the same layout must restore bit for bit."""
     from deepspeed.runtime.checkpoint.hp_state import HpState
 
-    hp = HpState(engine)
+    hp = HpState(engine._checkpoint_view())
     fields, step = hp.local_fields()
     return {"step": step, "fields": fields,
             "pieces": {(p.name, p.start): [hp.value(p, f).detach().float().cpu().clone() for f in ["fp32"] + fields]
@@ -469,7 +469,6 @@ def deepspeed_autoep_zero3_run(fixture: str) -> dict:
 
     import deepspeed
     import deepspeed.comm as dist
-    from deepspeed.runtime.checkpoint.engine_io import optimizer_partition_state
 
     sys.path.insert(0, fixture)
     import autoep_model
@@ -479,7 +478,7 @@ def deepspeed_autoep_zero3_run(fixture: str) -> dict:
     # mlp.gate.gate.weight beside mlp.router.gate.weight (one tensor); ours has no alias
     engine.load_checkpoint(os.path.join(fixture, "ckpt"), tag="t", load_module_strict=False)
     rank = dist.get_rank()
-    mine = optimizer_partition_state(engine)
+    mine = engine._optimizer_partition_state()
     theirs = torch.load(os.path.join(fixture, "ckpt", "t", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"),
                         weights_only=False)["optimizer_state_dict"]
     whole = whole_state(engine)

@@ -192,7 +192,7 @@ def renamed_while_writing_job(cfg: dict, root: str) -> dict:
             J.train(engine, data[n - 1:n])
             engine.save_checkpoint(os.path.join(root, f"tmp-checkpoint-{n}"))
             snap = J.snapshot(engine)
-            running.append(engine._pending_checkpoint.thread.is_alive())
+            running.append(engine._checkpoint_slot.current.thread.is_alive())
             J._dist().barrier()
             if rank == 0:
                 os.rename(os.path.join(root, f"tmp-checkpoint-{n}"), os.path.join(root, f"checkpoint-{n}"))
@@ -219,7 +219,7 @@ def published_on_return_job(cfg: dict, root: str) -> dict:
     src, dst = os.path.join(root, "tmp-checkpoint-1"), os.path.join(root, "checkpoint-1")
     engine.save_checkpoint(src)
     listing = sorted(os.listdir(src))
-    pending = engine._pending_checkpoint
+    pending = engine._checkpoint_slot.current
     kind = None if pending is None else pending.target.__name__
     J._dist().barrier()
     if _rank() == 0:

@@ -20,7 +20,7 @@ def opened_files_job(cfg: dict, load_dir: str) -> dict:
     engine = J.build(cfg, "tiny", seed=123)
     with files.watch_opens() as seen:
         engine.load_checkpoint(load_dir)
-    pieces = [(p.group, p.name, p.start, p.numel) for p in HpState(engine).pieces]
+    pieces = [(p.group, p.name, p.start, p.numel) for p in HpState(engine._checkpoint_view()).pieces]
     snap = J.snapshot(engine)
     return {"opened": [os.path.basename(p) for p in seen], "pieces": pieces,
             "snap": snap if dist.get_rank() == 0 else None}

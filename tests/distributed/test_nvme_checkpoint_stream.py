@@ -55,7 +55,7 @@ def _streamed_save_job(cfg: dict, save_dir: str) -> dict:
     finally:
         stream_recut.WINDOW = None
     streamed = stream_save.peak_chunk_bytes > 0
-    in_memory = engine_io.optimizer_partition_state(engine)   # collective: the re-cut held in memory
+    in_memory = engine._optimizer_partition_state()   # collective: the re-cut held in memory
     buffer = io.BytesIO()
     torch.save({"optimizer_state_dict": in_memory, "ds_config": engine.config,
                 "ds_version": engine_io.state_version()}, buffer)
@@ -253,7 +253,7 @@ def _async_save_job(cfg: dict, save_dir: str) -> dict:
     J.train(engine, data[:3])
     snap = J.snapshot(engine)
     buffer = io.BytesIO()
-    torch.save({"optimizer_state_dict": engine_io.optimizer_partition_state(engine), "ds_config": engine.config,
+    torch.save({"optimizer_state_dict": engine._optimizer_partition_state(), "ds_config": engine.config,
                 "ds_version": engine_io.state_version()}, buffer)
     go, real = threading.Event(), files._write
 
@@ -267,7 +267,7 @@ def _async_save_job(cfg: dict, save_dir: str) -> dict:
     files._write = held_back
     try:
         engine.save_checkpoint(save_dir, tag="t")
-        pending = engine._pending_checkpoint
+        pending = engine._checkpoint_slot.current
         background = pending is not None and pending.target == pending.job.run_background
         staged = os.path.join(files.staging_dir(save_dir, "t"), files.optim_file(J._dist().get_rank(), bf16=False))
         before_return = os.path.exists(staged + ".tmp") and os.path.getsize(staged + ".tmp") > 0

@@ -85,25 +85,24 @@ def _save_resume_job(kind: str, stage: int, ep: int, swap: str, save_dir: str, b
 
     from deepspeed.checkpoint import files, stream_save
     from deepspeed.runtime.checkpoint import engine_io, ep_tp_io
-    from deepspeed.runtime.checkpoint.writer import dp_rank
 
     engine = _engine(kind, stage, ep, swap, background)
     _train(engine, kind, 0, 2)
-    dp = dp_rank(engine)
-    in_memory = {"optimizer_state_dict": engine_io.optimizer_partition_state(engine), "ds_config": engine.config,
-                 "ds_version": engine_io.state_version(), **ep_tp_io.optimizer_record(engine, dp,
-                                                                                       engine.seq_dp_world_size)}
+    view = engine._checkpoint_view()
+    in_memory = {"optimizer_state_dict": engine._optimizer_partition_state(), "ds_config": engine.config,
+                 "ds_version": engine_io.state_version(),
+                 **ep_tp_io.optimizer_record(view, view.dp_rank, view.dp_world_size)}
     buffer = io.BytesIO()
     torch.save(in_memory, buffer)
     saved = _whole(engine, kind)
     stream_save.peak_chunk_bytes = 0
     engine.save_checkpoint(save_dir, tag="t")
-    pending = engine._pending_checkpoint
+    pending = engine._checkpoint_slot.current
     in_background = pending is not None and pending.target == pending.job.run_background
     straight = _train(engine, kind, 2, 2)
     engine.wait_for_checkpoint()
     streamed = stream_save.peak_chunk_bytes > 0
-    ours = _records(os.path.join(save_dir, "t", files.optim_file(dp, bf16=False)))
+    ours = _records(os.path.join(save_dir, "t", files.optim_file(view.dp_rank, bf16=False)))
     today = _records(io.BytesIO(buffer.getvalue()))
     whole = _whole(engine, kind)
     resumed = _engine(kind, stage, ep, swap)

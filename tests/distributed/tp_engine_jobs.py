@@ -203,7 +203,7 @@ def train_tp(kind: str, steps: int, tp: int, stage: int, micro: int = 2, lr: flo
 def _optimizer_state(engine) -> dict:
     from deepspeed.runtime.checkpoint.hp_state import HpState
 
-    hp = HpState(engine)
+    hp = HpState(engine._checkpoint_view())
     return {(p.name, p.start): {k: (v.detach().clone() if torch.is_tensor(v) else v)
                                 for k, v in hp.base.state.get(p.key, {}).items()} for p in hp.pieces}
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ...checkpoint.files import CheckpointError
+from .view import CheckpointView
 
 
 class ExpertCountError(CheckpointError, ValueError):
@@ -23,25 +24,25 @@ class ExpertCountError(CheckpointError, ValueError):
     ValueError there)."""
 
 
-def autoep_params(engine: Any) -> dict[str, tuple[int, Any]]:
+def autoep_params(view: CheckpointView) -> dict[str, tuple[int, Any]]:
     """{parameter name: (MoE layer id, its AutoEP experts module)}: empty without AutoEP."""
     from ..engine_moe import moe_layers
 
     out = {}
-    for layer_id, (prefix, layer) in enumerate(moe_layers(engine.module)):
+    for layer_id, (prefix, layer) in enumerate(moe_layers(view.module)):
         if hasattr(layer, "expert_param_names"):   # auto_ep_layer's two kinds
             for name in layer.expert_param_names():
                 out[f"{prefix}.{name}" if prefix else name] = (layer_id, layer)
     return out
 
 
-def layer_metadata(engine: Any) -> list[dict]:
+def layer_metadata(view: CheckpointView) -> list[dict]:
     """DeepSpeed's `ds_autoep_layers` entry of the model-states file: each AutoEP layer's MoE block
     (module_path), where its expert tensors live (expert_key_prefix) and its expert split."""
     from ..engine_moe import moe_layers
 
     out = []
-    for layer_id, (prefix, layer) in enumerate(moe_layers(engine.module)):
+    for layer_id, (prefix, layer) in enumerate(moe_layers(view.module)):
         if hasattr(layer, "expert_param_names"):
             whole_block = getattr(layer, "_is_autoep_layer", False)   # AutoEPMoELayer; else the experts child
             block = prefix if whole_block else prefix.rpartition(".")[0]
@@ -52,14 +53,14 @@ def layer_metadata(engine: Any) -> list[dict]:
     return out
 
 
-def expert_entries(engine: Any, params: dict[str, tuple[int, Any]],
+def expert_entries(view: CheckpointView, params: dict[str, tuple[int, Any]],
                    values: dict[str, torch.Tensor] | None = None) -> list[tuple[tuple[int, int], dict]]:
     """This rank's per-expert files as ((MoE layer id, global expert id), content), on the first rank of
     each expert-data-parallel group; `values`: the parameters' gathered local values by name (ZeRO-3,
     where the parameters are placeholders)."""
     from ...utils import groups
 
-    named = dict(engine.module.named_parameters())
+    named = dict(view.module.named_parameters())
     files: dict[tuple[int, int], dict] = {}
     for name, (layer_id, layer) in params.items():
         if groups._get_expert_data_parallel_rank(layer.expert_group_name) != 0:
@@ -110,19 +111,19 @@ def module_rows(path: str, params: dict[str, tuple[int, Any]], mp: int = 0) -> d
     return out
 
 
-def check_expert_counts(engine: Any, reader: Any) -> None:
+def check_expert_counts(view: CheckpointView, reader: Any) -> None:
     """Refuse a checkpoint whose AutoEP layers hold another number of experts than this model's, by the
     saved shape of the MoE block's router, before the shape checks that would name only the router
     (a ValueError, as upstream's refusal, worded as upstream's)."""
     from ..engine_moe import moe_layers
 
     saved = {n: torch.Size(s) for g in reader.groups() for n, s in g}
-    experts = autoep_params(engine)
-    for prefix, layer in moe_layers(engine.module):
+    experts = autoep_params(view)
+    for prefix, layer in moe_layers(view.module):
         if not hasattr(layer, "expert_param_names"):
             continue
         block = prefix if getattr(layer, "_is_autoep_layer", False) else prefix.rpartition(".")[0]
-        module = engine.module.get_submodule(block) if block else engine.module
+        module = view.module.get_submodule(block) if block else view.module
         for name, param in module.named_parameters():
             full = f"{block}.{name}" if block else name
             shape, mine = saved.get(full), getattr(param, "ds_shape", param.shape)
@@ -137,7 +138,7 @@ def check_expert_counts(engine: Any, reader: Any) -> None:
                     f"{shape[0]} experts")
 
 
-def drop_router_aliases(engine: Any, module: dict) -> dict:
+def drop_router_aliases(view: CheckpointView, module: dict) -> dict:
     """`module` (a saved module state) without the router aliases of upstream's whole-block AutoEP layers: its
     AutoEPMoELayer also registers the router under the MoE block's router name (`mlp.gate`), so its module
     state holds `<block>.gate.gate.weight` beside `<block>.router.gate.weight` (one tensor); ours registers the
@@ -145,7 +146,7 @@ def drop_router_aliases(engine: Any, module: dict) -> dict:
     from ..engine_moe import moe_layers
 
     out = dict(module)
-    for prefix, layer in moe_layers(engine.module):
+    for prefix, layer in moe_layers(view.module):
         alias = getattr(layer, "source_router_name", None)
         if not getattr(layer, "_is_autoep_layer", False) or alias in (None, "router"):
             continue

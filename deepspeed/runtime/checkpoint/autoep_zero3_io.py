@@ -40,18 +40,19 @@ from ...utils.zero_to_fp32 import ZERO_PARTITION_GROUPS, join_autoep_zero3
 from ..zero.partition import ParamwisePartition
 from .autoep_io import autoep_params, layer_metadata
 from .hp_state import HpState
+from .view import CheckpointView
 from .zero3_io import stage3_header
 
 
-def uses_layout(engine: Any) -> bool:
+def uses_layout(view: CheckpointView) -> bool:
     """ZeRO-3 with AutoEP experts on their expert-data-parallel units and no other expert parameters
     (`deepspeed.moe.layer.MoE` at stage 3 keeps the MoE layout: upstream refuses that layer there)."""
     from .moe_io import is_moe_engine
 
-    if getattr(engine, "_stage3", None) is None or not is_moe_engine(engine):
+    if view.stage3 is None or not is_moe_engine(view):
         return False
-    autoep = autoep_params(engine)
-    return bool(autoep) and all(n in autoep for n, p in engine.module.named_parameters() if is_moe_param(p))
+    autoep = autoep_params(view)
+    return bool(autoep) and all(n in autoep for n, p in view.module.named_parameters() if is_moe_param(p))
 
 
 @dataclass
@@ -66,11 +67,11 @@ class FileGroup:
     ranks: list[int]
 
 
-def file_groups(engine: Any, hp: HpState) -> list[FileGroup]:
+def file_groups(view: CheckpointView, hp: HpState) -> list[FileGroup]:
     """Upstream's sub-groups from our optimizer groups: each group's dense part, then each group's experts
     (per EP group name); each partitioned as the unit holding its parameters is."""
-    autoep = autoep_params(engine)
-    unit_of = {n: u for u in engine._stage3.units for n in u.spec.param_names}
+    autoep = autoep_params(view)
+    unit_of = {n: u for u in view.stage3.units for n in u.spec.param_names}
     dense, experts = [], []
     for g, group in enumerate(hp.groups):
         own = [(n, s) for n, s in group if n not in autoep]
@@ -114,7 +115,8 @@ def _flats(hp: HpState, groups: list[FileGroup], fields: list[str]) -> dict[str,
     return flats
 
 
-def optimizer_state(engine: Any, hp: HpState, groups: list[FileGroup], fields_step: tuple | None = None) -> dict:
+def optimizer_state(view: CheckpointView, hp: HpState, groups: list[FileGroup],
+                    fields_step: tuple | None = None) -> dict:
     """This rank's `optimizer_state_dict` in upstream's layout (local: no collective); `fields_step`: the
     optimizer fields and step of every rank (HpState.agreed_fields), else this rank's own."""
     fields, step = fields_step if fields_step is not None else hp.local_fields()
@@ -131,7 +133,7 @@ def optimizer_state(engine: Any, hp: HpState, groups: list[FileGroup], fields_st
             group.setdefault("name", "dense-params")
         param_groups.append({**group, SOURCE_GROUP: fg.source, "params": [g]})
     return {
-        **stage3_header(hp, engine.seq_dp_world_size),
+        **stage3_header(hp, view.dp_world_size),
         ZERO_PARTITION_GROUPS: [{"sub_group": g, "partition_count": fg.world, "partition_rank": fg.rank,
                                  "partition_ranks": fg.ranks,
                                  "families": ["autoep_expert" if fg.expert_group else "replicated"],
@@ -141,14 +143,14 @@ def optimizer_state(engine: Any, hp: HpState, groups: list[FileGroup], fields_st
     }
 
 
-def layers_record(engine: Any) -> list[dict]:
+def layers_record(view: CheckpointView) -> list[dict]:
     """`ds_autoep_layers` as upstream writes it at ZeRO-3: each layer's split, this rank's EP and EDP
     place, and the partition-native format marker."""
     from ...utils import groups
 
-    layers = {layer_id: layer for layer_id, layer in autoep_params(engine).values()}
+    layers = {layer_id: layer for layer_id, layer in autoep_params(view).values()}
     out = []
-    for entry in layer_metadata(engine):
+    for entry in layer_metadata(view):
         layer = layers[entry["moe_layer_id"]]
         name = layer.expert_group_name
         ep_rank, local = groups._get_expert_parallel_rank(name), entry["num_local_experts"]
@@ -163,37 +165,37 @@ def layers_record(engine: Any) -> list[dict]:
     return out
 
 
-def save_entries(engine: Any, hp: HpState | None, client_state: dict, exclude_frozen: bool, snapshot: bool,
-                 frozen: Any, fields_step: tuple | None = None) -> list:
+def save_entries(view: CheckpointView, hp: HpState | None, client_state: dict, exclude_frozen: bool,
+                 snapshot: bool, frozen: Any, fields_step: tuple | None = None) -> list:
     """This rank's two files ([Note: AutoEP ZeRO-3 layout]), as (name, object); `frozen`: this rank's pieces
     of the frozen parameters (zero3_io.frozen_fragments); `fields_step`: see optimizer_state."""
     from ...version import __version__
-    from .writer import dp_rank, model_states
+    from .writer import model_states
 
-    autoep = autoep_params(engine)
-    frozen_experts = [n for n, p in engine.module.named_parameters() if n in autoep and not p.requires_grad]
+    autoep = autoep_params(view)
+    frozen_experts = [n for n, p in view.module.named_parameters() if n in autoep and not p.requires_grad]
     if frozen_experts:   # (upstream refuses them too: frozen pieces are not in the optimizer files)
         raise CheckpointError(f"save_checkpoint: frozen AutoEP expert parameters {frozen_experts} at ZeRO-3 are not "
                               "supported by upstream's partition-native layout")
-    groups = file_groups(engine, hp) if hp is not None else []
+    groups = file_groups(view, hp) if hp is not None else []
     with local_expert_state():   # no whole-expert gather: the experts are not in this file
-        state = model_states(engine, hp, client_state, exclude_frozen, True, zero3_frozen=frozen or OrderedDict(),
+        state = model_states(view, hp, client_state, exclude_frozen, True, zero3_frozen=frozen or OrderedDict(),
                              snapshot=snapshot)
     state["module"] = OrderedDict((k, v) for k, v in state["module"].items() if k not in autoep)
     if hp is not None:
         state["param_shapes"] = [OrderedDict((n, torch.Size(s)) for n, s in fg.params) for fg in groups]
-    record = layers_record(engine)
-    state["num_experts"] = list(engine.num_experts)
+    record = layers_record(view)
+    state["num_experts"] = list(view.num_experts)
     state[AUTOEP_LAYERS_KEY] = record
     state[UNIVERSAL_CHECKPOINT_INFO] = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE,
                                         "expert_parameter_patterns": [r".*\.experts\.w[123]$"],
                                         AUTOEP_LAYERS_KEY: record}
-    dp = dp_rank(engine)
+    dp = view.dp_rank
     entries: list = [(model_file(0, zero3_dp_rank=dp), state)]
     if hp is not None:
-        entries.append((optim_file(dp, bf16=engine.bfloat16_enabled(), mp_rank=0),
-                        {"optimizer_state_dict": optimizer_state(engine, hp, groups, fields_step),
-                         "ds_config": engine.config, "ds_version": __version__}))
+        entries.append((optim_file(dp, bf16=view.bf16, mp_rank=0),
+                        {"optimizer_state_dict": optimizer_state(view, hp, groups, fields_step),
+                         "ds_config": view.ds_config, "ds_version": __version__}))
     return entries
 
 
@@ -202,7 +204,7 @@ class AutoEPZero3Reader(CheckpointReader):
     ranks' partitions joined), an AutoEP expert tensor as this rank's rows (any ep size). Lazy: the files are
     memory-mapped and `read` copies only the slice asked for out of the partitions that hold it."""
 
-    def __init__(self, engine: Any, load_dir: str, tag: str) -> None:
+    def __init__(self, view: CheckpointView, load_dir: str, tag: str) -> None:
         path = tag_dir(load_dir, tag)
         if path is None:
             raise CheckpointError(f"checkpoint tag {tag!r} not found in {load_dir} (no directory {tag})")
@@ -218,7 +220,7 @@ class AutoEPZero3Reader(CheckpointReader):
         models = [self.model_states] + [load_file(os.path.join(path, model_file(0, zero3_dp_rank=r)))
                                         for r in range(1, len(self.rank_files))]
         self._lazy, shapes = join_autoep_zero3(models, self.optimizer_state, path)
-        autoep = autoep_params(engine)
+        autoep = autoep_params(view)
         self._first_row: dict[str, int] = {}   # an AutoEP tensor: where this rank's rows start in the whole
         for name in autoep:
             if name in shapes:
@@ -232,7 +234,7 @@ class AutoEPZero3Reader(CheckpointReader):
         base = self.optimizer_state[0]["optimizer_state_dict"]
         self._step = self._find_step([base["state"][k] for k in sorted(base["state"])], {})
         groups = source_groups(base["param_groups"])   # (upstream's split groups: this engine's own kept)
-        self.param_groups = groups if engine._has_optimizer and len(groups) == len(engine.optimizer.param_groups) \
+        self.param_groups = groups if view.has_optimizer and len(groups) == len(view.optimizer.param_groups) \
             else []
 
     def fields(self) -> list[str]:

@@ -1,25 +1,26 @@
 """The folding record of EP x TP checkpoints ([Note: folding metadata] in checkpoint/autoep_universal.py):
 what an engine with AutoEP folded into AutoTP writes into each file, and the check a loading engine
 runs on what it reads (upstream's engine helpers `_make_autoep_folding_metadata` and
-`_validate_autoep_folding_checkpoint_metadata`, here as functions of the engine)."""
+`_validate_autoep_folding_checkpoint_metadata`, here as functions of the CheckpointView)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ...checkpoint.constants import FOLDING_METADATA_KEY
+from .view import CheckpointView
 
 
-def folding_spec(engine: Any) -> Any:
+def folding_spec(view: CheckpointView) -> Any:
     """The ParallelFoldingSpec of an engine whose AutoEP layers are folded into AutoTP; None otherwise."""
     from ... import comm as ds_comm
     from ...module_inject.auto_ep_folding import build_folding_spec
     from ..engine_moe import moe_layers
 
-    folds = [m.tensor_fold for _, m in moe_layers(engine.module) if getattr(m, "tensor_fold", None) is not None]
+    folds = [m.tensor_fold for _, m in moe_layers(view.module) if getattr(m, "tensor_fold", None) is not None]
     if not folds:
         return None
-    layer = next(m for _, m in moe_layers(engine.module) if getattr(m, "tensor_fold", None) is not None)
+    layer = next(m for _, m in moe_layers(view.module) if getattr(m, "tensor_fold", None) is not None)
     return build_folding_spec(world_size=ds_comm.get_world_size(), pp_size=1, tp_size=int(folds[0][1]),
                               ep_size=int(layer.ep_size))
 
@@ -33,13 +34,13 @@ def param_family(name: str) -> str:
     return "shared_expert" if ".shared_experts" in name else "dense"
 
 
-def make_engine_folding(engine: Any, spec: Any, *, family: str, group: str, rank: int, count: int,
+def make_engine_folding(view: CheckpointView, spec: Any, *, family: str, group: str, rank: int, count: int,
                         param_families: dict | None = None) -> dict:
     """This rank's `folding` record for one file (`group`/`rank`/`count`: the file's ZeRO partition)."""
     from ...checkpoint.autoep_universal import make_folding_metadata
     from ...utils import groups
 
-    return make_folding_metadata(tp_size=spec.tp_size, tp_rank=engine._split.tensor_rank, ep_size=spec.ep_size,
+    return make_folding_metadata(tp_size=spec.tp_size, tp_rank=view.split.tensor_rank, ep_size=spec.ep_size,
                                  ep_rank=groups._get_expert_parallel_rank(f"ep_size_{spec.ep_size}"),
                                  zero_partition_group=group, zero_partition_rank=rank, zero_partition_count=count,
                                  family=family, param_families=param_families)

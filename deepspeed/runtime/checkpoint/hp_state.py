@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ... import comm as ds_comm
+from .view import CheckpointView
 
 
 @dataclass
@@ -34,14 +35,14 @@ class Piece:
 class HpState:
     """This rank's pieces plus the layout every rank agrees on (groups of (name, shape))."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, view: CheckpointView) -> None:
         from ..precision.mixed_optimizer import MixedPrecisionOptimizer
         from ..zero.optimizer import ZeroOptimizer
         from ..zero.stage3.optimizer import Stage3Optimizer
 
-        wrapper = engine.optimizer
+        wrapper = view.optimizer
         self.wrapper = wrapper
-        self.names = {id(p): n for n, p in engine.module.named_parameters()}
+        self.names = {id(p): n for n, p in view.module.named_parameters()}
         self.stage3 = isinstance(wrapper, Stage3Optimizer)
         self.zero = isinstance(wrapper, ZeroOptimizer) or self.stage3
         self.mixed = isinstance(wrapper, MixedPrecisionOptimizer)

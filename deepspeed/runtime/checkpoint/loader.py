@@ -33,7 +33,8 @@ from ...utils.progress import NoBar, min_bytes, progress
 from . import autoep_io, autoep_zero3_io, moe_io, tp_reslice, zero3_io
 from ..swap_tensor.optimizer_swapper import placeholder
 from .hp_state import HpState
-from .writer import dp_rank, mp_rank, set_rng_state
+from .view import CheckpointView, Counters
+from .writer import set_rng_state
 
 DEEPSPEED_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
                   "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
@@ -56,46 +57,46 @@ class LoadPlan:
     optimizer_state: dict | None = None                    # for the base optimizer's load_state_dict
     scaler_state: dict | None = None
     lr_scheduler: Any = None
-    counters: dict | None = None
+    counters: Counters | None = None   # written back through view.set_counters
     rng: dict | None = None
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
 
 
-def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer_states: bool,
+def read_plan(view: CheckpointView, load_dir: str, tag: Any, strict: bool, load_optimizer_states: bool,
               load_lr_scheduler_states: bool, load_module_only: bool) -> LoadPlan | None:
     """Everything this rank will load, read and checked; None when there is no `latest` to follow."""
     if tag is None:
-        latest = "latest_universal" if engine._config.model.checkpoint.load_universal else files.LATEST
+        latest = "latest_universal" if view.load_universal else files.LATEST
         tag = files.read_latest(load_dir, latest)
         if tag is None:
             return None
     path = files.tag_dir(load_dir, str(tag))
     universal = path is not None and is_universal(path)
     # the model-states file this rank reads anyway: unpickled once, for the layout check and the reader
-    layout = tp_reslice.saved_layout(load_dir, str(tag), mp_rank(engine), dp_rank(engine))
-    resliced = tensor_parallel_reader(engine, load_dir, str(tag), layout)
+    layout = tp_reslice.saved_layout(load_dir, str(tag), view.mp_rank, view.dp_rank)
+    resliced = tensor_parallel_reader(view, load_dir, str(tag), layout)
     if resliced is not None:   # [Note: moving a checkpoint across TP sizes]
         reader = resliced
     elif not universal and path is not None and _autoep_zero3(path, layout):
-        reader = autoep_zero3_io.AutoEPZero3Reader(engine, load_dir, str(tag))   # [Note: AutoEP ZeRO-3 layout]
-    elif not universal and moe_io.reads_moe(engine, load_dir, str(tag)):   # [Note: MoE checkpoint layout]
-        reader = moe_io.moe_reader(engine, load_dir, str(tag))
-    elif hasattr(engine, "_checkpoint_reader"):
-        reader = engine._checkpoint_reader(load_dir, str(tag))
+        reader = autoep_zero3_io.AutoEPZero3Reader(view, load_dir, str(tag))   # [Note: AutoEP ZeRO-3 layout]
+    elif not universal and moe_io.reads_moe(view, load_dir, str(tag)):   # [Note: MoE checkpoint layout]
+        reader = moe_io.moe_reader(view, load_dir, str(tag))
+    elif view.reader_factory is not None:
+        reader = view.reader_factory(view, load_dir, str(tag))
     else:   # a universal checkpoint has no tensor ranks' files: one mp_rank_00 (per pipeline stage)
         loaded = (layout[2], layout[1]) if layout[1] is not None else None
-        reader = CheckpointReader(load_dir, str(tag), mp_rank=0 if universal else mp_rank(engine),
-                                  own_rank=dp_rank(engine), loaded=loaded)
+        reader = CheckpointReader(load_dir, str(tag), mp_rank=0 if universal else view.mp_rank,
+                                  own_rank=view.dp_rank, loaded=loaded)
     if reader.universal:   # whole values: this run's tensor slices and expert rows are cut from them
-        reader = moe_io.universal_reader(engine, tp_reslice.universal_cut_reader(engine, reader))
-    hp = HpState(engine) if engine._has_optimizer else None
+        reader = moe_io.universal_reader(view, tp_reslice.universal_cut_reader(view, reader))
+    hp = HpState(view) if view.has_optimizer else None
     if hp is not None:
         trainable = {n for g in hp.groups for n, _ in g}
         reader.bind_replicated_names(hp.optimizer_names, trainable, strict=strict)
     plan = LoadPlan(reader, hp)
-    autoep_io.check_expert_counts(engine, reader)
-    _plan_module(engine, plan, strict)
+    autoep_io.check_expert_counts(view, reader)
+    _plan_module(view, plan, strict)
     state = reader.model_states
     if hp is not None:
         _plan_masters(plan, strict)
@@ -103,13 +104,12 @@ def read_plan(engine: Any, load_dir: str, tag: Any, strict: bool, load_optimizer
             _plan_optimizer_state(plan)
             plan.scaler_state = _scaler_state(hp, reader)
     if not load_module_only:
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+        if load_lr_scheduler_states and view.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             plan.lr_scheduler = state["lr_scheduler"]
         steps = int(state.get("global_steps", 0))
-        plan.counters = {"global_steps": steps,
-                         "global_samples": int(state.get("global_samples", steps * engine.train_batch_size())),
-                         "skipped_steps": int(state.get("skipped_steps", 0))}
-        rng = os.path.join(reader.path, f"rng_state_{engine.global_rank}.pt")
+        plan.counters = Counters(steps, int(state.get("global_samples", steps * view.train_batch_size)),
+                                 int(state.get("skipped_steps", 0)))
+        rng = os.path.join(reader.path, f"rng_state_{view.global_rank}.pt")
         if os.path.isfile(rng):
             plan.rng = files.load_file(rng, mmap=False)
     return plan
@@ -126,25 +126,25 @@ def _autoep_zero3(path: str, layout: tuple) -> bool:
     return autoep_zero3_io.is_partitioned_checkpoint(path)
 
 
-def load_hp_state(engine: Any, checkpoint_dir: str) -> None:
+def load_hp_state(view: CheckpointView, checkpoint_dir: str) -> None:
     """This rank's fp32 masters, optimizer state and loss scaler from the universal checkpoint in
     `checkpoint_dir` (`optimizer.load_hp_checkpoint_state_from_checkpoint_dir`, upstream's API); the
     module's weights, counters and scheduler are left as they are. Local: no collective."""
     path = os.path.normpath(checkpoint_dir)
-    reader = CheckpointReader(os.path.dirname(path) or ".", os.path.basename(path), mp_rank=mp_rank(engine))
+    reader = CheckpointReader(os.path.dirname(path) or ".", os.path.basename(path), mp_rank=view.mp_rank)
     if not reader.universal:
         raise files.CheckpointError(f"{path} is not a universal checkpoint (no zero/<param>/fp32.pt files and "
                                     "zero/optimizer_state.pt); write one with ds_to_universal")
-    hp = HpState(engine)
+    hp = HpState(view)
     reader.bind_replicated_names(hp.optimizer_names, {n for g in hp.groups for n, _ in g}, strict=True)
     plan = LoadPlan(reader, hp)
     _plan_masters(plan, strict=True)
     _plan_optimizer_state(plan)
     plan.scaler_state = _scaler_state(hp, reader)
-    apply_plan(engine, plan)
+    apply_plan(view, plan)
 
 
-def tensor_parallel_reader(engine: Any, load_dir: str, tag: str, layout: tuple | None = None) -> Any:
+def tensor_parallel_reader(view: CheckpointView, load_dir: str, tag: str, layout: tuple | None = None) -> Any:
     """None when the checkpoint's tensor-parallel size is this run's; else the reader that moves its
     slices to this run's layout ([Note: moving a checkpoint across TP sizes]). Layouts it cannot move
     (MoE, pipelines, universal checkpoints) are refused, both sizes named. (Runs inside the load's
@@ -156,33 +156,33 @@ def tensor_parallel_reader(engine: Any, load_dir: str, tag: str, layout: tuple |
         return None   # the reader names what is missing
     if is_universal(path):
         return None   # universal: whole values, cut after the layout's reader is built (read_plan)
-    if hasattr(engine, "_checkpoint_reader"):   # a pipeline's reader moves its stages' tensor slices itself
+    if view.reader_factory is not None:   # a pipeline's reader moves its stages' tensor slices itself
         return None   # ([Note: pipeline x tensor checkpoints at another layout] in runtime/pipe/checkpoint.py)
-    mpu = getattr(engine, "mpu", None)   # ALST's sequence-parallel mpu (parallel_state_sp) has no tensor groups
-    if mpu is not None and not hasattr(mpu, "initialize_sequence_parallel") and not moe_io.is_moe_engine(engine):
-        return _client_mpu_reader(engine, load_dir, tag, path, states)
+    mpu = view.mpu   # ALST's sequence-parallel mpu (parallel_state_sp) has no tensor groups
+    if mpu is not None and not hasattr(mpu, "initialize_sequence_parallel") and not moe_io.is_moe_engine(view):
+        return _client_mpu_reader(view, load_dir, tag, path, states)
     # our AutoTP files record tp_partition_dims; DeepSpeed 0.19.8's only universal_checkpoint_info (patterns, maps)
     described = states.get("tp_partition_dims") or states.get(UNIVERSAL_CHECKPOINT_INFO)
     saved = int(states.get("mp_world_size", 1) or 1) if described else 1
-    have = tensor_parallel_size(engine.module)
+    have = tensor_parallel_size(view.module)
     if saved == have or moe_io.is_moe_checkpoint(path):   # the MoE layout's readers move EP x TP (moe_reader)
         return None
-    if moe_io.is_moe_engine(engine):
+    if moe_io.is_moe_engine(view):
         raise files.CheckpointError(
             f"{path} was saved at tensor-parallel size (autotp_size) {saved}, and this run has autotp_size {have}: "
             f"resuming at another tensor-parallel size is supported for AutoTP engines (also in pipeline stages "
             f"and under ALST) and Megatron-style layers, without MoE; resume with autotp_size={saved} (any "
             f"data-parallel size)")
-    return tp_reslice.resliced_reader(engine, load_dir, tag, saved, states, mp_rank(engine))
+    return tp_reslice.resliced_reader(view, load_dir, tag, saved, states, view.mp_rank)
 
 
-def _client_mpu_reader(engine: Any, load_dir: str, tag: str, path: str, states: dict) -> Any:
+def _client_mpu_reader(view: CheckpointView, load_dir: str, tag: str, path: str, states: dict) -> Any:
     """Your Megatron-style tensor layers on a client mpu: None at the saved tensor size, else the TP re-slicing
     reader over the saved tensor ranks' file sets (`mp_rank_{t}`), cut along the `partition_dim`s the files
     record (`tensor_model_parallel_dims`; at saved size 1, along this run's)."""
     from .writer import MEGATRON_TP_DIMS
 
-    size, index, own_dims, _ = tp_reslice.engine_tensor_layout(engine)
+    size, index, own_dims, _ = tp_reslice.engine_tensor_layout(view)
     saved = int(states.get("mp_world_size", 1) or 1)
     if saved == size:
         return None
@@ -196,7 +196,7 @@ def _client_mpu_reader(engine: Any, load_dir: str, tag: str, path: str, states: 
     return tp_reslice.TPReslicedReader(readers, tagged if saved > 1 else own_dims, {}, size, index)
 
 
-def apply_plan(engine: Any, plan: LoadPlan) -> None:
+def apply_plan(view: CheckpointView, plan: LoadPlan) -> None:
     """Copy the plan into the engine (local; the caller re-gathers afterwards)."""
     total = sum(value.numel() * value.element_size() for _, value in plan.copies)
     bar = progress(total=total, desc="Loading checkpoint", unit="B", unit_scale=True) if total >= min_bytes() \
@@ -212,7 +212,7 @@ def apply_plan(engine: Any, plan: LoadPlan) -> None:
         if plan.zero3_params is not None:
             swapper = getattr(plan.hp, "swapper", None)
             with swapper.all_resident(True) if swapper is not None and plan.zero3_params else contextlib.nullcontext():
-                zero3_io.write_param_slices(engine, plan.zero3_params)   # frozen pieces of units with masters
+                zero3_io.write_param_slices(view, plan.zero3_params)   # frozen pieces of units with masters
     if plan.optimizer_state is not None:
         plan.hp.base.load_state_dict(plan.optimizer_state)
     if plan.hp is not None and plan.hp.swapper is not None:
@@ -220,10 +220,9 @@ def apply_plan(engine: Any, plan: LoadPlan) -> None:
     if plan.scaler_state is not None:
         plan.hp.wrapper.loss_scaler.load_state_dict(plan.scaler_state)
     if plan.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(plan.lr_scheduler)
+        view.lr_scheduler.load_state_dict(plan.lr_scheduler)
     if plan.counters is not None:
-        for key, value in plan.counters.items():
-            setattr(engine, key, value)
+        view.set_counters(plan.counters)
     if plan.rng is not None:
         set_rng_state(plan.rng)
 
@@ -251,7 +250,7 @@ def _apply_swapped_masters(plan: LoadPlan) -> None:
     hp.swapper.load_streamed(apply)
 
 
-def _plan_module(engine: Any, plan: LoadPlan, strict: bool) -> None:
+def _plan_module(view: CheckpointView, plan: LoadPlan, strict: bool) -> None:
     """Buffers and frozen parameters from the module state; trained parameters from fp32 masters.
 
     Names are checked first: a checkpoint of another model fails with the missing and the
@@ -260,7 +259,7 @@ def _plan_module(engine: Any, plan: LoadPlan, strict: bool) -> None:
     from ...module_inject.auto_ep_layer import local_expert_state
 
     reader, hp = plan.reader, plan.hp
-    module = engine.module
+    module = view.module
     with local_expert_state():   # AutoEP experts as this rank's parameters: no gather of whole tensors
         named_state = module.state_dict(keep_vars=True)
     expected = set(named_state.keys())
@@ -274,8 +273,8 @@ def _plan_module(engine: Any, plan: LoadPlan, strict: bool) -> None:
                                     f"missing {plan.missing}, unexpected {plan.unexpected}")
     trained = set(reader.param_names())
     named = dict(module.named_parameters())
-    zero3 = engine._stage3 is not None
-    shapes = zero3_io.param_shapes(engine) if zero3 else {n: p.shape for n, p in named.items()}
+    zero3 = view.stage3 is not None
+    shapes = zero3_io.param_shapes(view) if zero3 else {n: p.shape for n, p in named.items()}
     by_param = {id(p): n for n, p in named.items()}
     params: dict[str, torch.Tensor] = {}   # parameter values to write, by first name
     for name, tensor in named_state.items():

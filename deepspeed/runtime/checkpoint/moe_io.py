@@ -35,39 +35,40 @@ from ..engine_moe import moe_layers
 from ...checkpoint.constants import AUTOEP_LAYERS_KEY
 from . import moe_ds_ep
 from .autoep_io import autoep_params, drop_router_aliases, expert_entries, layer_metadata, module_rows, piece_in_whole
+from .view import CheckpointView
 
 EXPERT_RE = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")
 PIECES = "ds_moe_pieces"
 
 
 
-def is_moe_engine(engine: Any) -> bool:
+def is_moe_engine(view: CheckpointView) -> bool:
     """Expert parameters at ZeRO 0-2, or at ZeRO-3 with expert units on their expert-data-parallel
     groups (ep_size > 1; at ep_size=1 experts are ordinary parameters, named alike on every rank, and
     the usual ZeRO-3 layout holds them)."""
-    stage3 = getattr(engine, "_stage3", None)
-    return bool(getattr(engine, "_expert_comm", None)) and (stage3 is None or bool(stage3._param_groups))
+    stage3 = view.stage3
+    return bool(view.expert_comm) and (stage3 is None or bool(stage3._param_groups))
 
 
 def is_moe_checkpoint(path: str) -> bool:
     return bool(glob.glob(os.path.join(path, "layer_*_expert_*_model_states.pt")))
 
 
-def reads_moe(engine: Any, load_dir: str, tag: str) -> bool:
-    """Whether `engine` reads `load_dir/tag` with MoECheckpointReader: an MoE engine, or one with
+def reads_moe(view: CheckpointView, load_dir: str, tag: str) -> bool:
+    """Whether the engine of `view` reads `load_dir/tag` with MoECheckpointReader: an MoE engine, or one with
     experts at ZeRO-3 and ep_size=1 (the usual ZeRO-3 layout when it saves) loading an MoE checkpoint."""
     from ...checkpoint.files import tag_dir
 
-    if is_moe_engine(engine):
+    if is_moe_engine(view):
         return True
-    path = tag_dir(load_dir, tag) if getattr(engine, "_expert_comm", None) else None
+    path = tag_dir(load_dir, tag) if view.expert_comm else None
     return path is not None and is_moe_checkpoint(path)
 
 
-def global_names(engine: Any) -> dict[str, tuple[int, int, str]]:
+def global_names(view: CheckpointView) -> dict[str, tuple[int, int, str]]:
     """{local state-dict name of an expert tensor: (MoE layer id, global expert id, global name)}."""
     out = {}
-    for layer_id, (prefix, layer) in enumerate(moe_layers(engine.module)):
+    for layer_id, (prefix, layer) in enumerate(moe_layers(view.module)):
         ep_rank = groups._get_expert_parallel_rank(layer.expert_group_name)
         local = int(layer.num_local_experts)
         for name in layer.state_dict(keep_vars=True).keys():
@@ -75,8 +76,8 @@ def global_names(engine: Any) -> dict[str, tuple[int, int, str]]:
             if match:
                 expert = ep_rank * local + int(match.group(2))
                 out[match.group(0)] = (layer_id, expert, f"{match.group(1)}{expert}{match.group(3)}")
-    autoep = autoep_params(engine)   # AutoEP's fused experts: autoep_io.py
-    missing = [n for n, p in engine.module.named_parameters() if is_moe_param(p) and n not in out and n not in autoep]
+    autoep = autoep_params(view)   # AutoEP's fused experts: autoep_io.py
+    missing = [n for n, p in view.module.named_parameters() if is_moe_param(p) and n not in out and n not in autoep]
     if missing:
         from ..errors import NotSupportedYet
 
@@ -86,14 +87,14 @@ def global_names(engine: Any) -> dict[str, tuple[int, int, str]]:
     return out
 
 
-def pieces_state(engine: Any, hp: Any, renamed: dict[str, tuple[int, int, str]] | None = None,
+def pieces_state(view: CheckpointView, hp: Any, renamed: dict[str, tuple[int, int, str]] | None = None,
                  stream: bool = False) -> dict:
     """This rank's optimizer file content: its pieces under global names (no collective). With
     `stream` and NVMe-offloaded state each value is a StreamedTensor read from the swap files when
     the file is written ([Note: streamed checkpoint file]); `hp.streamed` says which it got."""
-    renamed = global_names(engine) if renamed is None else renamed
+    renamed = global_names(view) if renamed is None else renamed
     fields, step = hp.local_fields()
-    autoep = autoep_params(engine)
+    autoep = autoep_params(view)
     local = {n: tuple(s) for g in hp.groups for n, s in g}   # this rank's shapes (ZeRO-3: not the placeholders')
     hp.streamed = stream and hp.swapper is not None
     pieces = []
@@ -117,14 +118,14 @@ def pieces_state(engine: Any, hp: Any, renamed: dict[str, tuple[int, int, str]] 
             "loss_scaler": scaler.state_dict() if scaler is not None and hasattr(scaler, "state_dict") else None}
 
 
-def gather_for_save(engine: Any) -> dict[str, torch.Tensor] | None:
+def gather_for_save(view: CheckpointView) -> dict[str, torch.Tensor] | None:
     """ZeRO-3 (collective, every rank alike): the whole values, by state-dict name, of what this rank's
     files hold (rank 0: the dense parameters; the first rank of each expert-data-parallel group: its
     EP rank's experts); None below ZeRO-3, where the parameters are whole."""
     from ... import comm as ds_comm
     from .zero3_io import gathered_params
 
-    if getattr(engine, "_stage3", None) is None:
+    if view.stage3 is None:
         return None
     rank0 = ds_comm.get_rank() == 0
 
@@ -133,13 +134,13 @@ def gather_for_save(engine: Any) -> dict[str, torch.Tensor] | None:
             return rank0
         return groups._get_expert_data_parallel_rank(str(p.group_name)) == 0
 
-    gathered = gathered_params(engine, lambda p: True, keep=keep)
+    gathered = gathered_params(view, lambda p: True, keep=keep)
     with local_expert_state():
-        named = engine.module.state_dict(keep_vars=True)
+        named = view.module.state_dict(keep_vars=True)
     return {k: gathered[id(v)] for k, v in named.items() if id(v) in gathered}
 
 
-def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool, snapshot: bool,
+def save_entries(view: CheckpointView, hp: Any, client_state: dict, exclude_frozen: bool, snapshot: bool,
                  gathered: dict[str, torch.Tensor] | None = None) -> list:
     """This rank's files of an MoE checkpoint ([Note: MoE checkpoint layout]), as (name, object);
     `gathered`: gather_for_save's values at ZeRO-3."""
@@ -149,71 +150,69 @@ def save_entries(engine: Any, hp: Any, client_state: dict, exclude_frozen: bool,
     from .writer import model_states
 
     from . import ep_tp_io
-    from .writer import dp_rank, mp_rank
 
-    renamed = global_names(engine)
-    autoep = autoep_params(engine)
+    renamed = global_names(view)
+    autoep = autoep_params(view)
     entries: list = []
-    mp, dp, dp_size = mp_rank(engine), dp_rank(engine), engine.seq_dp_world_size   # [Note: EP x TP checkpoint layout]
+    mp, dp, dp_size = view.mp_rank, view.dp_rank, view.dp_world_size   # [Note: EP x TP checkpoint layout]
     if (ds_comm.get_rank() if gathered is not None else dp) == 0:
         frozen = None if gathered is None else {   # ZeRO-3: whole frozen values, saved as at ZeRO 1-2
-            n: gathered[n] for n, p in engine.module.named_parameters() if not p.requires_grad and n in gathered}
+            n: gathered[n] for n, p in view.module.named_parameters() if not p.requires_grad and n in gathered}
         with local_expert_state():   # rank 0 only: AutoEP's state_dict must not gather here
-            state = model_states(engine, hp, client_state, exclude_frozen, True, zero3_frozen=frozen,
+            state = model_states(view, hp, client_state, exclude_frozen, True, zero3_frozen=frozen,
                                  snapshot=snapshot)
         state["module"] = {k: (gathered or {}).get(k, v) for k, v in state["module"].items()
                            if k not in renamed and k not in autoep}
         if state.get("param_shapes"):
             state["param_shapes"] = [type(g)((n, s) for n, s in g.items() if n not in renamed and n not in autoep)
                                      for g in state["param_shapes"]]
-        state["num_experts"] = list(engine.num_experts)
+        state["num_experts"] = list(view.num_experts)
         if autoep:
-            state[AUTOEP_LAYERS_KEY] = layer_metadata(engine)
-        if ep_tp_io.tensor_size(engine) > 1:
-            ep_tp_io.model_record(engine, state, dp, dp_size)
+            state[AUTOEP_LAYERS_KEY] = layer_metadata(view)
+        if ep_tp_io.tensor_size(view) > 1:
+            ep_tp_io.model_record(view, state, dp, dp_size)
         entries.append((files.model_file(mp), state))
     with local_expert_state():
-        module_state = engine.module.state_dict() if gathered is None else gathered
-    layers = [m for _, m in moe_layers(engine.module)]
+        module_state = view.module.state_dict() if gathered is None else gathered
+    layers = [m for _, m in moe_layers(view.module)]
     by_expert: dict[tuple[int, int], dict] = {}
     for local, (layer_id, expert, name) in renamed.items():
         if groups._get_expert_data_parallel_rank(layers[layer_id].expert_group_name) == 0:
-            by_expert.setdefault((layer_id, expert), ep_tp_io.expert_record(engine, layers[layer_id]))[name] = \
+            by_expert.setdefault((layer_id, expert), ep_tp_io.expert_record(view, layers[layer_id]))[name] = \
                 module_state[local].detach().cpu().clone()
     entries += [(expert_file(layer_id, expert, mp), sd) for (layer_id, expert), sd in sorted(by_expert.items())]
-    entries += [(expert_file(*layer_expert, mp), {**ep_tp_io.expert_record(engine, layers[layer_expert[0]]), **sd})
-                for layer_expert, sd in expert_entries(engine, autoep, gathered)]
+    entries += [(expert_file(*layer_expert, mp), {**ep_tp_io.expert_record(view, layers[layer_expert[0]]), **sd})
+                for layer_expert, sd in expert_entries(view, autoep, gathered)]
     if hp is None:
         return entries
-    pieces = pieces_state(engine, hp, renamed, stream=hp.streamed)
-    if engine.zero_optimization_stage() > 0:
-        optim = {"optimizer_state_dict": pieces, "ds_config": engine.config, "ds_version": __version__,
-                 **ep_tp_io.optimizer_record(engine, dp, dp_size)}
-        entries.append((files.optim_file(dp, bf16=engine.bfloat16_enabled(), mp_rank=mp),
+    pieces = pieces_state(view, hp, renamed, stream=hp.streamed)
+    if view.zero_stage > 0:
+        optim = {"optimizer_state_dict": pieces, "ds_config": view.ds_config, "ds_version": __version__,
+                 **ep_tp_io.optimizer_record(view, dp, dp_size)}
+        entries.append((files.optim_file(dp, bf16=view.bf16, mp_rank=mp),
                         files.Streamed(optim) if hp.streamed else optim))
     else:
-        layer = engine.moe_layers[0] if engine.moe_layers else None
+        layer = view.moe_layers[0] if view.moe_layers else None
         name = layer.expert_group_name if layer is not None else f"ep_size_{groups._get_max_expert_size()}"
         if groups._get_expert_data_parallel_rank(name) == 0:
             entries.append((expp_file(groups._get_expert_parallel_rank(name), mp),
                             {"optimizer": hp.base.state_dict(), **pieces,
-                             **(ep_tp_io.expert_record(engine, layer) if layer is not None else {})}))
+                             **(ep_tp_io.expert_record(view, layer) if layer is not None else {})}))
     return entries
 
 
-def moe_reader(engine: Any, load_dir: str, tag: str) -> Any:
+def moe_reader(view: CheckpointView, load_dir: str, tag: str) -> Any:
     """The reader of a MoE-layout tag: MoECheckpointReader, or at another EP x TP layout than the one that
     saved it the tag joined whole (checkpoint/moe_to_universal.JoinedReader, a universal checkpoint's view,
     which the loader cuts as one: [Note: EP x TP checkpoint layout])."""
     from ...checkpoint.files import tag_dir
     from ...checkpoint.moe_to_universal import JoinedReader
     from . import ep_tp_io
-    from .writer import mp_rank
 
     path = tag_dir(load_dir, tag)
-    if path is not None and ep_tp_io.other_layout(engine, path, mp_rank(engine)):
+    if path is not None and ep_tp_io.other_layout(view, path, view.mp_rank):
         return JoinedReader(path, tag)
-    return MoECheckpointReader(engine, load_dir, tag)
+    return MoECheckpointReader(view, load_dir, tag)
 
 
 def _segments(pieces: list[tuple[int, int, torch.Tensor]], lo: int, hi: int) -> Any:
@@ -233,15 +232,14 @@ class MoECheckpointReader(CheckpointReader):
     """A MoE checkpoint as this rank's model sees it: values under its LOCAL names (its experts' global
     ids mapped back), so the usual loader reads the slices this rank owns, each when it asks for it."""
 
-    def __init__(self, engine: Any, load_dir: str, tag: str) -> None:
+    def __init__(self, view: CheckpointView, load_dir: str, tag: str) -> None:
         from ...checkpoint.files import model_file, tag_dir
         from . import ep_tp_io
-        from .writer import mp_rank
 
         path = tag_dir(load_dir, tag)
         if path is None:
             raise CheckpointError(f"checkpoint tag {tag!r} not found in {load_dir} (no directory {tag})")
-        mp, tp = mp_rank(engine), ep_tp_io.tensor_size(engine)   # [Note: EP x TP checkpoint layout]
+        mp, tp = view.mp_rank, ep_tp_io.tensor_size(view)   # [Note: EP x TP checkpoint layout]
         self.path, self.tag, self.mp_rank = path, tag, mp
         self.universal, self.stage, self.rank_files, self.zero_states = False, 0, [], []
         self.optimizer_state: list = []
@@ -249,11 +247,11 @@ class MoECheckpointReader(CheckpointReader):
         own = os.path.join(path, model_file(mp))
         source = own if os.path.isfile(own) else os.path.join(path, model_file(0))   # (its layout names the refusal)
         self.model_states = self._load(source)
-        ep_tp_io.check_layout(engine, path, self.model_states)
+        ep_tp_io.check_layout(view, path, self.model_states)
         if source != own:   # same layout but no file of this tensor rank: load_file names it
             self.model_states = self._load(own)
         self._fragment_cache, self._parts = {}, {}
-        renamed = global_names(engine)
+        renamed = global_names(view)
         module = dict(self.model_states.get("module") or {})
         for local, (layer_id, expert, name) in renamed.items():
             source = ep_tp_io.expert_source(path, layer_id, expert, mp)
@@ -264,7 +262,7 @@ class MoECheckpointReader(CheckpointReader):
             if name not in saved:
                 raise CheckpointError(f"{source} has no {name!r} (it holds {sorted(saved)})")
             module[local] = saved[name]
-        autoep = autoep_params(engine)
+        autoep = autoep_params(view)
         # AutoEP's local expert rows stay in the mapped files: stacked only if asked for (frozen, module-only)
         self._rows = module_rows(path, autoep, mp)
         module.update({n: torch.empty((len(r),) + tuple(r[0].shape), dtype=r[0].dtype, device="meta")
@@ -291,7 +289,7 @@ class MoECheckpointReader(CheckpointReader):
         self._ds_optimizer = None
         states = [self._load(source) for source in found]
         if states and not any(PIECES in s.get("optimizer_state_dict", s) for s in states):
-            self._ds_optimizer, self._ds_ep = _deepspeed_optimizer(engine, path, found, states), _ep_layout(engine)
+            self._ds_optimizer, self._ds_ep = _deepspeed_optimizer(view, path, found, states), _ep_layout(view)
             self._full = {"fp32": self._module_values(module)}
             return
         for source, state in zip(found, states):
@@ -324,7 +322,7 @@ class MoECheckpointReader(CheckpointReader):
         self._set_groups([shapes] if shapes else [{}])
         if not found:   # module weights only: every parameter from the module state
             self._full["fp32"] = self._module_values(module)
-            self._set_groups([{n: t.shape for n, t in module.items() if n in dict(engine.module.named_parameters())}])
+            self._set_groups([{n: t.shape for n, t in module.items() if n in dict(view.module.named_parameters())}])
 
     def _module_values(self, module: dict) -> dict[str, torch.Tensor]:
         return {n: self.module_tensor(n) if n in self._rows else t for n, t in module.items()}
@@ -402,7 +400,7 @@ class MoECheckpointReader(CheckpointReader):
         self._set_groups([shapes])
 
 
-def _deepspeed_optimizer(engine: Any, path: str, found: list[str], states: list[dict]) -> dict:
+def _deepspeed_optimizer(view: CheckpointView, path: str, found: list[str], states: list[dict]) -> dict:
     """The torch optimizer states of DeepSpeed's own stage-0 MoE checkpoint by saved EP rank (`expp_rank_<ep>_...`:
     `{'optimizer': state_dict}`); its ZeRO MoE files are not read here."""
     expp = {int(re.search(r"expp_rank_(\d+)_", os.path.basename(f)).group(1)): s
@@ -413,12 +411,12 @@ def _deepspeed_optimizer(engine: Any, path: str, found: list[str], states: list[
     return {e: s["optimizer"] for e, s in expp.items()}
 
 
-def _ep_layout(engine: Any) -> tuple:
+def _ep_layout(view: CheckpointView) -> tuple:
     """(ep_size, ep_rank, the expert renaming, experts per MoE layer, each layer's ep_size): what maps
-    DeepSpeed's optimizer positions to this engine's parameters at its ep_size or another."""
-    name = engine.moe_layers[0].expert_group_name if engine.moe_layers else f"ep_size_{groups._get_max_expert_size()}"
-    return (groups._get_expert_parallel_world_size(name), groups._get_expert_parallel_rank(name), global_names(engine),
-            [int(n) for n in engine.num_experts], [int(m.ep_size) for m in engine.moe_layers])
+    DeepSpeed's optimizer positions to this view's parameters at its ep_size or another."""
+    name = view.moe_layers[0].expert_group_name if view.moe_layers else f"ep_size_{groups._get_max_expert_size()}"
+    return (groups._get_expert_parallel_world_size(name), groups._get_expert_parallel_rank(name), global_names(view),
+            [int(n) for n in view.num_experts], [int(m.ep_size) for m in view.moe_layers])
 
 
 class GlobalNamedReader:
@@ -459,26 +457,26 @@ class GlobalNamedReader:
         self.reader.bind_replicated_names(*args, **kwargs)
 
 
-def universal_reader(engine: Any, reader: Any) -> Any:
+def universal_reader(view: CheckpointView, reader: Any) -> Any:
     """`reader` (a universal checkpoint) under this rank's local expert names (deepspeed.moe layers), its
-    param groups as this engine's optimizer has them (source_param_groups)."""
-    renamed = global_names(engine) if getattr(engine, "_expert_comm", None) else {}
+    param groups as this view's optimizer has them (source_param_groups)."""
+    renamed = global_names(view) if view.expert_comm else {}
     out = GlobalNamedReader(reader, renamed) if renamed else reader
-    optimizer = getattr(engine, "optimizer", None)
+    optimizer = view.optimizer
     count = len(getattr(optimizer, "param_groups", None) or [])
     saved = list(reader.param_groups or [])
     if count and saved and len(saved) != count:
         out.param_groups = source_param_groups(saved, count)
     module = reader.model_states.get("module") or {}
-    kept = drop_router_aliases(engine, module)
+    kept = drop_router_aliases(view, module)
     if len(kept) != len(module):
         out.model_states = dict(reader.model_states, module=kept)
     return out
 
 
 def source_param_groups(saved: list[dict], count: int) -> list[dict]:
-    """The `count` groups an engine that did not split its optimizer groups by expert group had, from groups
-    written split as upstream's AutoEP engine does (its dense groups first, then `moe` copies: the copies
+    """The `count` groups an view that did not split its optimizer groups by expert group had, from groups
+    written split as upstream's AutoEP view does (its dense groups first, then `moe` copies: the copies
     hold the same hyperparameters); other lists are returned as they are (the loader names the mismatch)."""
     dense = [g for g in saved if not g.get("moe")]
     return dense if len(dense) == count and len(dense) < len(saved) else saved

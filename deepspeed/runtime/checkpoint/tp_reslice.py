@@ -36,6 +36,7 @@ from ...checkpoint import affine, files
 from ...checkpoint.affine import ParamAffineMap
 from ...checkpoint.tp_maps import saved_map, split_map
 from ...checkpoint.reader import CheckpointReader, checks_then_copies
+from .view import CheckpointView
 
 
 @dataclass(frozen=True)
@@ -243,20 +244,20 @@ def saved_layout(load_dir: str, tag: str, mp: int = 0, dp: int = 0) -> tuple[str
     return path, None, None
 
 
-def resliced_reader(engine: Any, load_dir: str, tag: str, saved_tp: int, states: dict,
+def resliced_reader(view: CheckpointView, load_dir: str, tag: str, saved_tp: int, states: dict,
                     new_index: int) -> TPReslicedReader:
     """The reader that moves a TP=`saved_tp` checkpoint to this run's tensor-parallel layout."""
     from ...module_inject.layers import tensor_parallel_size
     from .writer import _tp_partition_dims
 
-    new_tp = tensor_parallel_size(engine.module)
+    new_tp = tensor_parallel_size(view.module)
     path = files.tag_dir(load_dir, tag)
     dims, blocks = dict(states.get("tp_partition_dims") or {}), dict(states.get("tp_sub_param_sizes") or {})
     if not dims and saved_tp > 1:   # DeepSpeed 0.19.8's AutoTP files: dims and fused blocks from its name patterns
         from ...checkpoint.ds_to_universal import _dims_from_patterns
 
         dims, blocks = _dims_from_patterns(states)
-    own_dims, own_blocks = _tp_partition_dims(engine.module)
+    own_dims, own_blocks = _tp_partition_dims(view.module)
     if new_tp > 1 and saved_tp > 1 and (own_dims != dims or own_blocks != blocks):
         raise files.CheckpointError(
             f"{path} was saved at tensor-parallel size {saved_tp} with another partitioning than this run's "
@@ -271,7 +272,7 @@ def resliced_reader(engine: Any, load_dir: str, tag: str, saved_tp: int, states:
     return TPReslicedReader(readers, dims, blocks, new_tp, new_index)
 
 
-def engine_tensor_layout(engine: Any) -> tuple[int, int, dict[str, int], dict[str, list[int]]]:
+def engine_tensor_layout(view: CheckpointView) -> tuple[int, int, dict[str, int], dict[str, list[int]]]:
     """(tensor-parallel size, this rank's index, {name: partition dim}, {name: fused blocks}) of the running
     engine, from its AutoTP layers or, without them, from its Megatron-style layers' `partition_dim` tags on
     the pipeline grid's slice group or the client mpu's tensor group. A tag without a usable partition dim
@@ -279,18 +280,18 @@ def engine_tensor_layout(engine: Any) -> tuple[int, int, dict[str, int], dict[st
     from ...module_inject.layers import tp_layers
     from .writer import _megatron_partition_dims, _tp_partition_dims
 
-    dims, blocks = _tp_partition_dims(engine.module)
-    layers = tp_layers(engine.module)
+    dims, blocks = _tp_partition_dims(view.module)
+    layers = tp_layers(view.module)
     if layers:
         return layers[0].tp_world_size, layers[0].tp_index, dims, blocks
-    grid, mpu = getattr(engine, "grid", None), getattr(engine, "mpu", None)
+    grid, mpu = view.grid, view.mpu
     if grid is not None:
         size, index = grid.get_slice_parallel_world_size(), grid.get_slice_parallel_rank()
     elif mpu is not None and hasattr(mpu, "get_tensor_model_parallel_world_size"):
         size, index = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     else:
         return 1, 0, {}, {}
-    tagged = _megatron_partition_dims(engine.module)
+    tagged = _megatron_partition_dims(view.module)
     unknown = sorted(n for n, d in tagged.items() if d is None)
     if size > 1 and unknown:
         raise files.CheckpointError(f"parameters {unknown} are tagged tensor_model_parallel without a partition_dim "
@@ -299,16 +300,16 @@ def engine_tensor_layout(engine: Any) -> tuple[int, int, dict[str, int], dict[st
     return int(size), int(index), {n: d for n, d in tagged.items() if d is not None}, {}
 
 
-def universal_cut_reader(engine: Any, reader: Any) -> Any:
+def universal_cut_reader(view: CheckpointView, reader: Any) -> Any:
     """A universal checkpoint holds whole values (TP=1): at tensor-parallel size > 1 (AutoTP or Megatron-style
     layers, with or without a pipeline) each rank reads its own slice of them through the TP=1 -> TP=t plan,
     and under AutoEP (with or without tensor parallelism: its experts are whole on each rank) each fused expert
     tensor's rows of this rank's experts (dim 0 cut ep_size ways); at TP=1 without AutoEP the reader itself."""
     from .autoep_io import autoep_params
 
-    size, index, dims, blocks = engine_tensor_layout(engine)
+    size, index, dims, blocks = engine_tensor_layout(view)
     cut = reader if size == 1 else TPReslicedReader([reader], dims, blocks, size, index)
-    experts = autoep_params(engine)
+    experts = autoep_params(view)
     if not experts:
         return cut
     layers = [layer for _, layer in experts.values()]

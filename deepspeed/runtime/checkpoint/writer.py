@@ -23,16 +23,17 @@ from ... import comm as ds_comm
 from ...checkpoint.description import FRAGMENTS_KEY, Description
 from ...version import __version__
 from .hp_state import HpState, upstream_scaler  # noqa: F401 (upstream_scaler: re-exported)
+from .view import CheckpointView
 from .zero3_io import param_shapes
 
 
-def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_frozen: bool,
+def model_states(view: CheckpointView, hp: HpState | None, client_state: dict, exclude_frozen: bool,
                  partitioned: bool, zero3_frozen: dict | None = None, snapshot: bool = False) -> dict:
     """The model-states dictionary (DeepSpeed's keys, then the client's). At stage 3 parameters
     are released placeholders (saved empty, as DeepSpeed does) and `zero3_frozen` holds this
     rank's pieces of the frozen ones (zero3_io.frozen_fragments). With `snapshot` no tensor in it
     aliases state that training changes (for a background write)."""
-    module = engine.module
+    module = view.module
     frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
     copies: dict[tuple, torch.Tensor] = {}  # tied weights stay one tensor (one storage) in the file
     state = {k: own_storage(v, copies, snapshot) for k, v in module.state_dict().items()
@@ -42,10 +43,10 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
         state = {k: v.new_empty(0) if k in params else v for k, v in state.items()}
     buffers = [n for n, _ in _persistent_buffers(module)]
     shared = _shared_params(module)
-    zero_frozen = engine.zero_optimization_stage() >= 2 and not exclude_frozen
+    zero_frozen = view.zero_stage >= 2 and not exclude_frozen
     named = dict(module.named_parameters())
     if zero3_frozen is not None:
-        shapes = param_shapes(engine)
+        shapes = param_shapes(view)
         frozen_shapes = OrderedDict((n, shapes[n]) for n in named if n in frozen) if zero_frozen else None
         frozen_fragments = zero3_frozen if zero_frozen else None
     else:
@@ -54,24 +55,24 @@ def model_states(engine: Any, hp: HpState | None, client_state: dict, exclude_fr
         frozen_fragments = OrderedDict((n, own_storage(named[n], copies, snapshot)) for n in ordered) \
             if zero_frozen else None
     out = dict(
-        module=None if getattr(engine, "pipeline_parallelism", False) else state,   # pipelines: layer files
+        module=None if view.pipeline else state,   # pipelines: layer files
         buffer_names=buffers,
         optimizer=_optimizer_state_dict(hp.base, snapshot) if hp is not None and not partitioned else None,
         param_shapes=[OrderedDict((n, s) for n, s in g) for g in hp.groups] if hp is not None else None,
         frozen_param_shapes=frozen_shapes,
         shared_params=shared,
         frozen_param_fragments=frozen_fragments,
-        lr_scheduler=copy.deepcopy(engine.lr_scheduler.state_dict()) if engine.lr_scheduler is not None and
-        hasattr(engine.lr_scheduler, "state_dict") else None,
+        lr_scheduler=copy.deepcopy(view.lr_scheduler.state_dict()) if view.lr_scheduler is not None and
+        hasattr(view.lr_scheduler, "state_dict") else None,
         data_sampler=None,
         random_ltd=None,
         sparse_tensor_module_names=set(),
-        skipped_steps=engine.skipped_steps,
-        global_steps=engine.global_steps,
-        global_samples=engine.global_samples,
-        dp_world_size=engine.seq_dp_world_size,
-        mp_world_size=getattr(engine, "mp_world_size", 1),
-        ds_config=engine.config,
+        skipped_steps=view.counters.skipped_steps,
+        global_steps=view.counters.global_steps,
+        global_samples=view.counters.global_samples,
+        dp_world_size=view.dp_world_size,
+        mp_world_size=view.mp_world_size,
+        ds_config=view.ds_config,
         ds_version=__version__,
         ds_layout=None,   # engine_io: the optimizer-state files' description ([Note: a checkpoint describes itself])
     )
@@ -145,14 +146,15 @@ def _shared_params(module: torch.nn.Module) -> dict[str, str]:
     return shared
 
 
-def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int, later: list | None = None,
-                                fields_step: tuple | None = None, stream: bool = False) -> dict:
+def partitioned_optimizer_state(view: CheckpointView, hp: HpState, rank: int, world: int,
+                                later: list | None = None, fields_step: tuple | None = None,
+                                stream: bool = False) -> dict:
     """Rank `rank`'s `optimizer_state_dict` in DeepSpeed's ZeRO-1/2 layout (collective under ZeRO);
     `later`: see HpState.recut_fields; `fields_step`: HpState.agreed_fields(), when already known;
     `stream`: NVMe-offloaded state as StreamedTensors where it can (HpState.recut)."""
     described = Description.of(hp.groups, world, zero3=False)   # [Note: a checkpoint describes itself]
     layouts = described.partitions
-    fields, step = fields_step if fields_step is not None else hp.agreed_fields(engine.seq_data_parallel_group)
+    fields, step = fields_step if fields_step is not None else hp.agreed_fields(view.dp_group)
     # DeepSpeed stores the fp32 slices without their end padding, the optimizer states with it
     parts = hp.recut(["fp32"] + fields, layouts, rank, strip_padding={"fp32"}, later=later, stream=stream)
     paddings = [layout.padding(rank) for layout in layouts]
@@ -175,7 +177,7 @@ def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int,
         "loss_scaler": upstream_scaler(wrapper.loss_scaler),
         "dynamic_loss_scale": bool(wrapper.loss_scaler.dynamic),
         "overflow": bool(getattr(wrapper, "overflow", False)),
-        "clip_grad": float(engine.gradient_clipping()),
+        "clip_grad": float(view.gradient_clipping),
         "base_optimizer_state": {"state": base_state, "param_groups": param_groups},
         "single_partition_of_fp32_groups": parts["fp32"],
         "group_paddings": paddings,
@@ -184,10 +186,10 @@ def partitioned_optimizer_state(engine: Any, hp: HpState, rank: int, world: int,
         "param_slice_mappings": slice_mappings,
         FRAGMENTS_KEY: described.record(rank),
     }
-    if engine.zero_optimization_stage() > 0:
+    if view.zero_stage > 0:
         from ..zero.config import ZeroStageEnum
 
-        state["zero_stage"] = ZeroStageEnum(engine.zero_optimization_stage())
+        state["zero_stage"] = ZeroStageEnum(view.zero_stage)
         state["param_alignment_paddings"] = [[0] * len(g) for g in hp.groups]
     return state
 
@@ -277,19 +279,3 @@ def _megatron_partition_dims(module: Any) -> dict[str, int | None]:
             out[name] = int(dim) if dim is not None and stride == 1 else None
     return out
 
-
-def dp_rank(engine: Any) -> int:
-    return ds_comm.get_rank(engine.seq_data_parallel_group)
-
-
-def mp_rank(engine: Any) -> int:
-    """The `mp_rank_XX` of this rank's files: its position among the ranks holding the other parts
-    of its model replica (a pipeline stage's index), 0 without model parallelism (upstream's rule)."""
-    mpu = getattr(engine, "mpu", None)
-    # ALST's mpu names its sequence group "model parallel", but those ranks share weights
-    if mpu is None or hasattr(mpu, "initialize_sequence_parallel"):
-        split = getattr(engine, "_split", None)   # AutoTP (also with ALST): the tensor rank writes its slices,
-        return split.tensor_rank if split is not None else 0   # as upstream's mp_rank_XX files
-    if not hasattr(mpu, "get_model_parallel_rank"):
-        return 0
-    return int(mpu.get_model_parallel_rank())

@@ -21,19 +21,20 @@ import torch
 
 from ...checkpoint.description import FRAGMENTS_KEY, Description
 from .hp_state import HpState, upstream_scaler
+from .view import CheckpointView
 
 
-def param_shapes(engine: Any) -> dict[str, torch.Size]:
+def param_shapes(view: CheckpointView) -> dict[str, torch.Size]:
     """Full shape of every parameter by (first) name; ZeRO-3 parameters are released placeholders."""
-    return {n: s for u in engine._stage3.units for n, s in zip(u.spec.param_names, u.shapes)}
+    return {n: s for u in view.stage3.units for n, s in zip(u.spec.param_names, u.shapes)}
 
 
-def frozen_fragments(engine: Any, rank: int, world: int) -> OrderedDict:
+def frozen_fragments(view: CheckpointView, rank: int, world: int) -> OrderedDict:
     """{frozen parameter name: this rank's paramwise piece}, in module order: the pieces the
     units hold (no communication) when they are sharded over the `world` ranks the file is for,
     else cut from one gathered unit at a time (collective: every rank, in unit order)."""
     pieces: dict[str, torch.Tensor] = {}
-    for unit in engine._stage3.units:
+    for unit in view.stage3.units:
         trained = set(unit.trainable)
         frozen = [i for i in range(len(unit.params)) if i not in trained]
         if not frozen:
@@ -50,11 +51,11 @@ def frozen_fragments(engine: Any, rank: int, world: int) -> OrderedDict:
             piece[:mine.numel()].copy_(mine)
             pieces[unit.spec.param_names[i]] = piece
         del full
-    order = [n for n, _ in engine.module.named_parameters()]
+    order = [n for n, _ in view.module.named_parameters()]
     return OrderedDict((n, pieces[n]) for n in order if n in pieces)
 
 
-def optimizer_state(engine: Any, hp: HpState, rank: int, world: int, later: list | None = None,
+def optimizer_state(view: CheckpointView, hp: HpState, rank: int, world: int, later: list | None = None,
                     fields_step: tuple | None = None, stream: bool = False) -> dict:
     """Rank `rank`'s `optimizer_state_dict` in DeepSpeed's ZeRO-3 layout (collective): per param
     group one fp32 flat (`fp32_flat_groups`, padding included) and its base optimizer state;
@@ -62,7 +63,7 @@ def optimizer_state(engine: Any, hp: HpState, rank: int, world: int, later: list
     `stream`: see writer.partitioned_optimizer_state."""
     described = Description.of(hp.groups, world, zero3=True)   # [Note: a checkpoint describes itself]
     layouts = described.partitions
-    fields, step = fields_step if fields_step is not None else hp.agreed_fields(engine.seq_data_parallel_group)
+    fields, step = fields_step if fields_step is not None else hp.agreed_fields(view.dp_group)
     parts = hp.recut(["fp32"] + fields, layouts, rank, later=later, stream=stream)
     base_state = {}
     for g in range(len(layouts)):
@@ -85,13 +86,13 @@ def stage3_header(hp: HpState, world: int) -> dict:
             "partition_count": world}
 
 
-def write_param_slices(engine: Any, values: dict[str, torch.Tensor]) -> None:
+def write_param_slices(view: CheckpointView, values: dict[str, torch.Tensor]) -> None:
     """Write full values (by parameter name) into this rank's slice of their units, and of the
     units' fp32 masters when an optimizer trains them (local; the caller then re-gathers the
     persistent units with `engine._stage3.after_shard_update()`)."""
-    masters = {id(um.unit): um.master for um in getattr(engine.optimizer, "units", [])}
+    masters = {id(um.unit): um.master for um in getattr(view.optimizer, "units", [])}
     with torch.no_grad():
-        for unit in engine._stage3.units:
+        for unit in view.stage3.units:
             master = masters.get(id(unit))
             for f in unit.partition.fragments(unit.rank):
                 value = values.get(unit.spec.param_names[f.index])
@@ -103,7 +104,7 @@ def write_param_slices(engine: Any, values: dict[str, torch.Tensor]) -> None:
                     master[f.shard_start:f.shard_start + f.numel].copy_(piece)
 
 
-def gathered_params(engine: Any, wanted: Any, keep: Any = None, whole: Any = None) -> dict[int, torch.Tensor]:
+def gathered_params(view: CheckpointView, wanted: Any, keep: Any = None, whole: Any = None) -> dict[int, torch.Tensor]:
     """{id(parameter): its full value, on the host} for each parameter `wanted(p)` (the same answer on
     every rank) that `keep(p)` (default: all) wants on this rank. Collective: every unit holding a
     wanted parameter is gathered once, in unit order, over its own group (an expert unit over its
@@ -111,7 +112,7 @@ def gathered_params(engine: Any, wanted: Any, keep: Any = None, whole: Any = Non
     too: a tensor- or expert-parallel slice made whole) runs on every rank; each gathered unit is dropped
     at once, so the extra memory is one unit plus what is kept."""
     out: dict[int, torch.Tensor] = {}
-    for unit in engine._stage3.units:  # unit order: the same collectives on every rank
+    for unit in view.stage3.units:  # unit order: the same collectives on every rank
         if not any(wanted(p) for p in unit.params):
             continue
         full = unit.gather_full(unit.shard)

@@ -35,6 +35,7 @@ import torch
 
 from ...checkpoint.files import CheckpointError, load_file, tag_dir
 from ...checkpoint.reader import CheckpointReader, is_universal
+from ..checkpoint.view import CheckpointView
 
 
 _LAYER_SLICE = re.compile(r"layer_\d+-model_(\d+)-model_states\.pt$")   # a layer's file of one tensor rank
@@ -115,46 +116,45 @@ class MergedReader:
         self._index()
 
 
-def checkpoint_reader(engine: Any, load_dir: str, tag: str) -> Any:
-    """The reader for this stage: its own files when the stage count is unchanged, else merged."""
-    from ..checkpoint.writer import mp_rank
-
+def checkpoint_reader(view: CheckpointView, load_dir: str, tag: str) -> Any:
+    """The reader for this stage: its own files when the stage count is unchanged, else merged (the
+    pipeline engine's `reader_factory`: [Note: checkpoint view])."""
     path = tag_dir(load_dir, tag)
     if path is None:
         raise CheckpointError(f"checkpoint tag {tag!r} not found in {load_dir} (no directory {tag})")
-    module_state = module_state_from_layers(engine.module, path)
+    module_state = module_state_from_layers(view.module, path)
     saved = saved_stage_count(path)
-    wanted = set(engine.module.state_dict().keys())
+    wanted = set(view.module.state_dict().keys())
     if is_universal(path):   # one mp_rank file per stage, whole values (the loader cuts tensor slices)
         module_state = module_state or None   # no layer files: the module entries of the model states
-        if saved == engine.num_stages:
-            return CheckpointReader(load_dir, tag, mp_rank=engine.stage_id, module_state=module_state)
+        if saved == view.num_stages:
+            return CheckpointReader(load_dir, tag, mp_rank=view.stage_id, module_state=module_state)
         return MergedReader([CheckpointReader(load_dir, tag, mp_rank=m, module_state=module_state)
                              for m in range(saved)], wanted)
-    tp, tp_rank = engine.grid.get_slice_parallel_world_size(), engine.grid.get_slice_parallel_rank()
+    tp, tp_rank = view.grid.get_slice_parallel_world_size(), view.grid.get_slice_parallel_rank()
     saved_tp = saved_tensor_size(path)
     stages = saved // saved_tp
-    if stages == engine.num_stages and saved_tp == tp:
-        return CheckpointReader(load_dir, tag, mp_rank=mp_rank(engine), module_state=module_state)
+    if stages == view.num_stages and saved_tp == tp:
+        return CheckpointReader(load_dir, tag, mp_rank=view.mp_rank, module_state=module_state)
     # [Note: pipeline x tensor checkpoints at another layout]: per saved stage, this tensor rank's files
     # (or every saved tensor rank's, re-sliced); each saved stage's files name only its own parameters
     if saved_tp == tp:
         readers = [CheckpointReader(load_dir, tag, mp_rank=s * saved_tp + tp_rank, module_state=module_state)
                    for s in range(stages)]
     else:
-        readers = [_resliced_stage(engine, load_dir, tag, path, s, saved_tp) for s in range(stages)]
+        readers = [_resliced_stage(view, load_dir, tag, path, s, saved_tp) for s in range(stages)]
     return MergedReader(readers, wanted)
 
 
-def _resliced_stage(engine: Any, load_dir: str, tag: str, path: str, stage: int, saved_tp: int) -> Any:
+def _resliced_stage(view: CheckpointView, load_dir: str, tag: str, path: str, stage: int, saved_tp: int) -> Any:
     """Saved stage `stage`'s parameters cut to this rank's tensor slices (the TP re-slicing reader over the
     stage's `saved_tp` file sets, with the partition dims they record)."""
     from ..checkpoint.tp_reslice import TPReslicedReader, engine_tensor_layout
     from ..checkpoint.writer import MEGATRON_TP_DIMS
 
-    tp, index, own_dims, own_blocks = engine_tensor_layout(engine)
+    tp, index, own_dims, own_blocks = engine_tensor_layout(view)
     readers = [CheckpointReader(load_dir, tag, mp_rank=stage * saved_tp + t,
-                                module_state=module_state_from_layers(engine.module, path, tensor_rank=t))
+                                module_state=module_state_from_layers(view.module, path, tensor_rank=t))
                for t in range(saved_tp)]
     states = readers[0].model_states
     dims = {**(states.get("tp_partition_dims") or {}),

@@ -483,10 +483,11 @@ class PipelineEngine(DeepSpeedEngine):
 
         return layer_files(self.module)
 
-    def _checkpoint_reader(self, load_dir: str, tag: str) -> Any:
+    def _checkpoint_reader(self, view: Any, load_dir: str, tag: str) -> Any:
+        """The view's `reader_factory` ([Note: checkpoint view]): this stage's reader."""
         from .checkpoint import checkpoint_reader
 
-        return checkpoint_reader(self, load_dir, tag)
+        return checkpoint_reader(view, load_dir, tag)
 
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> None:
