@@ -192,6 +192,17 @@ class EngineAccessors:
             return os.path.join(checkpoints_path, str(tag), f"zero_pp_rank_{dp}_mp_rank_{mp}_model_states.pt")
         return os.path.join(checkpoints_path, str(tag), f"mp_rank_{mp}_model_states.pt")
 
+    def _get_zero_param_shapes(self) -> list:
+        """Upstream's: per optimizer param group, {parameter name: full shape} of the trained
+        parameters in the order the checkpoint files flatten them (their `param_shapes`)."""
+        from collections import OrderedDict
+
+        from .checkpoint.hp_state import HpState
+
+        if not self._has_optimizer:
+            raise ValueError("_get_zero_param_shapes: the engine has no optimizer (its shapes are per param group)")
+        return [OrderedDict(group) for group in HpState(self).groups]
+
     def _get_zero_ckpt_name(self, checkpoints_path: str, tag: Any) -> str:
         """This rank's optimizer-partition file under `checkpoints_path/tag`."""
         import os

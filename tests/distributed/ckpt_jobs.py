@@ -394,3 +394,36 @@ def bad_save_job(cfg: dict, save_dir: str) -> dict:
     _dist().barrier()
     out["left"] = sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []
     return out
+
+
+def fp32_groups_job(cfg: dict, save_dir: str) -> dict:
+    """ZeRO-3's `_set_fp32_optimizer_param_groups()` (upstream's universal-checkpoint tests read the base
+    optimizer through it): its `state_dict()` must be this rank's `optimizer_state_dict` of the checkpoint
+    file, and `_clear_...()` must take over a `load_state_dict` made in between."""
+    dist = _dist()
+    engine = build(cfg, model="variety")
+    train(engine, batches(2))
+    engine.save_checkpoint(save_dir, tag="t")
+    rank = dist.get_rank()
+    saved = torch.load(os.path.join(save_dir, "t", optim_file(rank)), weights_only=False)["optimizer_state_dict"]
+    shapes = torch.load(os.path.join(save_dir, "t", model_files(3, dist.get_world_size())[rank]),
+                        weights_only=False)["param_shapes"]
+    before = snapshot(engine)
+    engine.optimizer._set_fp32_optimizer_param_groups()
+    sd = copy.deepcopy(engine.optimizer.optimizer.state_dict())
+    file_sd = saved["optimizer_state_dict"]
+    same_state = sd["state"].keys() == file_sd["state"].keys() and all(
+        torch.equal(sd["state"][g][f], file_sd["state"][g][f]) for g in sd["state"] for f in STATE_FIELDS + ("step",))
+    same_flats = [torch.equal(g["params"][0], f) for g, f in zip(engine.optimizer.optimizer.param_groups,
+                                                                 saved["fp32_flat_groups"])]
+    for entry in sd["state"].values():
+        entry["exp_avg"] = entry["exp_avg"] * 2
+    engine.optimizer.optimizer.load_state_dict(sd)
+    engine.optimizer._clear_fp32_optimizer_param_groups()
+    after = snapshot(engine)
+    doubled = all(torch.equal(after[n]["exp_avg"], before[n]["exp_avg"] * 2) and
+                  torch.equal(after[n]["exp_avg_sq"], before[n]["exp_avg_sq"]) and
+                  torch.equal(after[n]["fp32"], before[n]["fp32"]) for n in before)
+    losses = train(engine, batches(3)[2:])
+    return {"same_state": same_state, "same_flats": same_flats, "doubled": doubled, "losses": losses,
+            "shapes": engine._get_zero_param_shapes() == shapes, "file_shapes": len(shapes)}

@@ -535,3 +535,13 @@ def test_partition_padding_is_zero(tmp_path, stage, world, model):
                     assert not values[offset + real:offset + piece].any(), (rank, name)
                 offset += piece
             assert offset == flat.numel()
+
+
+def test_stage3_fp32_optimizer_param_groups(tmp_path):
+    """Upstream's ZeRO-3 `_set_fp32_optimizer_param_groups` / `_clear_...` and `engine._get_zero_param_shapes`
+    (its universal-checkpoint tests use them): the base optimizer reads as the file's per-group flats, and
+    what a `load_state_dict` changes there reaches the fragments; training goes on."""
+    for result in run_distributed(2, J.fp32_groups_job, J.config(3, 2), str(tmp_path)):
+        assert result["same_state"] and all(result["same_flats"]) and result["same_flats"], result
+        assert result["doubled"] and result["shapes"] and result["file_shapes"] >= 1, result
+        assert all(torch.isfinite(torch.tensor(result["losses"]))), result

@@ -104,6 +104,7 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
             raise NotSupportedYet("the Muon optimizer with expert parallelism (ep_size > 1) at zero_optimization."
                                   "stage 3: not supported in this build; use ZeRO stage 1 or 2, or another optimizer")
         self._offload_view: Any = None
+        self._fp32_view: Any = None   # _set_fp32_optimizer_param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.coordinator.zero_grad()
@@ -160,6 +161,21 @@ class Stage3Optimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
                 padded[:piece.numel()] = piece
                 partitions[g][i] = padded
         return partitions
+
+    def _set_fp32_optimizer_param_groups(self) -> None:
+        """Upstream's: until `_clear_fp32_optimizer_param_groups()`, the base optimizer holds one fp32
+        flat per param group (this rank's partition, the checkpoint layout) and its state keyed by
+        them; see fp32_groups.py."""
+        from .fp32_groups import Fp32GroupsView
+
+        if self._fp32_view is None:
+            self._fp32_view = Fp32GroupsView(self)
+
+    def _clear_fp32_optimizer_param_groups(self) -> None:
+        """Back to per-fragment params, taking over what changed in the flats and their state."""
+        view, self._fp32_view = self._fp32_view, None
+        if view is not None:
+            view.remove()
 
     @property
     def fp32_partitioned_groups_flat(self) -> list[torch.Tensor]:
