@@ -91,10 +91,8 @@ class DeepSpeedCheckpoint:
         self.old_2d_map = meg_2d_parallel_map(source.pp_degree, source.tp_degree)
         self.old_2d_map.simple_init()
         self.new_2d_map = reshape_meg_2d_parallel(source.pp_degree, source.tp_degree, self.pp_degree, self.tp_degree)
-        target = model_3d_desc(self.pp_degree, self.tp_degree, self.dp_degree)
-        if target.world_size() != source.world_size() or (self.pp_degree, self.tp_degree) != \
-                (source.pp_degree, source.tp_degree):
-            self.zero_checkpoint.reshape(target)
+        if (self.pp_degree, self.tp_degree, self.dp_degree) != (source.pp_degree, source.tp_degree, source.dp_degree):
+            self.zero_checkpoint.reshape(model_3d_desc(self.pp_degree, self.tp_degree, self.dp_degree))
 
     def _read_model_states(self) -> tuple[list[tuple[str, dict]], dict]:
         metadata, globals_ = [], {}
