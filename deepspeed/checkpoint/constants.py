@@ -82,3 +82,8 @@ FOLDING_DISPATCH_STRATEGY = "dispatch_strategy"
 FOLDING_SHARED_EXPERT_PLACEMENT = "shared_expert_placement"
 FOLDING_FAMILY = "family"
 FOLDING_PARAM_FAMILIES = "param_families"
+
+# --- the parallel layout that saved (model-states files; upstream's keys): {pp_degree, tp_degree}
+CHECKPOINT_PARALLEL_DIMS = "checkpoint_parallel_dimensions"
+CHECKPOINT_PP_DEGREE = "pp_degree"
+CHECKPOINT_TP_DEGREE = "tp_degree"

@@ -20,6 +20,7 @@ from .. import comm as ds_comm
 from ..utils.logging import log_dist, set_log_level_from_string
 from .activation_checkpointing import state as activation_checkpointing
 from .base_optimizer import DeepSpeedOptimizer
+from .checkpoint.parallel_dims import _checkpoint_parallel_metadata  # noqa: F401  (upstream's name, here)
 from .dataloader import DeepSpeedDataLoader
 from .engine_accessors import EngineAccessors
 from .engine_moe import setup_moe

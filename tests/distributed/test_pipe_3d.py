@@ -49,6 +49,13 @@ def test_pipe_tensor_resume_equals_uninterrupted(tmp_path, autotp):
     _check(results, steps, micro, gas, 1, 0.5, autotp=autotp)
     names = sorted(p.name for p in (tmp_path / "mid").iterdir())
     assert "layer_01-model_01-model_states.pt" in names, names
+    from deepspeed.checkpoint import DeepSpeedCheckpoint
+
+    # the inspection API reads the layout our writer records (checkpoint_parallel_dimensions)
+    inspected = DeepSpeedCheckpoint(str(tmp_path / "mid"))
+    assert (inspected.pp_degree, inspected.tp_degree, inspected.dp_degree, len(inspected.mp_rank_files)) == \
+        (2, 2, 1, 4)
+    assert inspected.model_state_metadata[0][1]["checkpoint_parallel_dimensions"] == {"pp_degree": 2, "tp_degree": 2}
     from deepspeed.checkpoint.ds_to_universal import convert
 
     # ds_to_universal joins every stage's tensor slices (it refused them before)
@@ -107,6 +114,10 @@ def test_megatron_client_mpu_checkpoint_moves_tensor_size(tmp_path):
     steps, micro = 4, 2
     run_distributed(4, jobs.train_mpu, 2, micro, 1, steps, 0.5, str(tmp_path), 2)
     _check_maps(tmp_path / "mid" / "mp_rank_00_model_states.pt")
+    from deepspeed.checkpoint import DeepSpeedCheckpoint
+
+    inspected = DeepSpeedCheckpoint(str(tmp_path / "mid"))   # the client mpu's degrees, recorded
+    assert (inspected.pp_degree, inspected.tp_degree, inspected.dp_degree) == (1, 2, 2)
     results = run_distributed(2, jobs.train_mpu, 1, micro, 1, steps, 0.5, str(tmp_path), None, 2)
     _check(results, steps, micro, 1, 2, 0.5, start=2, rtol=1e-6)
 

@@ -24,6 +24,7 @@ from ...checkpoint.description import FRAGMENTS_KEY, Description
 from ...version import __version__
 from .hp_state import HpState, upstream_scaler  # noqa: F401 (upstream_scaler: re-exported)
 from .view import CheckpointView
+from .parallel_dims import recorded_parallel_dims
 from .zero3_io import param_shapes
 
 
@@ -90,6 +91,7 @@ def model_states(view: CheckpointView, hp: HpState | None, client_state: dict, e
     if reserved:
         raise KeyError(f"save_checkpoint: client_state uses reserved checkpoint keys {sorted(reserved)}")
     out.update(_universal_info(module, out.get(MEGATRON_TP_DIMS), out["mp_world_size"]))
+    out.update(recorded_parallel_dims(view.mpu, view.grid, view.mp_world_size))   # checkpoint_parallel_dimensions
     out.update(client_state)
     return out
 
