@@ -31,7 +31,6 @@ from __future__ import annotations
 import glob
 import os
 import re
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ import torch
 from .description import FRAGMENTS_KEY, LAYOUT_KEY, PARAMWISE, Description, Read
 from .files import CheckpointError, load_file, model_file, tag_dir, wait_for_background_saves
 from .mapped import Mapping, copy_released, mapping_of
+from .rank_files import OptimizerStates, RankFiles, joined
 
 
 def is_universal(path: str) -> bool:
@@ -93,8 +93,8 @@ class CheckpointReader:
             self.model_states = self._load(os.path.join(path, found))
         if module_state is not None:   # pipelines keep the module in per-layer files (runtime/pipe/checkpoint.py)
             self.model_states["module"] = module_state
-        self.zero_states = _RankFiles(self)
-        self.optimizer_state = _OptimizerStates(self.zero_states)
+        self.zero_states = RankFiles(self)
+        self.optimizer_state = OptimizerStates(self.zero_states)
         self._own = own if own < len(self.rank_files) else 0
         # a ZeRO-3 tag has one model-states file per rank and no mp_rank_XX file (checked when a file opens)
         self._zero3 = bool(self.rank_files) and found != model_file(mp_rank)
@@ -276,7 +276,7 @@ class CheckpointReader:
         state = self.optimizer_state[rank]
         self._field_tables()
         if self._zero3:
-            fp32 = [_joined(state["fp32_flat_groups"])]
+            fp32 = [joined(state["fp32_flat_groups"])]
             base = state["optimizer_state_dict"]["state"]
             per_field = self._concat_state([base[k] for k in sorted(base)])
         else:
@@ -291,7 +291,7 @@ class CheckpointReader:
         self._read_ranks.add(rank)
 
     def _concat_state(self, groups: list[dict]) -> dict[str, list[torch.Tensor]]:
-        return {f: [_joined([g[f] for g in groups])] for f in self._tensor_fields(groups)}
+        return {f: [joined([g[f] for g in groups])] for f in self._tensor_fields(groups)}
 
     @staticmethod
     def _tensor_fields(groups: list[dict]) -> list[str]:
@@ -532,77 +532,3 @@ class CheckpointReader:
             pieces.append(states["frozen_param_fragments"][name].reshape(-1))
         numel = torch.Size(shape).numel()
         return torch.cat(pieces)[:numel].view(shape)  # slices of ceil(numel/N), the last zero-padded
-
-
-class _Joined:
-    """One rank's per-group flats read as one (a stage-3 file's per-parameter walk spans its groups)
-    without concatenating them: the memory-mapped files are read only where sliced, and a slice copies
-    only when it crosses from one group's flat into the next."""
-
-    def __init__(self, parts: list[torch.Tensor]) -> None:
-        self.parts, self.starts, at = parts, [], 0
-        for part in parts:
-            self.starts.append(at)
-            at += part.numel()
-        self._numel = at
-
-    def numel(self) -> int:
-        return self._numel
-
-    def reshape(self, *shape: Any) -> "_Joined":
-        return self
-
-    def __getitem__(self, where: slice) -> torch.Tensor:
-        lo, hi, _ = where.indices(self._numel)
-        pieces = [part[max(lo - start, 0):min(hi - start, part.numel())]
-                  for part, start in zip(self.parts, self.starts) if start < hi and start + part.numel() > lo]
-        if len(pieces) == 1:
-            return pieces[0]
-        return torch.cat(pieces) if pieces else torch.zeros(0, device="cpu")   # host: an empty read
-
-
-def _joined(parts: list[torch.Tensor]) -> Any:
-    """`parts` (1-D or not) as one flat: the tensor itself when there is one, else a `_Joined`."""
-    flats = [t.reshape(-1) for t in parts]
-    return flats[0] if len(flats) == 1 else _Joined(flats)
-
-
-class _RankFiles(Sequence):
-    """Each saved rank's optimizer-state file (its whole content), opened on first use and kept."""
-
-    def __init__(self, reader: CheckpointReader) -> None:
-        self._reader = reader
-        self._loaded: dict[int, dict] = {}
-        self.first: int | None = None   # the rank of the first file opened
-
-    def __len__(self) -> int:
-        return len(self._reader.rank_files)
-
-    def __getitem__(self, rank: Any) -> Any:
-        if isinstance(rank, slice):
-            return [self[r] for r in range(len(self))[rank]]
-        rank = range(len(self))[rank]
-        if rank not in self._loaded:
-            state = self._reader._load(self._reader.rank_files[rank])
-            self._reader._opened(rank, state)
-            self._loaded[rank] = state
-            self.first = rank if self.first is None else self.first
-        return self._loaded[rank]
-
-    def opened(self) -> list[int]:
-        return sorted(self._loaded)
-
-
-class _OptimizerStates(Sequence):
-    """`optimizer_state_dict` of each saved rank's file, opened on first use."""
-
-    def __init__(self, files: _RankFiles) -> None:
-        self._files = files
-
-    def __len__(self) -> int:
-        return len(self._files)
-
-    def __getitem__(self, rank: Any) -> Any:
-        if isinstance(rank, slice):
-            return [self[r] for r in range(len(self))[rank]]
-        return self._files[rank]["optimizer_state_dict"]

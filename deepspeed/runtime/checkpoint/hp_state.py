@@ -36,16 +36,15 @@ class HpState:
     """This rank's pieces plus the layout every rank agrees on (groups of (name, shape))."""
 
     def __init__(self, view: CheckpointView) -> None:
-        from ..precision.mixed_optimizer import MixedPrecisionOptimizer
-        from ..zero.optimizer import ZeroOptimizer
-        from ..zero.stage3.optimizer import Stage3Optimizer
-
         wrapper = view.optimizer
         self.wrapper = wrapper
         self.names = {id(p): n for n, p in view.module.named_parameters()}
-        self.stage3 = isinstance(wrapper, Stage3Optimizer)
-        self.zero = isinstance(wrapper, ZeroOptimizer) or self.stage3
-        self.mixed = isinstance(wrapper, MixedPrecisionOptimizer)
+        # the wrapper's arrangement, as it declares it (the `fragment_layout` deepspeed.utils.tensor_fragment
+        # reads too): no import of the optimizer classes, which import this module
+        layout = getattr(type(wrapper), "fragment_layout", None)
+        self.stage3 = layout == "units"
+        self.zero = layout in ("buckets", "units")
+        self.mixed = layout == "masters"
         self.base: torch.optim.Optimizer = wrapper.optimizer if (self.zero or self.mixed) else wrapper
         # the sharded layout: per bucket (stages 1-2) or gather unit (stage 3), a BucketPartition
         # over `params`, this rank's fp32 `master` slice of it and the trained `fragments`
