@@ -182,18 +182,18 @@ def _client_mpu_reader(view: CheckpointView, load_dir: str, tag: str, path: str,
     record (`tensor_model_parallel_dims`; at saved size 1, along this run's)."""
     from .writer import MEGATRON_TP_DIMS
 
-    size, index, own_dims, _ = tp_reslice.engine_tensor_layout(view)
+    size, index, own_dims, own_blocks = tp_reslice.engine_tensor_layout(view)
     saved = int(states.get("mp_world_size", 1) or 1)
     if saved == size:
         return None
-    tagged = {n: d for n, d in (states.get(MEGATRON_TP_DIMS) or {}).items() if d is not None}
-    if saved > 1 and not tagged:
+    dims, blocks = tp_reslice.recorded_dims(states, saved, own_dims, own_blocks)
+    if saved > 1 and not dims:
         raise files.CheckpointError(
             f"{path} was saved at tensor-parallel size {saved} and this run's mpu has {size}, but the checkpoint "
             f"records no partition dims of its tensor layers ({MEGATRON_TP_DIMS}); resume at tensor size {saved}, "
             f"or convert it with ds_to_universal from a checkpoint that records them")
     readers = [CheckpointReader(load_dir, tag, mp_rank=t) for t in range(saved)]
-    return tp_reslice.TPReslicedReader(readers, tagged if saved > 1 else own_dims, {}, size, index)
+    return tp_reslice.TPReslicedReader(readers, dims, blocks, size, index)
 
 
 def apply_plan(view: CheckpointView, plan: LoadPlan) -> None:

@@ -34,6 +34,7 @@ import torch
 
 from ...checkpoint import affine, files
 from ...checkpoint.affine import ParamAffineMap
+from ...checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from ...checkpoint.tp_maps import saved_map, split_map
 from ...checkpoint.reader import CheckpointReader, checks_then_copies
 from .view import CheckpointView
@@ -244,6 +245,25 @@ def saved_layout(load_dir: str, tag: str, mp: int = 0, dp: int = 0) -> tuple[str
     return path, None, None
 
 
+def recorded_dims(states: dict, saved_tp: int, own_dims: dict[str, int],
+                  own_blocks: dict[str, list[int]]) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """(partition dims, fused blocks) of the tensor slices a checkpoint's model states record: AutoTP's
+    `tp_partition_dims` / `tp_sub_param_sizes` and your Megatron-style layers' `tensor_model_parallel_dims`, or
+    for DeepSpeed 0.19.8's AutoTP files (which record neither) its name patterns. At saved size 1 nothing was
+    sliced: this run's own dims say how to cut."""
+    from .writer import MEGATRON_TP_DIMS
+
+    if saved_tp == 1:
+        return own_dims, own_blocks
+    dims = {**(states.get("tp_partition_dims") or {}),
+            **{n: d for n, d in (states.get(MEGATRON_TP_DIMS) or {}).items() if d is not None}}
+    if not dims:
+        from ...checkpoint.ds_to_universal import _dims_from_patterns
+
+        return _dims_from_patterns(states) if states.get(UNIVERSAL_CHECKPOINT_INFO) else ({}, {})
+    return dims, dict(states.get("tp_sub_param_sizes") or {})
+
+
 def resliced_reader(view: CheckpointView, load_dir: str, tag: str, saved_tp: int, states: dict,
                     new_index: int) -> TPReslicedReader:
     """The reader that moves a TP=`saved_tp` checkpoint to this run's tensor-parallel layout."""
@@ -252,18 +272,12 @@ def resliced_reader(view: CheckpointView, load_dir: str, tag: str, saved_tp: int
 
     new_tp = tensor_parallel_size(view.module)
     path = files.tag_dir(load_dir, tag)
-    dims, blocks = dict(states.get("tp_partition_dims") or {}), dict(states.get("tp_sub_param_sizes") or {})
-    if not dims and saved_tp > 1:   # DeepSpeed 0.19.8's AutoTP files: dims and fused blocks from its name patterns
-        from ...checkpoint.ds_to_universal import _dims_from_patterns
-
-        dims, blocks = _dims_from_patterns(states)
     own_dims, own_blocks = _tp_partition_dims(view.module)
+    dims, blocks = recorded_dims(states, saved_tp, own_dims, own_blocks)
     if new_tp > 1 and saved_tp > 1 and (own_dims != dims or own_blocks != blocks):
         raise files.CheckpointError(
             f"{path} was saved at tensor-parallel size {saved_tp} with another partitioning than this run's "
             f"(autotp_size {new_tp}): parameters or partition dims differ, so its slices cannot be moved")
-    if saved_tp == 1:   # nothing was partitioned at save: this run's partitioning says how to cut
-        dims, blocks = own_dims, own_blocks
     readers = [CheckpointReader(load_dir, tag, mp_rank=r) for r in range(saved_tp)]
     if readers[0].universal and saved_tp > 1:   # ds_to_universal writes whole values (TP=1): any TP cuts them
         raise files.CheckpointError(f"{path} is a universal checkpoint saved at tensor-parallel size {saved_tp}; "

@@ -149,19 +149,13 @@ def checkpoint_reader(view: CheckpointView, load_dir: str, tag: str) -> Any:
 def _resliced_stage(view: CheckpointView, load_dir: str, tag: str, path: str, stage: int, saved_tp: int) -> Any:
     """Saved stage `stage`'s parameters cut to this rank's tensor slices (the TP re-slicing reader over the
     stage's `saved_tp` file sets, with the partition dims they record)."""
-    from ..checkpoint.tp_reslice import TPReslicedReader, engine_tensor_layout
-    from ..checkpoint.writer import MEGATRON_TP_DIMS
+    from ..checkpoint.tp_reslice import TPReslicedReader, engine_tensor_layout, recorded_dims
 
     tp, index, own_dims, own_blocks = engine_tensor_layout(view)
     readers = [CheckpointReader(load_dir, tag, mp_rank=stage * saved_tp + t,
                                 module_state=module_state_from_layers(view.module, path, tensor_rank=t))
                for t in range(saved_tp)]
-    states = readers[0].model_states
-    dims = {**(states.get("tp_partition_dims") or {}),
-            **{n: d for n, d in (states.get(MEGATRON_TP_DIMS) or {}).items() if d is not None}}
-    blocks = dict(states.get("tp_sub_param_sizes") or {})
-    if saved_tp == 1:   # nothing was sliced at save: this run's layers say how to cut
-        dims, blocks = own_dims, own_blocks
+    dims, blocks = recorded_dims(readers[0].model_states, saved_tp, own_dims, own_blocks)
     return TPReslicedReader(readers, dims, blocks, tp, index)
 
 
