@@ -38,3 +38,52 @@ def load_job(cfg: dict, load_dir: str) -> dict:
         return {"error": f"{type(error).__name__}: {error}"}
     snap = J.snapshot(engine)
     return {"snap": snap if J._dist().get_rank() == 0 else None}
+
+
+def base_state_job(cfg: dict, groups: bool, save_to: str | None = None, load_from: str | None = None) -> dict:
+    """[Note: the base optimizer's state_dict at ZeRO-1/2]: after two steps, the base optimizer's
+    state_dict() all-gathered per group flat (equal sizes on every rank, or the gather fails), the
+    flats of a one-bucket group against the full states in bucket order, and a round trip with
+    exp_avg doubled through its load_state_dict. `load_from`: a state_dict saved at another world size."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.shard_state_dict import FLAT_MARK
+
+    engine = build(cfg, seed=0) if groups else J.build(cfg, "variety", seed=0)
+    J.train(engine, J.batches(2))
+    base = engine.optimizer.optimizer
+    sd = base.state_dict()
+    out: dict[str, Any] = {"mark": sd.get(FLAT_MARK), "keys": sorted(sd["state"]),
+                           "params": [g["params"] for g in sd["param_groups"]]}
+    world = dist.get_world_size()
+    gathered = {}
+    for g, entry in sd["state"].items():
+        for field in J.STATE_FIELDS:
+            parts = [torch.empty_like(entry[field]) for _ in range(world)]
+            dist.all_gather(parts, entry[field])
+            gathered[(g, field)] = torch.cat(parts)
+    before = J.snapshot(engine)
+    if not groups:   # one group: is each of its buckets, gathered, the bucket's flat of full states?
+        buckets = [b.params for b in engine.optimizer.reducer.buckets]
+        out["one_bucket"] = len(buckets) == 1
+        full = {field: torch.cat([before[n][field].reshape(-1) for p in buckets[0]
+                                  for n, q in engine.module.named_parameters() if q is p]) for field in J.STATE_FIELDS}
+        out["gathered_is_full"] = all(torch.equal(gathered[(0, f)][:full[f].numel()], full[f]) for f in full)
+    if save_to is not None and dist.get_rank() == 0:
+        torch.save(sd, save_to)
+    if load_from is not None:
+        try:
+            base.load_state_dict(torch.load(load_from, weights_only=False))
+        except ValueError as error:
+            out["error"] = str(error)
+        return out
+    for entry in sd["state"].values():
+        entry["exp_avg"] = entry["exp_avg"] * 2
+    base.load_state_dict(sd)
+    after = J.snapshot(engine)
+    out["doubled"] = all(torch.equal(after[n]["exp_avg"], before[n]["exp_avg"] * 2) and
+                         torch.equal(after[n]["exp_avg_sq"], before[n]["exp_avg_sq"]) and
+                         torch.equal(after[n]["fp32"], before[n]["fp32"]) for n in before)
+    out["raw_form_back"] = len(base.state) == sum(len(g["params"]) for g in base.param_groups)
+    out["losses"] = J.train(engine, J.batches(3)[2:])
+    return out

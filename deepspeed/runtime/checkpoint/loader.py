@@ -408,7 +408,10 @@ def _plan_optimizer_state(plan: LoadPlan) -> None:
             entry["step"] = torch.tensor(float(step))  # host: torch.optim's step counter
         if entry:
             state[index[id(key)]] = entry
-    groups = hp.base.state_dict()["param_groups"]
+    # the raw param groups (torch's state_dict form; not the base optimizer's state_dict(), which at
+    # ZeRO-1/2 shows per-group flats: [Note: the base optimizer's state_dict at ZeRO-1/2])
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(k)] for k in g["params"]]}
+              for g in hp.base.param_groups]
     saved_groups = reader.param_groups
     if saved_groups and len(saved_groups) != len(groups):
         raise files.CheckpointError(f"{reader.path}: {len(saved_groups)} optimizer param groups saved, this "

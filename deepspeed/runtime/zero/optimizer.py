@@ -11,6 +11,7 @@ which the step refreshes with one all-gather per bucket.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from ..precision.policy import PrecisionPolicy
 from .muon.sharded import ShardedMuon
 from .host_buffers import DeviceToHost, host_copy, host_zeros, pinning
 from .partition import BucketPartition
+from .shard_state_dict import ShardFlatStateDict
 
 
 def attach_fragment_masters(optimizer: torch.optim.Optimizer, shards: list[Any],
@@ -285,6 +287,10 @@ class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
         self._fragments_of, self.model_param_groups = attach_fragment_masters(optimizer, self.buckets, names)
         self.muon = ShardedMuon.maybe(optimizer, self.buckets, [[p.shape for p in sb.params] for sb in self.buckets],
                                       self.model_param_groups, group, self._comm_device, names)
+        if self.muon is None:   # [Note: the base optimizer's state_dict at ZeRO-1/2]
+            me = weakref.ref(self)
+            ShardFlatStateDict(optimizer, self.buckets, self.model_param_groups,
+                               lambda: (w := me()) is not None and w.swapper is None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero_grad()
