@@ -98,8 +98,8 @@ def test_unsupported_layout_is_refused_by_name(tmp_path) -> None:
 
 
 def test_even_guess_refused_for_uneven_blocks_without_widths() -> None:
-    with pytest.raises(CheckpointError, match=r"qkv.weight: sub-parameter sizes \[8, 4, 4\] not divisible by tp_world_size 3"
-                                              r".*no sub_param_shard_widths"):
+    with pytest.raises(CheckpointError, match=r"qkv.weight: sub-parameter sizes \[8, 4, 4\] not divisible by "
+                                              r"tp_world_size 3.*no sub_param_shard_widths"):
         tp_maps.split_map((16, 2), 0, [8, 4, 4], 3, name="qkv.weight")
     with pytest.raises(CheckpointError, match=r"w: dim 0 of size 10 not divisible by tp_world_size 4.*partition_sizes"):
         tp_maps.split_map((10, 2), 0, None, 4, name="w")
