@@ -259,10 +259,7 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         parser.add_argument("--inject_missing_state", action="store_true",
                             help="a tensor-parallel checkpoint describing none of its slices: split each on dim 0")
         args = parser.parse_args(argv)
-    inject = bool(getattr(args, "inject_missing_state", False))
-    if inject:
-        _injected_preflight(args.input_folder)
-    return _run(args.input_folder, args.output_folder, inject)
+    return _run(args.input_folder, args.output_folder, bool(getattr(args, "inject_missing_state", False)))
 
 
 def _injected_preflight(input_folder: str) -> None:
@@ -278,6 +275,8 @@ def _injected_preflight(input_folder: str) -> None:
 
 def _run(input_folder: str, output_folder: str, inject_missing_state: bool = False) -> int:
     try:
+        if inject_missing_state:
+            _injected_preflight(input_folder)
         count = convert(input_folder, output_folder, inject_missing_state)
     except CheckpointError as error:
         print(f"ds_to_universal: {error}", file=sys.stderr)

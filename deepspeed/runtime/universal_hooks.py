@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"   # checkpoint/constants.py's name (no import: no cycle)
-
 
 class UniversalCheckpointHooks:
     """Mixin; `_lp_groups_attr` names the wrapper's low-precision parameter groups (upstream's attribute)."""
@@ -18,6 +16,7 @@ class UniversalCheckpointHooks:
     _lp_groups_attr = "bit16_groups"
 
     def _enable_universal_checkpoint(self) -> None:
+        from ..checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
         from ..checkpoint.universal_checkpoint import enable_universal_checkpoint
 
         self._universal_checkpoint_info = None
