@@ -1,8 +1,10 @@
 """The affine maps ([Note: affine maps] in affine.py) of tensor-parallel parameters: the one rule that
-describes our layers' layout (`split_map`), the maps a checkpoint records (`recorded_map`, under
-`universal_checkpoint_info["affine_map"]`), and the saved layout of a parameter whichever way the checkpoint
-describes it (`saved_map`: its recorded map, else derived from the partition dim and fused blocks it
-records in `tp_partition_dims` / `tp_sub_param_sizes`, or that upstream's pattern lists give). Pure.
+describes a tensor-parallel layout (`split_map`: even, or by recorded per-rank widths), the maps a checkpoint
+records (`recorded_map`, under `universal_checkpoint_info["affine_map"]`), the layout upstream's pattern lists
+give with each rank's slice shape (`pattern_layout`; `sub_param_blocks` reads their fused `shape` entries), and
+the saved layout of a parameter whichever way the checkpoint describes it (`saved_map`: its recorded map, else
+derived from the partition dim and fused blocks it records in `tp_partition_dims` / `tp_sub_param_sizes`, or
+that upstream's pattern lists give). Pure.
 """
 
 from __future__ import annotations
