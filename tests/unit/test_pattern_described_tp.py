@@ -105,3 +105,13 @@ def test_even_guess_refused_for_uneven_blocks_without_widths() -> None:
         tp_maps.split_map((10, 2), 0, None, 4, name="w")
     amap = tp_maps.split_map((10, 2), 0, None, 4, [3, 3, 2, 2], name="w")
     assert amap.shard_shapes == {0: (3, 2), 1: (3, 2), 2: (2, 2), 3: (2, 2)}
+
+
+def test_inject_missing_state_joins_an_undescribed_tp_checkpoint_on_dim_0(tmp_path) -> None:
+    full = torch.arange(8.0).view(4, 2)
+    tag = _tag(tmp_path, {"w": [full[:2], full[2:]]}, None)
+    with pytest.raises(CheckpointError, match="name no partition dims"):
+        convert(tag, tag + "_universal")
+    convert(tag, tag + "_universal", inject_missing_state=True)   # upstream's --inject_missing_state
+    value = torch.load(os.path.join(tag + "_universal", "zero", "w", "fp32.pt"), weights_only=False)
+    assert torch.equal(value["param"], full) and value["cat_dim"] == 0
