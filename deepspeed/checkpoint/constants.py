@@ -54,6 +54,10 @@ MODEL_FILE_SUFFIX = "_model_states.pt"
 PARAM = "param"
 FP32_WEIGHT_KEY = "fp32"
 CAT_DIM = "cat_dim"
+VOCAB_TENSOR = "vocab_tensor"   # a vocabulary tensor upstream's converter stripped of its padding
+PARAM_N_SUB_PARAMS = "param_n_sub_params"   # equal sub-parameters along CAT_DIM (upstream's older fused form)
+# A parameter's restore description (upstream's attribute name; checkpoint/universal_checkpoint.py)
+DS_AUTOTP_UC_META = "ds_autotp_universal_checkpoint_meta"
 EP_IS_EXPERT_PARAM = "is_expert_param"   # an AutoEP expert tensor: dim 0 over all experts
 EP_NUM_EXPERTS = "ep_num_experts"
 AUTOEP_LAYERS_KEY = "ds_autoep_layers"   # model states: each AutoEP layer's place and expert split

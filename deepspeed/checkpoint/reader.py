@@ -41,6 +41,11 @@ from .mapped import Mapping, copy_released, mapping_of
 from .rank_files import OptimizerStates, RankFiles, joined
 
 
+def _entries(state: Any) -> list:
+    """A torch optimizer `state` in key order: a dict {index: entry}, or (a ZeRO-3 file's sub-groups) a list."""
+    return [state[k] for k in sorted(state)] if isinstance(state, dict) else list(state)
+
+
 def is_universal(path: str) -> bool:
     """A tag directory in the universal layout: zero/<param>/ folders and no ZeRO optimizer-state files."""
     return os.path.isdir(os.path.join(path, "zero")) and \
@@ -254,10 +259,9 @@ class CheckpointReader:
     def _base_states(self, state: dict) -> list[dict]:
         """A rank's base-optimizer state entries (each {field: tensor, "step": ...}), in key order."""
         if self._zero3:
-            base = state["optimizer_state_dict"]["state"]
-            return [base[k] for k in sorted(base)]
+            return _entries(state["optimizer_state_dict"]["state"])
         base = state["base_optimizer_state"]
-        return [base["state"][k] for k in sorted(base["state"])] if isinstance(base, dict) else list(base)
+        return _entries(base["state"]) if isinstance(base, dict) else list(base)
 
     def _field_tables(self) -> dict[str, list[list[Any]]]:
         """`_parts` with a table per field, the fields named by the metadata file (opened if none is)."""
@@ -277,12 +281,10 @@ class CheckpointReader:
         self._field_tables()
         if self._zero3:
             fp32 = [joined(state["fp32_flat_groups"])]
-            base = state["optimizer_state_dict"]["state"]
-            per_field = self._concat_state([base[k] for k in sorted(base)])
+            per_field = self._concat_state(self._base_states(state))
         else:
             fp32 = list(state["single_partition_of_fp32_groups"])
-            base = state["base_optimizer_state"]
-            groups = [base["state"][k] for k in sorted(base["state"])] if isinstance(base, dict) else list(base)
+            groups = self._base_states(state)
             per_field = {f: [gs[f].reshape(-1) for gs in groups] for f in self._tensor_fields(groups)}
         self._add_parts("fp32", rank, fp32)
         for field, parts in per_field.items():

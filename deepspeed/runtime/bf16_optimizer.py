@@ -15,10 +15,13 @@ them, engine_setup._optimizer_route; runtime/optimizer_routes.py). It cannot be 
 from __future__ import annotations
 
 from .optimizer_routes import RouteClass
+from .universal_hooks import UniversalCheckpointHooks
 
 
-class BF16_Optimizer(RouteClass):  # noqa: N801 - upstream name
+class BF16_Optimizer(UniversalCheckpointHooks, RouteClass):  # noqa: N801 - upstream name
     """See the module docstring."""
+
+    _lp_groups_attr = "bf16_groups"
 
     built_when = ("by deepspeed.initialize (bf16 with fp32 gradient accumulation, ZeRO stage 0, or stage 1 with "
                   "data_types.grad_accum_dtype=fp32)")

@@ -260,7 +260,10 @@ def recorded_dims(states: dict, saved_tp: int, own_dims: dict[str, int],
     if not dims:
         from ...checkpoint.ds_to_universal import _dims_from_patterns
 
-        return _dims_from_patterns(states) if states.get(UNIVERSAL_CHECKPOINT_INFO) else ({}, {})
+        if not states.get(UNIVERSAL_CHECKPOINT_INFO):
+            return {}, {}
+        shapes = {n: s for group in states.get("param_shapes") or [] for n, s in group.items()}
+        return _dims_from_patterns(states[UNIVERSAL_CHECKPOINT_INFO], [shapes] * saved_tp)[:2]   # even slices
     return dims, dict(states.get("tp_sub_param_sizes") or {})
 
 

@@ -21,6 +21,7 @@ from ...utils.timer import OPTIMIZER_ALLGATHER_TIMER, OPTIMIZER_STEP_TIMER, time
 from ..base_optimizer import ZeROOptimizer
 from ..optimizer_wrapper import OptimizerWrapper, clip_sharded_grads, counted_in_norm  # noqa: F401
 from ..precision.policy import PrecisionPolicy
+from ..universal_hooks import UniversalCheckpointHooks
 from .muon.sharded import ShardedMuon
 from .host_buffers import DeviceToHost, host_copy, host_zeros, pinning
 from .partition import BucketPartition
@@ -266,7 +267,7 @@ class PartitionedStateDict:
                                   "engine.load_checkpoint(...) (it re-shards to any world size and stage)")
 
 
-class ZeroOptimizer(PartitionedStateDict, OptimizerWrapper, ZeROOptimizer):
+class ZeroOptimizer(PartitionedStateDict, UniversalCheckpointHooks, OptimizerWrapper, ZeROOptimizer):
     """Wraps the base optimizer so it updates this rank's shard of fp32 master weights."""
 
     fragment_layout = "buckets"  # read by deepspeed.utils.tensor_fragment
