@@ -421,10 +421,12 @@ class DeepSpeedEngine(OffloadStates, EngineAccessors, nn.Module):
         every = self.steps_per_print()
         return bool(every) and self.global_steps > 0 and self.global_steps % every == 0
 
-    def _report_progress(self, step: int) -> None:
-        loss = torch.stack(self._losses).float().mean().item() if self._losses else float("nan")
+    def _report_progress(self, step: int, loss: float | None = None) -> None:
+        if loss is None and self._losses:
+            loss = torch.stack(self._losses).float().mean().item()
+        shown = "" if loss is None else f"loss={loss:.4f}, "   # no loss seen on this rank: none shown
         log_dist(f"step={step}, skipped={self.skipped_steps}, lr={self.get_lr()}, mom={self.get_mom()}, "
-                 f"loss={loss:.4f}, samples/sec={self.tput_timer.avg_samples_per_sec():.1f}", ranks=[0])
+                 f"{shown}samples/sec={self.tput_timer.avg_samples_per_sec():.1f}", ranks=[0])
 
     def zero_grad(self) -> None:
         """Zero parameter gradients (kept as bucket views under data parallelism)."""

@@ -98,10 +98,14 @@ def config(micro: int, gas: int, dp: int, zero: int, dtype: str = "fp32", clip: 
 
 def train(stages: int, micro: int, gas: int, zero: int, steps: int, ac_interval: int = 0, with_mask: bool = False,
           dtype: str = "fp32", clip: float = 0.0, partition_method: str = "parameters", csv_dir: str | None = None,
-          loader: bool = False):
+          loader: bool = False, print_every: int = 0):
     """Train the pipeline; returns (losses, this stage's parameters by name, meta, p2p counts).
-    `loader`: every step's micro-batches given once through set_dataloader (upstream's API)."""
+    `loader`: every step's micro-batches given once through set_dataloader (upstream's API).
+    `print_every`: steps_per_print, with the engine's progress lines returned in meta["progress"]."""
+    import logging
+
     import deepspeed
+    from deepspeed.utils.logging import logger
     from deepspeed import comm as ds_comm
     from deepspeed.pipe import PipelineModule
 
@@ -113,6 +117,12 @@ def train(stages: int, micro: int, gas: int, zero: int, steps: int, ac_interval:
     cfg = config(micro, gas, dp, zero, dtype, clip)
     if csv_dir:
         cfg["csv_monitor"] = {"enabled": True, "output_path": csv_dir, "job_name": "pipe"}
+    progress: list[str] = []
+    if print_every:
+        cfg["steps_per_print"] = print_every
+        handler = logging.Handler()
+        handler.emit = lambda record: progress.append(record.getMessage()) if "step=" in record.getMessage() else None
+        logger.addHandler(handler)
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     replica = engine.grid.get_data_parallel_id()
@@ -127,8 +137,10 @@ def train(stages: int, micro: int, gas: int, zero: int, steps: int, ac_interval:
         counts.append(_p2p_delta(before))
     params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     meta = {"stage": engine.stage_id, "replica": replica, "parts": engine.module.parts,
-            "norm": engine.get_global_grad_norm(), "loss_scale": engine.loss_scale_value()}
+            "norm": engine.get_global_grad_norm(), "loss_scale": engine.loss_scale_value(), "progress": progress}
     engine.destroy()
+    if print_every:
+        logger.removeHandler(handler)   # the harness's worker processes run later jobs too
     return losses, params, meta, counts
 
 

@@ -201,7 +201,10 @@ def test_monitor_writes_the_batch_loss_on_rank_0(tmp_path):
 
     micro, gas, steps = 2, 2, 3
     results = run_distributed(2, jobs.train, 2, micro, gas, 0, steps, 0, False, "fp32", 0.0, "parameters",
-                              str(tmp_path))
+                              str(tmp_path), print_every=1)
+    # the steps_per_print line on rank 0 (the first stage) shows the batch loss (it showed loss=nan)
+    shown = [float(re.search(r"loss=([0-9.]+)", line).group(1)) for line in results[0][2]["progress"]]
+    assert shown == pytest.approx(results[0][0], abs=1e-4), results[0][2]["progress"]
     with open(tmp_path / "pipe" / "Train_Samples_train_loss.csv") as f:
         rows = list(csv.reader(f))[1:]
     assert [int(r[0]) for r in rows] == [micro * gas * (i + 1) for i in range(steps)]

@@ -169,6 +169,13 @@ class PipelineEngine(DeepSpeedEngine):
                 link.sent.clear()
                 link.received.clear()
 
+    _progress_due: int | None = None
+
+    def _report_progress(self, step: int, loss: float | None = None) -> None:
+        """Printed by train_batch once the batch's loss is aggregated (rank 0 is the first stage,
+        which sees no loss: the line showed loss=nan)."""
+        self._progress_due = step
+
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """Train on the next `gradient_accumulation_steps` micro-batches of `data_iter` (or the
         iterator set before) and step. Returns the batch's mean loss on every rank."""
@@ -186,6 +193,9 @@ class PipelineEngine(DeepSpeedEngine):
                                              stage_id=self.stage_id))
         with torch.no_grad():
             self.agg_train_loss = self._aggregate_total_loss()
+        if self._progress_due is not None:   # the step ran inside the schedule, before the loss was known
+            super()._report_progress(self._progress_due, self.agg_train_loss.float().mean().item())
+            self._progress_due = None
         if not self.is_last_stage():   # the last stage's own backward losses were recorded with the step
             self._obs.record_train_loss(self.agg_train_loss)
         if self.wall_clock_breakdown():
