@@ -31,7 +31,8 @@ from . import tp_maps
 from .deepspeed_checkpoint import _aggregate_autoep_zero12_metadata  # noqa: F401  (upstream's name, here)
 from .constants import CAT_DIM, PARAM, UNIVERSAL_CHECKPOINT_INFO
 from .files import CheckpointError, model_file, save_file, write_text
-from .moe_to_universal import convert_autoep_zero3, convert_moe, is_autoep_zero3_layout, is_moe_layout, megatron_dims
+from .moe_join import megatron_dims
+from .moe_to_universal import convert_autoep_zero3, convert_moe, is_autoep_zero3_layout, is_moe_layout
 from .reader import CheckpointReader
 
 _PER_ELEMENT = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings",
