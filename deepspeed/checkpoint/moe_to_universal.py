@@ -66,7 +66,7 @@ class JoinedReader(CheckpointReader):
         self.path, self.tag, self.mp_rank, self.universal = path, tag, 0, True
         self.rank_files, self.zero_states, self.optimizer_state = [], [], []
         self.mappings = index.mappings
-        self._partitions, self._parts, self._read_ranks, self._stage_value = [], {}, set(), 0
+        self._partitions, self._parts, self._read_ranks, self._stage_value, self._full = [], {}, set(), 0, {}
         # the trained parameters' module entries are never read (their fp32 masters are): not joined
         states = index.whole_model_states(skip=frozenset(index.names))
         self.model_states = universal_states(states, index.names, index.shapes)
