@@ -32,7 +32,8 @@ from .deepspeed_checkpoint import _aggregate_autoep_zero12_metadata  # noqa: F40
 from .constants import (CAT_DIM, PARAM, UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                         UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 from .files import CheckpointError, model_file, save_file, write_text
-from .moe_to_universal import convert_autoep_zero3, convert_moe, is_autoep_zero3_layout, is_moe_layout, megatron_dims
+from .moe_join import megatron_dims
+from .moe_to_universal import convert_autoep_zero3, convert_moe, is_autoep_zero3_layout, is_moe_layout
 from .reader import CheckpointReader
 from .deepspeed_checkpoint import DeepSpeedCheckpoint
 # upstream's internals by name (tools and its tests call them; `main` looks these up at call time)

@@ -12,9 +12,9 @@ that holds it; with an mpu each tensor rank holds a copy and writes its own), an
 model-states file records the layout (`ep_tp_layout`: tensor and expert-parallel sizes): a load reads
 its own tensor rank's files and resumes exactly at the layout that saved. At another tensor or expert
 size the expert files lie on other tensor ranks' files and the optimizer pieces of the sliced layers are
-cut by tp, so the tag is joined whole as `ds_to_universal` joins it (checkpoint/moe_to_universal.join_moe,
-`other_layout` decides) and each rank cuts its slices from the whole tensors as from a universal
-checkpoint; experts sliced over the tensor ranks are refused there, naming both layouts.
+cut by tp, so the tag is read joined as `ds_to_universal` joins it (checkpoint/moe_join.py, one parameter's
+field at a time; `other_layout` decides) and each rank cuts its slices from the whole tensors as from a
+universal checkpoint; experts sliced over the tensor ranks are refused there, naming both layouts.
 """
 
 from __future__ import annotations
