@@ -236,13 +236,35 @@ def _unlink(path: str, dir_fd: int | None) -> None:
         pass
 
 
+def set_mode(target: int | str, mode: int, shown: str) -> bool:
+    """chmod `target` (a descriptor or path); where the file system refuses permission changes (Azure
+    Files and other SMB/FUSE mounts: EPERM / ENOTSUP) say so and go on, as DeepSpeed does: the checkpoint
+    is whole without the mode (zero_to_fp32.py then runs as `python zero_to_fp32.py`)."""
+    try:
+        if isinstance(target, int):
+            os.fchmod(target, mode)
+        else:
+            os.chmod(target, mode)
+        return True
+    except (PermissionError, FileNotFoundError, NotImplementedError) as error:
+        reason = error
+    except OSError as error:
+        if error.errno not in (errno.EPERM, errno.EACCES, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EROFS):
+            raise
+        reason = error
+    from ..utils.logging import logger
+
+    logger.info(f"Could not change the permissions of {shown} to {oct(mode)} ({reason}); continuing without")
+    return False
+
+
 def write_text(path: str, text: str, dir_fd: int | None = None, mode: int = 0o644, fsync: bool = True) -> None:
     """`path` (a name in `dir_fd` when given) replaced atomically by `text`; durable unless not
     `fsync` (the caller flushes it later: [Note: durable later])."""
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode, dir_fd=dir_fd)
     try:
-        os.fchmod(fd, mode)  # not masked by the umask
+        set_mode(fd, mode, path)  # not masked by the umask
         data = memoryview(text.encode())
         while data:
             data = data[os.write(fd, data):]

@@ -220,6 +220,18 @@ class EngineAccessors:
         return os.path.join(checkpoints_path, str(tag),
                             f"expp_rank_{expp_rank}_mp_rank_{self.checkpoint_mp_rank:02d}_optim_states.pt")
 
+    @staticmethod
+    def _change_recovery_script_permissions(dst: str) -> None:
+        """Upstream's: make the zero_to_fp32.py beside the tags executable; where the file system refuses
+        (Azure Files) or the file is gone, log it and go on (the save writes it through the same rule)."""
+        import os
+        import stat
+
+        from ..checkpoint.files import set_mode
+
+        mode = os.stat(dst).st_mode if os.path.exists(dst) else 0o755
+        set_mode(dst, mode | stat.S_IEXEC, dst)
+
 
 for _name, _getter in _ACCESSORS.items():
     setattr(EngineAccessors, _name, _make(_name, _getter))

@@ -216,3 +216,42 @@ def test_fp32_grad_partitions_are_each_ranks_padded_piece_of_the_reduced_gradien
         joined = torch.cat(pieces)
         torch.testing.assert_close(joined[:numel], results[0]["full"][key].reshape(-1).float(), rtol=0, atol=0)
         assert not joined[numel:].any(), key   # the padding is zero
+
+
+def _all_gather_coalesced() -> dict:
+    """Upstream's `param.all_gather_coalesced(params)` (its ZeRO++ checkpoint tests read the parameters
+    that way): the parameters are whole after `wait()`, equal to what GatheredParameters shows; they stay
+    gathered until empty_partition_cache() or the optimizer step frees them (as upstream's step does; the
+    step refused a gathered unit before), and the next gather shows the stepped values."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    engine = _engine()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        expected = [p.detach().clone() for p in params]
+    out = {"before": [p.ds_status.name for p in params]}
+    params[0].all_gather_coalesced(params).wait()
+    out["whole"] = all(torch.equal(p.data, e) for p, e in zip(params, expected))
+    out["status"] = [p.ds_status.name for p in params]
+    engine.empty_partition_cache()
+    out["after_cache"] = [p.ds_status.name for p in params]
+    params[0].all_gather_coalesced(params).wait()
+    x, y = torch.randn(2, 16, generator=torch.Generator().manual_seed(3)), torch.tensor([1, 2])
+    engine.backward(engine(x, y))
+    engine.step()   # the gathered units are freed, not refused
+    out["after_step"] = [p.ds_status.name for p in params]
+    with deepspeed.zero.GatheredParameters(params):
+        stepped = [p.detach().clone() for p in params]
+    params[0].all_gather_coalesced(params).wait()
+    out["stepped"] = all(torch.equal(p.data, s) for p, s in zip(params, stepped)) and \
+        not all(torch.equal(s, e) for s, e in zip(stepped, expected))
+    out["not_available"] = ZeroParamStatus.NOT_AVAILABLE.name
+    return out
+
+
+def test_all_gather_coalesced_gathers_until_released() -> None:
+    for r in run_distributed(2, _all_gather_coalesced):
+        assert set(r["before"]) == {r["not_available"]} and set(r["status"]) == {"AVAILABLE"}, r
+        assert r["whole"] and r["stepped"], r
+        assert set(r["after_cache"]) == {r["not_available"]} and set(r["after_step"]) == {r["not_available"]}, r

@@ -175,7 +175,8 @@ class ZeroConfig(DSModel):
         if self.overlap_comm is None:  # upstream's stage-dependent default
             self.__dict__["overlap_comm"] = self.stage == 3
         if self.stage == 3 and self.elastic_checkpoint:
-            logger.warning("zero_optimization.elastic_checkpoint has no effect with stage 3")
+            logger.warning("zero_optimization.elastic_checkpoint: elastic checkpointing is deprecated and has no "
+                           "effect with stage 3 (checkpoints load at any world size and stage without it)")
         if self.zero_hpz_partition_size > 1 and self.stage != 3:   # upstream ignores it below stage 3 too
             logger.warning(f"zero_optimization.zero_hpz_partition_size={self.zero_hpz_partition_size} has no effect "
                            f"with stage {self.stage}: hpZ partitions stage 3's parameters")

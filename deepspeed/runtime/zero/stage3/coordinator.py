@@ -490,12 +490,16 @@ class Stage3Coordinator:
         kept, self._kept = self._kept, []
         for unit in kept:
             unit.end_backward()
+        for unit in self.units:
+            unit.release_unused()
 
     def after_shard_update(self) -> None:
         """Call after changing the shards (an optimizer step): persistent units are refreshed
         now (one all-gather each); the others pick the new values up at their next gather."""
         self._forget_backward(list(self._kept))   # kept by a forward whose backward never came
         for unit in self.units:
+            if unit.available and not unit.spec.persistent:
+                unit.release_unused()   # gathered by the user (param.all_gather_coalesced): freed, as upstream
             if unit.available and not unit.spec.persistent:
                 raise RuntimeError(f"ZeRO-3: {unit} is gathered while its shard was updated")
             unit.refresh()

@@ -15,6 +15,7 @@ never reads them back: it asks the gather unit (sharded_param.py) or the zero.In
     ds_numel_aligned  N*s
     ds_active_sub_modules  an empty set (upstream's per-call bookkeeping; RL libraries clear it)
     partition_numel()  s;  padding_size()  N*s - ds_numel;  aligned_size()  N*s
+    all_gather_coalesced(params)  gathers the units of `params` (a collective; see the function)
 """
 
 from __future__ import annotations
@@ -83,13 +84,37 @@ def publish(param: Any, *, ds_id: int, shape: torch.Size, persist: bool, tensor:
         param.ds_active_sub_modules = set()
     if "is_external_param" not in param.__dict__:       # set by units.add_external_parameter
         param.is_external_param = False
+    param.all_gather_coalesced = all_gather_coalesced
     param.partition_numel = _Constant(size)
     param.padding_size = _Constant(size * world - numel)
     param.aligned_size = _Constant(size * world)
 
 
 NAMES = ("ds_id", "ds_shape", "ds_numel", "ds_persist", "ds_numel_aligned", "ds_tensor", "ds_status",
-         "partition_numel", "padding_size", "aligned_size", "ds_active_sub_modules")
+         "partition_numel", "padding_size", "aligned_size", "ds_active_sub_modules", "all_gather_coalesced")
+
+
+class _Gathered:
+    """The handle upstream's all_gather_coalesced returns: the gathers here complete before it does."""
+
+    def wait(self) -> None:
+        return None
+
+
+def all_gather_coalesced(params: Any, safe_mode: bool = False, quantize: bool = False) -> _Gathered:
+    """Upstream's `param.all_gather_coalesced(params)`: the units holding `params` gathered (one
+    all-gather per unit, in the order given: every rank calls it with the same list). They stay
+    gathered until their next forward use ends, `engine.empty_partition_cache()` or the next optimizer
+    step releases them (upstream frees them at the step too). `quantize`: a qwZ (int8) gather is
+    allowed; else the values are the shards' exactly. A function, not a method: nothing references
+    the parameter it is published on (see _Constant)."""
+    units = list(dict.fromkeys(unit_of(p) for p in params))
+    if None in units:
+        raise RuntimeError("all_gather_coalesced: a parameter is not partitioned by a ZeRO-3 engine (before "
+                           "deepspeed.initialize, gather zero.Init parameters with deepspeed.zero.GatheredParameters)")
+    for unit in units:
+        unit.gather(exact=not quantize)
+    return _Gathered()
 
 
 def unpublish(param: Any) -> None:

@@ -381,6 +381,11 @@ class ShardedUnit:
         self._refs -= 1
         self._maybe_free(keep_aliases)
 
+    def release_unused(self) -> None:
+        """Free the unit if it is gathered with no forward use nor backward needing it (a gather the user
+        asked for: param.all_gather_coalesced)."""
+        self._maybe_free()
+
     @property
     def held(self) -> bool:
         return self._held
