@@ -21,6 +21,7 @@ from ..moe.fused_expert_layout import classify_fused_gate_up_layout
 from .auto_ep_layer import AutoEPMoELayer, ExpertParallelExperts, autoep_layers
 from .auto_ep_plan import NeedsBlockReplacement, build_plan
 from .auto_ep_presets.base import MoELayerSpec
+from .auto_ep_alias import router_capture
 from .auto_ep_presets.registry import get_preset_adapter, resolve_preset_candidates
 
 
@@ -227,6 +228,7 @@ class AutoEP:
             getattr(block, preset.shared_experts_pattern, None) is not None else ""
         shared_gate = preset.shared_experts_gate_pattern if shared and preset.shared_experts_gate_pattern and \
             getattr(block, preset.shared_experts_gate_pattern, None) is not None else ""
+        capture = router_capture(block, router, preset.preset_adapter)   # [Note: AutoEP router alias]
         return MoELayerSpec(
             moe_module_name=name, model_family=preset_name, router_name=preset.router_pattern,
             experts_name=preset.experts_pattern, expert_storage=storage, expert_w1_name=preset.expert_w1,
@@ -235,8 +237,8 @@ class AutoEP:
             score_apply=preset.score_apply if self.config.score_apply == "auto" else self.config.score_apply,
             route_norm=adapter.resolve_route_norm(self.config, preset, self.model_config),
             gate_bias=getattr(router, "bias", None) is not None, return_router_logits=False,
-            router_logits_capture_target="none", router_logits_capture_index=None,
-            router_logits_capture_layer_name=None, has_shared_experts=bool(shared), shared_experts_name=shared,
+            router_logits_capture_target=capture[0], router_logits_capture_index=None,
+            router_logits_capture_layer_name=capture[1], has_shared_experts=bool(shared), shared_experts_name=shared,
             shared_experts_gate_name=shared_gate, route_scale=_resolve_route_scale(self.config, self.model_config),
             num_expert_groups=groups.num_expert_groups, num_limited_groups=groups.num_limited_groups,
             group_score_func=groups.group_score_func, supports_expert_bias=preset.supports_expert_bias,

@@ -36,6 +36,7 @@ from .. import comm as ds_comm
 from ..moe.ep_count import count_tokens_per_expert
 from ..moe.ep_kernels import group_by_expert, inverse_permutation, local_ids_by_source
 from ..moe.ep_tp_dispatch import fold_dispatch, payload_from_routing, sum_gradient_over_tp
+from .auto_ep_alias import add_alias_entries, drop_alias_entries, router_alias_name
 from .auto_ep_folding import mark_autoep_folding_router_parameter
 
 # Upstream's name for deepspeed.comm in this module (its tests reach `auto_ep_layer.dist`): the same module object.
@@ -322,7 +323,6 @@ class AutoEPMoELayer(_WholeExpertState, nn.Module):
         self.score_apply = resolve_score_apply_mode(spec, config.score_apply)
         self.combine_impl = "weighted_sum" if config.combine_impl == "auto" else config.combine_impl
         gate = getattr(source_module, spec.router_name)
-        self.source_router_name = spec.router_name   # upstream also registers the router there (checkpoint alias)
         bias = getattr(gate, "bias", None)
         correction = getattr(gate, "e_score_correction_bias", None)
         self.router = TokenChoiceTopKRouter(spec.hidden_size, spec.num_experts, spec.num_expert_groups,
@@ -341,6 +341,10 @@ class AutoEPMoELayer(_WholeExpertState, nn.Module):
                     self.router.e_score_correction_bias = nn.Parameter(value, requires_grad=correction.requires_grad)
                 else:
                     self.router.register_buffer("e_score_correction_bias", value)
+        self.router_alias = router_alias_name(spec, self)   # [Note: AutoEP router alias]
+        if self.router_alias is not None:
+            self._register_state_dict_hook(add_alias_entries)
+            self._register_load_state_dict_pre_hook(self._drop_router_alias)
         source_experts = getattr(source_module, spec.experts_name)
         weights = repack_expert_weights(source_experts, spec, ep_rank, ep_size)
         flags = repack_expert_requires_grad_flags(source_experts, spec, ep_rank, ep_size)
@@ -361,6 +365,9 @@ class AutoEPMoELayer(_WholeExpertState, nn.Module):
                 _mark(dense.parameters(), "replicated")
         for param in self.router.parameters():   # "average" over the tensor peers (auto_ep_folding)
             mark_autoep_folding_router_parameter(param)
+
+    def _drop_router_alias(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        drop_alias_entries(state_dict, prefix, self.router_alias)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False,
                                   folding_group_handles: Any = None) -> None:

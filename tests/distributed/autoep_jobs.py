@@ -474,9 +474,9 @@ def deepspeed_autoep_zero3_run(fixture: str) -> dict:
     import autoep_model
 
     engine, *_ = deepspeed.initialize(model=autoep_model.Model(), config=autoep_model.config())
-    # upstream's AutoEPMoELayer also registers its router as `mlp.gate`: its module state lists
-    # mlp.gate.gate.weight beside mlp.router.gate.weight (one tensor); ours has no alias
-    engine.load_checkpoint(os.path.join(fixture, "ckpt"), tag="t", load_module_strict=False)
+    # strict (the default): its module state's router alias mlp.gate.gate.weight, equal to
+    # mlp.router.gate.weight, is accepted ([Note: AutoEP router alias])
+    engine.load_checkpoint(os.path.join(fixture, "ckpt"), tag="t")
     rank = dist.get_rank()
     mine = engine._optimizer_partition_state()
     theirs = torch.load(os.path.join(fixture, "ckpt", "t", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"),

@@ -138,21 +138,33 @@ def check_expert_counts(view: CheckpointView, reader: Any) -> None:
                     f"{shape[0]} experts")
 
 
-def drop_router_aliases(view: CheckpointView, module: dict) -> dict:
-    """`module` (a saved module state) without the router aliases of upstream's whole-block AutoEP layers: its
-    AutoEPMoELayer also registers the router under the MoE block's router name (`mlp.gate`), so its module
-    state holds `<block>.gate.gate.weight` beside `<block>.router.gate.weight` (one tensor); ours registers the
-    router once. An alias entry equal to the router's is dropped, so a strict load does not call it unexpected."""
+def drop_router_aliases(view: CheckpointView, module: dict, source: str = "state dict") -> dict:
+    """`module` (a module state: saved, or this model's own) without the router aliases of whole-block AutoEP
+    layers ([Note: AutoEP router alias] in module_inject/auto_ep_alias.py): an alias entry equal to the
+    router's is dropped, one alone is taken as the router's, one that differs raises (naming it and `source`).
+    The same rule for every checkpoint layout, so a strict load neither calls the alias unexpected nor misses
+    it in an older file."""
+    from ...module_inject.auto_ep_alias import drop_alias_entries
     from ..engine_moe import moe_layers
 
     out = dict(module)
     for prefix, layer in moe_layers(view.module):
-        alias = getattr(layer, "source_router_name", None)
-        if not getattr(layer, "_is_autoep_layer", False) or alias in (None, "router"):
-            continue
-        head = f"{prefix}.{alias}." if prefix else f"{alias}."
-        for key in [k for k in out if k.startswith(head)]:
-            target = f"{prefix}.router.{key[len(head):]}" if prefix else f"router.{key[len(head):]}"
-            if target in out and torch.is_tensor(out[key]) and torch.equal(out[key], out[target]):
-                del out[key]
+        alias = getattr(layer, "router_alias", None)
+        if alias is not None:
+            drop_alias_entries(out, f"{prefix}." if prefix else "", alias, source)
     return out
+
+
+def without_router_aliases(view: CheckpointView, reader: Any) -> Any:
+    """`reader` with its module state's router aliases dropped (drop_router_aliases; the reader itself when
+    there are none)."""
+    from ..engine_moe import moe_layers
+
+    states = getattr(reader, "model_states", None) or {}
+    module = states.get("module") or {}
+    if not module or all(getattr(layer, "router_alias", None) is None for _, layer in moe_layers(view.module)):
+        return reader
+    kept = drop_router_aliases(view, module, getattr(reader, "path", "checkpoint"))
+    if list(kept) != list(module):
+        reader.model_states = dict(states, module=kept)
+    return reader

@@ -90,6 +90,7 @@ def read_plan(view: CheckpointView, load_dir: str, tag: Any, strict: bool, load_
                                   own_rank=view.dp_rank, loaded=loaded)
     if reader.universal:   # whole values: this run's tensor slices and expert rows are cut from them
         reader = moe_io.universal_reader(view, tp_reslice.universal_cut_reader(view, reader))
+    reader = autoep_io.without_router_aliases(view, reader)   # [Note: AutoEP router alias]
     hp = HpState(view) if view.has_optimizer else None
     if hp is not None:
         trainable = {n for g in hp.groups for n, _ in g}
@@ -261,7 +262,7 @@ def _plan_module(view: CheckpointView, plan: LoadPlan, strict: bool) -> None:
     reader, hp = plan.reader, plan.hp
     module = view.module
     with local_expert_state():   # AutoEP experts as this rank's parameters: no gather of whole tensors
-        named_state = module.state_dict(keep_vars=True)
+        named_state = autoep_io.drop_router_aliases(view, module.state_dict(keep_vars=True))
     expected = set(named_state.keys())
     saved = set((reader.model_states.get("module") or {}).keys()) | set(reader.param_names())
     saved |= set((reader.model_states.get("frozen_param_fragments") or {}).keys())

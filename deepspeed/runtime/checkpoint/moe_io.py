@@ -34,7 +34,7 @@ from ...module_inject.auto_ep_layer import local_expert_state
 from ..engine_moe import moe_layers
 from ...checkpoint.constants import AUTOEP_LAYERS_KEY
 from . import moe_ds_ep
-from .autoep_io import autoep_params, drop_router_aliases, expert_entries, layer_metadata, module_rows, piece_in_whole
+from .autoep_io import autoep_params, expert_entries, layer_metadata, module_rows, piece_in_whole
 from .view import CheckpointView
 
 EXPERT_RE = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")
@@ -467,10 +467,6 @@ def universal_reader(view: CheckpointView, reader: Any) -> Any:
     saved = list(reader.param_groups or [])
     if count and saved and len(saved) != count:
         out.param_groups = source_param_groups(saved, count)
-    module = reader.model_states.get("module") or {}
-    kept = drop_router_aliases(view, module)
-    if len(kept) != len(module):
-        out.model_states = dict(reader.model_states, module=kept)
     return out
 
 

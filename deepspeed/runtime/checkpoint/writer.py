@@ -41,7 +41,9 @@ def model_states(view: CheckpointView, hp: HpState | None, client_state: dict, e
              if not (exclude_frozen and k in frozen)}
     if zero3_frozen is not None:  # every parameter saved as an empty placeholder (persistent ones too):
         params = {n for n, _ in module.named_parameters(remove_duplicate=False)}  # values live elsewhere
-        state = {k: v.new_empty(0) if k in params else v for k, v in state.items()}
+        # by tensor: a parameter's other state-dict names (AutoEP's router alias) get the same placeholder
+        empty = {id(v): v.new_empty(0) for k, v in state.items() if k in params}
+        state = {k: empty.get(id(v), v) for k, v in state.items()}
     buffers = [n for n, _ in _persistent_buffers(module)]
     shared = _shared_params(module)
     zero_frozen = view.zero_stage >= 2 and not exclude_frozen
