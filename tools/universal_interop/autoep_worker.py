@@ -3,7 +3,8 @@ written against the public DeepSpeed API only, so the same file runs with this p
 
     python autoep_worker.py '<json spec>'   # prints RESULT <json> (rank 0)
 
-spec: ckpt (directory), ep (autoep_size), stage, steps, start (first batch index), load (null or "universal"),
+spec: ckpt (directory), ep (autoep_size), stage, steps, start (first batch index), load (null, "universal", or
+"plain": load_checkpoint with strict defaults),
 save (a tag or null). The model is the AutoEP ZeRO-3 fixture's (tests/fixtures/ds_0_19_8_autoep_zero3/
 autoep_model.py: Mixtral-style blocks both builds replace whole, `router.gate`, `experts.w1/w2/w3`), torch Adam
 with clipping; each rank trains on its own batches (2 data ranks at every ep size)."""
