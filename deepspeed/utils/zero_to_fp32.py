@@ -857,6 +857,27 @@ def _lazy_state_dict(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
     return state
 
 
+def _without_router_aliases(module, layers):
+    """`module` without the router aliases of whole-block AutoEP layers (DeepSpeed's AutoEPMoELayer registers its
+    router also under the block's router name, `<block>.gate.gate.weight` beside `<block>.router.gate.weight`:
+    one tensor; [Note: AutoEP router alias] in module_inject/auto_ep_alias.py): under a layer's block, an entry of
+    another child equal to the router's entry of the same leaf name. DeepSpeed's consolidations walk each
+    parameter once, so the alias is not in theirs either."""
+    drop = set()
+    for layer in layers or ():
+        block = layer.get("module_path") if isinstance(layer, dict) else None
+        if block is None:
+            continue
+        head = f"{block}." if block else ""
+        for key, value in module.items():
+            child, _, leaf = key[len(head):].partition(".")
+            router = module.get(f"{head}router.{leaf}")
+            if key.startswith(head) and child not in ("router", "experts") and torch.is_tensor(value) and \
+                    torch.is_tensor(router) and value.shape == router.shape and torch.equal(value, router):
+                drop.add(key)
+    return OrderedDict((k, v) for k, v in module.items() if k not in drop) if drop else module
+
+
 def _moe_state_dict(ds_dir, exclude_frozen_parameters):
     """An expert-parallel checkpoint (this package's MoE layout: `layer_<L>_expert_<E>_...` files hold
     each expert under its global name, the optimizer files `ds_moe_pieces`: named slices of the fp32
@@ -903,7 +924,8 @@ def _moe_state_dict(ds_dir, exclude_frozen_parameters):
     experts = _files(ds_dir, "layer_*_expert_*_model_states.pt")
     for t in tps:
         mine = [f for f in experts if f"_mp_rank_{t:02d}_" in os.path.basename(f)]
-        for i, source in enumerate([models[t].get("module") or {}] + [_load_file(f) for f in mine]):
+        module = _without_router_aliases(models[t].get("module") or {}, models[t].get(AUTOEP_LAYERS))
+        for i, source in enumerate([module] + [_load_file(f) for f in mine]):
             for name, value in source.items():
                 if torch.is_tensor(value):   # (an expert file also holds its layout record)
                     put(t, name, value.float() if value.is_floating_point() else value, i == 0)

@@ -53,6 +53,9 @@ def alias_save_load_run(save_dir: str, stage: int) -> dict:
                          module[k.replace(".gate.gate.", ".router.gate.")].untyped_storage().data_ptr()
                          for k in module if ".mlp.gate.gate." in k}
         out["numel"] = {k: v.numel() for k, v in module.items() if ".gate." in k}
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        out["fp32_keys"] = list(get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t"))
         _rewrite(tag, os.path.join(save_dir, "old"),
                  lambda m: {k: v for k, v in m.items() if ".mlp.gate.gate." not in k})
         key = "model.layers.1.mlp.gate.gate.weight"

@@ -21,6 +21,9 @@ def test_autoep_save_writes_router_alias_and_strict_loads_accept_it(tmp_path, st
         assert keys.index(alias) == keys.index(router) + 1, keys
         # ZeRO-1: the router's tensor itself (torch.save writes its storage once); ZeRO-3: empty placeholders
         assert r0["shared"][alias] if stage == 1 else r0["numel"][alias] == r0["numel"][router] == 0
+    # zero_to_fp32 lists each parameter once, as DeepSpeed's consolidations do: no alias
+    assert "model.layers.0.mlp.router.gate.weight" in r0["fp32_keys"]
+    assert not [k for k in r0["fp32_keys"] if ".gate.gate." in k], r0["fp32_keys"]
     for r in (r0, r1):
         assert r["t_equal"] and r["old_equal"]
         if stage == 1:   # module.state_dict() / load_state_dict(strict) as upstream's, older dicts accepted
