@@ -91,6 +91,9 @@ def pieces_of(path: str, found: list[str], states: list[dict], model_states: dic
     if names != [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(dp)]:
         raise CheckpointError(f"{path}: optimizer files {names}; DeepSpeed's ZeRO-1/2 AutoEP checkpoint of "
                               f"{dp} data-parallel ranks has zero_pp_rank_0..{dp - 1}_mp_rank_00_optim_states.pt")
+    if not isinstance(model_states.get("param_shapes"), (list, tuple)):
+        raise CheckpointError(f"{path}: its model file's param_shapes is not a list of per-group {{name: shape}}; "
+                              "cannot map DeepSpeed's ZeRO-1/2 AutoEP flats")
     experts = _experts(path, model_states)
     groups = [list(g.items()) for g in model_states["param_shapes"]]
     use_data_before = bool((states[0].get("ds_config") or {}).get("use_data_before_expert_parallelism", False))
