@@ -104,9 +104,10 @@ def module_rows(path: str, params: dict[str, tuple[int, Any]], mp: int = 0) -> d
             if not os.path.isfile(source):
                 raise CheckpointError(f"{path}: no {os.path.basename(source)} for AutoEP expert {e} of {name}")
             saved = load_file(source)
-            if name not in saved:
-                raise CheckpointError(f"{source} has no {name!r} (it holds {sorted(saved)})")
-            rows.append(saved[name])
+            key = name if name in saved else f"{name}.{e}"   # ours, or DeepSpeed's (keyed by the global id)
+            if key not in saved:
+                raise CheckpointError(f"{source} has no {name!r} nor {key!r} (it holds {sorted(saved)})")
+            rows.append(saved[key])
         out[name] = rows
     return out
 

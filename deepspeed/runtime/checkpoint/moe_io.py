@@ -33,7 +33,7 @@ from ...utils import groups
 from ...module_inject.auto_ep_layer import local_expert_state
 from ..engine_moe import moe_layers
 from ...checkpoint.constants import AUTOEP_LAYERS_KEY
-from . import moe_ds_ep
+from . import autoep_ds_zero12, moe_ds_ep
 from .autoep_io import autoep_params, expert_entries, layer_metadata, module_rows, piece_in_whole
 from .view import CheckpointView
 
@@ -288,6 +288,9 @@ class MoECheckpointReader(CheckpointReader):
         self.param_groups, self._step, self.common_state = [], None, {}
         self._ds_optimizer = None
         states = [self._load(source) for source in found]
+        if autoep_ds_zero12.is_deepspeed_zero12(self.model_states, states):   # upstream's flats, as pieces
+            states = autoep_ds_zero12.pieces_of(path, found, states, self.model_states,
+                                                len(getattr(view.optimizer, "param_groups", None) or []))
         if states and not any(PIECES in s.get("optimizer_state_dict", s) for s in states):
             self._ds_optimizer, self._ds_ep = _deepspeed_optimizer(view, path, found, states), _ep_layout(view)
             self._full = {"fp32": self._module_values(module)}
