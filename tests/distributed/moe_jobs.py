@@ -250,9 +250,10 @@ def env_rank() -> int:
 
 
 def load_deepspeed_fixture(fixture: str, ep_size: int = 2, refuse_ungrouped: bool = False, stage: int = 0) -> dict:
-    """An ep=`ep_size` engine loads DeepSpeed 0.19.8's stage-0 MoE checkpoint (tests/fixtures/ds_0_19_8_moe,
-    saved at ep=2 on 2 ranks). `expected`: what DeepSpeed recorded on the ranks that held this rank's
-    parameters; `exp_avg_sq_expected`: read from its files by the positions spelled out here.
+    """An ep=`ep_size` engine loads DeepSpeed 0.19.8's MoE checkpoint (tests/fixtures/ds_0_19_8_moe: stage 0,
+    ds_0_19_8_moe_zero2: ZeRO-2; saved at ep=2 on 2 ranks). `expected`: what DeepSpeed recorded on the ranks
+    that held this rank's parameters; `exp_avg_sq_expected`: of the stage-0 fixture, read from its files by the
+    positions spelled out here (the ZeRO-2 fixture records it in `expected`).
     `after`: the parameters after two more steps. `refuse_ungrouped`: also load into an engine with one
     optimizer group and return its error. `stage`: the loading engine's ZeRO stage."""
     import deepspeed
@@ -276,8 +277,10 @@ def load_deepspeed_fixture(fixture: str, ep_size: int = 2, refuse_ungrouped: boo
     dense = ["inp.weight", "inp.bias", "out.weight", "out.bias", "moes.0.deepspeed_moe.gate.wg.weight",
              "moes.1.deepspeed_moe.gate.wg.weight"]
     for saved_rank in range(2):   # upstream's positions: non-expert group, then the expert group (2 local experts)
-        optim = torch.load(os.path.join(fixture, "ckpt", "t", f"expp_rank_{saved_rank}_mp_rank_00_optim_states.pt"),
-                           weights_only=False)["optimizer"]["state"]
+        path = os.path.join(fixture, "ckpt", "t", f"expp_rank_{saved_rank}_mp_rank_00_optim_states.pt")
+        if not os.path.isfile(path):   # a ZeRO-1/2 fixture: its expected_rank*.pt records exp_avg_sq
+            continue
+        optim = torch.load(path, weights_only=False)["optimizer"]["state"]
         experts = [f"moes.{layer}.deepspeed_moe.experts.deepspeed_experts.{2 * saved_rank + j}.{p}"
                    for layer in range(2) for j in range(2) for p in ("weight", "bias")]
         sq.update({"exp_avg_sq:" + n: optim[i]["exp_avg_sq"] for i, n in enumerate(dense + experts)})

@@ -15,11 +15,18 @@ run named by its whole tensor, with its offset in it, views of the memory-mapped
 MoECheckpointReader reads it at any ep_size as it reads ours. Anything the rule does not fix exactly (a
 flat of another length, a group mixing dense and expert parameters, expert groups at another size than
 the layers record, tensor parallelism, a dynamic loss scale, different steps) is refused naming the file.
+
+DeepSpeed's own `deepspeed.moe` layers at ZeRO-1/2 write the same files (groups from
+`split_params_into_different_moe_groups_for_optimizer`), except that each expert is its own tensors,
+named in `param_shapes` by the saving rank's LOCAL ids (`...deepspeed_experts.{j}...`): the layers are the
+expert prefixes in order (the model file's `num_experts`), a layer's ep_size is its experts over the local
+ids listed, and EP rank e's local expert j is global expert e * num_local + j, the name its pieces get.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import torch
@@ -32,14 +39,62 @@ from ...checkpoint.files import CheckpointError
 FLATS, BASE = "single_partition_of_fp32_groups", "base_optimizer_state"
 
 
+EXPERT = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")   # deepspeed.moe's per-expert naming
+
+
 def is_deepspeed_zero12(model_states: dict, states: list[dict]) -> bool:
-    """Whether `states` (a tag's optimizer files) are upstream's ZeRO-1/2 flats of an AutoEP checkpoint."""
-    return bool(model_states.get(AUTOEP_LAYERS_KEY)) and bool(states) and \
+    """Whether `states` (a tag's optimizer files) are upstream's ZeRO-1/2 flats of an AutoEP or a
+    `deepspeed.moe` checkpoint."""
+    return bool(model_states.get(AUTOEP_LAYERS_KEY) or model_states.get("num_experts")) and bool(states) and \
         all(FLATS in s.get("optimizer_state_dict", {}) for s in states)
 
 
+def _moe_experts(path: str, model_states: dict) -> dict[str, dict]:
+    """{local expert tensor name: its layer's ep_size, num_local_experts and the name's parts} of a
+    `deepspeed.moe` checkpoint: the layers are the expert prefixes in order of `param_shapes`."""
+    layers: dict[str, set] = {}
+    matches = {}
+    for g in model_states["param_shapes"]:
+        for n in g:
+            m = EXPERT.match(n)
+            if m:
+                matches[n] = m
+                layers.setdefault(m.group(1), set()).add(int(m.group(2)))
+    num_experts = list(model_states.get("num_experts") or [])
+    if len(num_experts) != len(layers):
+        raise CheckpointError(f"{path}: its model file records num_experts {num_experts} for {len(layers)} MoE "
+                              f"layers in param_shapes ({sorted(layers)})")
+    out = {}
+    for (prefix, ids), total in zip(layers.items(), num_experts):
+        local = len(ids)
+        if ids != set(range(local)) or total % local:
+            raise CheckpointError(f"{path}: MoE layer {prefix!r} lists local experts {sorted(ids)} of {total}; "
+                                  f"DeepSpeed's ZeRO-1/2 flats hold local experts 0..L-1 with L dividing {total}")
+        for n, m in matches.items():
+            if m.group(1) == prefix:
+                out[n] = {"ep_size": total // local, "num_local_experts": local, "module_path": prefix,
+                          "parts": (m.group(1), int(m.group(2)), m.group(3))}
+    return out
+
+
+def _global(source: str, entry: dict, ep_rank: int, name: str, start: int, shape: tuple) -> tuple:
+    """(name, start, shape) of saved EP rank `ep_rank`'s fragment of expert tensor `name` in the whole it
+    belongs to: deepspeed.moe's expert under its global id, AutoEP's rows in the fused tensor."""
+    local = int(entry["num_local_experts"])
+    if "parts" in entry:
+        head, j, tail = entry["parts"]
+        return f"{head}{ep_rank * local + j}{tail}", start, shape
+    if shape[0] != local:
+        raise CheckpointError(f"{source}: {name} is {list(shape)}, its layer has {local} local experts")
+    start += _first_expert(source, entry, ep_rank) * torch.Size(shape[1:]).numel()
+    return name, start, (int(entry["num_experts"]),) + tuple(shape[1:])
+
+
 def _experts(path: str, model_states: dict) -> dict[str, dict]:
-    """{expert tensor name: its layer's `ds_autoep_layers` entry}, each name the layer's prefix + leaf."""
+    """{expert tensor name: its layer's `ds_autoep_layers` entry}, each name the layer's prefix + leaf
+    (deepspeed.moe's checkpoints: _moe_experts)."""
+    if not model_states.get(AUTOEP_LAYERS_KEY):
+        return _moe_experts(path, model_states)
     out = {}
     for entry in model_states[AUTOEP_LAYERS_KEY]:
         if entry.get("checkpoint_format", "per_expert_files") != "per_expert_files":
@@ -85,15 +140,15 @@ def pieces_of(path: str, found: list[str], states: list[dict], model_states: dic
     dp = int(model_states.get("dp_world_size") or len(found))
     tp = (model_states.get("checkpoint_parallel_dimensions") or {}).get("tp_degree", 1)
     if tp != 1 or int(model_states.get("mp_world_size") or 1) != 1:
-        raise CheckpointError(f"{path}: DeepSpeed's ZeRO-1/2 AutoEP checkpoint saved with tensor parallelism "
+        raise CheckpointError(f"{path}: DeepSpeed's ZeRO-1/2 MoE checkpoint saved with tensor parallelism "
                               f"(tp {tp}) is not read here; convert it with ds_to_universal")
     names = [os.path.basename(f) for f in found]
     if names != [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(dp)]:
-        raise CheckpointError(f"{path}: optimizer files {names}; DeepSpeed's ZeRO-1/2 AutoEP checkpoint of "
+        raise CheckpointError(f"{path}: optimizer files {names}; DeepSpeed's ZeRO-1/2 MoE checkpoint of "
                               f"{dp} data-parallel ranks has zero_pp_rank_0..{dp - 1}_mp_rank_00_optim_states.pt")
     if not isinstance(model_states.get("param_shapes"), (list, tuple)):
         raise CheckpointError(f"{path}: its model file's param_shapes is not a list of per-group {{name: shape}}; "
-                              "cannot map DeepSpeed's ZeRO-1/2 AutoEP flats")
+                              "cannot map DeepSpeed's ZeRO-1/2 MoE flats")
     experts = _experts(path, model_states)
     groups = [list(g.items()) for g in model_states["param_shapes"]]
     use_data_before = bool((states[0].get("ds_config") or {}).get("use_data_before_expert_parallelism", False))
@@ -144,17 +199,12 @@ def pieces_of(path: str, found: list[str], states: list[dict], model_states: dic
                 elif field == "step":
                     steps.add(float(value))
             for f in layout.fragments(position):
-                start, shape = f.param_offset, f.shape
+                name, start, shape = f.name, f.param_offset, f.shape
                 if ep_rank is not None:
-                    entry = experts[f.name]
-                    if shape[0] != int(entry["num_local_experts"]):
-                        raise CheckpointError(f"{source}: {f.name} is {list(shape)}, its layer has "
-                                              f"{entry['num_local_experts']} local experts")
-                    start += _first_expert(source, entry, ep_rank) * torch.Size(shape[1:]).numel()
-                    shape = (int(entry["num_experts"]),) + tuple(shape[1:])
-                shapes[f.name] = shape
-                pieces.append((f.name, start, f.numel, {k: v.narrow(0, f.flat_offset, f.numel)
-                                                        for k, v in fields.items()}))
+                    name, start, shape = _global(source, experts[f.name], ep_rank, f.name, start, shape)
+                shapes[name] = shape
+                pieces.append((name, start, f.numel, {k: v.narrow(0, f.flat_offset, f.numel)
+                                                      for k, v in fields.items()}))
         if len(steps) > 1:
             raise CheckpointError(f"{source}: its param groups record different steps {sorted(steps)}")
         out.append({"ds_moe_pieces": pieces, "shapes": shapes, "step": steps.pop() if steps else None,

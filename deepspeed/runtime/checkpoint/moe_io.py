@@ -405,12 +405,13 @@ class MoECheckpointReader(CheckpointReader):
 
 def _deepspeed_optimizer(view: CheckpointView, path: str, found: list[str], states: list[dict]) -> dict:
     """The torch optimizer states of DeepSpeed's own stage-0 MoE checkpoint by saved EP rank (`expp_rank_<ep>_...`:
-    `{'optimizer': state_dict}`); its ZeRO MoE files are not read here."""
+    `{'optimizer': state_dict}`); its ZeRO-1/2 flats are read as pieces (autoep_ds_zero12) before this."""
     expp = {int(re.search(r"expp_rank_(\d+)_", os.path.basename(f)).group(1)): s
             for f, s in zip(found, states) if os.path.basename(f).startswith("expp_rank_")}
     if len(expp) != len(found) or any("optimizer" not in s for s in expp.values()):
-        raise CheckpointError(f"{path}: the optimizer files of DeepSpeed's ZeRO MoE checkpoints are not readable by "
-                              "this build (those of its stage-0 MoE checkpoints, expp_rank_*, are)")
+        raise CheckpointError(f"{path}: optimizer files {[os.path.basename(f) for f in found]} are neither this "
+                              "build's (ds_moe_pieces), DeepSpeed's stage-0 MoE files (expp_rank_*: 'optimizer') nor "
+                              "its ZeRO-1/2 flats (single_partition_of_fp32_groups)")
     return {e: s["optimizer"] for e, s in expp.items()}
 
 
