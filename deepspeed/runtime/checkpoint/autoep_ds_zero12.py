@@ -174,6 +174,9 @@ def pieces_of(path: str, found: list[str], states: list[dict], model_states: dic
                 if len(ep_size) != 1:
                     raise CheckpointError(f"{source}: expert group {g} holds layers of ep_size {sorted(ep_size)}")
                 ep_size = ep_size.pop()
+                if dp % ep_size:
+                    raise CheckpointError(f"{source}: expert group {g} is of ep_size {ep_size}, which does not "
+                                          f"divide the {dp} data-parallel ranks that saved it")
                 ep_rank = next(e for e in range(ep_size)
                                if rank in autoep_zero12_dp_ranks(e, dp, ep_size, use_data_before))
                 held = autoep_zero12_dp_ranks(ep_rank, dp, ep_size, use_data_before)
