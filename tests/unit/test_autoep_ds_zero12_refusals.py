@@ -1,5 +1,6 @@
-"""DeepSpeed 0.19.8's ZeRO-1/2 AutoEP (and `deepspeed.moe`) optimizer files as named pieces ([Note: DeepSpeed's ZeRO-1/2 AutoEP optimizer
-files]): what the fixture's files give, and files the rule does not fix exactly refused naming the file."""
+"""DeepSpeed 0.19.8's ZeRO-1/2 AutoEP (and `deepspeed.moe`) optimizer files as named pieces ([Note: DeepSpeed's
+ZeRO-1/2 AutoEP optimizer files]): what the fixtures' files give, and files the rule does not fix exactly refused
+naming the file."""
 
 from __future__ import annotations
 
